@@ -1,0 +1,1 @@
+"""sked's processes: one subpackage per service, plus the `sked` command line."""

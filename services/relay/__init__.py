@@ -1,0 +1,1 @@
+"""The outbox relay: publishes recorded transitions to `sked.events`."""

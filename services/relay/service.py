@@ -1,0 +1,101 @@
+"""The relay loop: drain unpublished task_events to RabbitMQ, woken by NOTIFY, swept on a timer.
+
+One pass, in one transaction: lock the free outbox shards (FOR UPDATE SKIP LOCKED), read their
+oldest unpublished events, publish them with confirms, mark them published, commit. A crash
+before the commit leaves the events unpublished and the shards unlocked, so the next pass (of
+any relay) sends them again: at least once, and a duplicate only ever follows a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import asyncpg
+
+from services.relay.logic import pack
+from shared.bus import EVENTS_EXCHANGE, SCHEMA_HEADER, AmqpBus, Outgoing, event_routing_key
+from shared.models import Event, EventMessage
+from shared.repo import TASK_CHANNEL
+from shared.runtime import wait_any
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+LOCK_FREE_SHARDS = "SELECT shard FROM outbox_shards ORDER BY shard FOR UPDATE SKIP LOCKED"
+
+UNPUBLISHED = """
+SELECT id, task_id, from_status, to_status, version, attempt, reason, at, published_at
+FROM task_events
+WHERE published_at IS NULL AND shard = ANY($1::smallint[])
+ORDER BY id
+LIMIT $2
+"""
+
+MARK_PUBLISHED = "UPDATE task_events SET published_at = now() WHERE id = ANY($1::bigint[])"
+
+
+class Relay:
+    """Publishes the outbox. Any number may run at once; they share work by shard."""
+
+    def __init__(self, settings: Settings, pool: asyncpg.Pool, bus: AmqpBus) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.bus = bus
+        self._wake = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self.published = 0
+
+    async def run_once(self) -> int:
+        """One pass: publish up to `relay_batch` events; returns how many were published."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            shards = [row["shard"] for row in await conn.fetch(LOCK_FREE_SHARDS)]
+            if not shards:
+                return 0  # another relay holds every shard; its loop will drain them
+            rows = await conn.fetch(UNPUBLISHED, shards, self.settings.relay_batch)
+            if not rows:
+                return 0
+            events = [Event.model_validate(dict(row)) for row in rows]
+            await self.bus.publish(
+                EVENTS_EXCHANGE,
+                [
+                    Outgoing(
+                        event_routing_key(state),
+                        EventMessage(events=batch).model_dump_json().encode(),
+                        {SCHEMA_HEADER: 1},
+                    )
+                    for state, batch in pack(events)
+                ],
+            )
+            await conn.execute(MARK_PUBLISHED, [e.id for e in events])
+        self.published += len(events)
+        return len(events)
+
+    async def drain(self) -> int:
+        total = 0
+        while True:
+            n = await self.run_once()
+            total += n
+            if n < self.settings.relay_batch:
+                return total
+
+    def _notified(self, *_: object) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Drain at start (nothing stranded), then on every NOTIFY and every sweep period."""
+        listener: asyncpg.Connection = await asyncpg.connect(self.settings.database_url)
+        try:
+            await listener.add_listener(TASK_CHANNEL, self._notified)
+            log.info("relay listening on %s", TASK_CHANNEL)
+            while not self._stopping.is_set():
+                self._wake.clear()  # before draining: a NOTIFY during the drain means go again
+                n = await self.drain()
+                if n:
+                    log.debug("relayed %d events", n)
+                await wait_any(self._wake, self._stopping, timeout=self.settings.relay_sweep_s)
+        finally:
+            await listener.close()
+
+    def stop(self) -> None:
+        self._stopping.set()

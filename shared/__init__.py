@@ -1,0 +1,1 @@
+"""The sked core: every service and producer imports this package."""

@@ -1,0 +1,37 @@
+"""One exception root for sked, and the specific errors callers are expected to handle."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class SkedError(Exception):
+    """Root of every error sked raises on purpose."""
+
+
+class UnknownState(SkedError, ValueError):
+    def __init__(self, value: object, known: list[str]) -> None:
+        super().__init__(f"unknown state {value!r}; known states: {', '.join(known)}")
+        self.value = value
+
+
+class IllegalTransition(SkedError):
+    """The FSM has no rule for this move, or the rule's guard refuses it. Nothing was written."""
+
+    def __init__(self, from_state: Any, to_state: Any, why: str = "") -> None:
+        detail = f": {why}" if why else ""
+        super().__init__(f"illegal transition {from_state} -> {to_state}{detail}")
+        self.from_state = from_state
+        self.to_state = to_state
+
+
+class StaleWrite(SkedError):
+    """A compare-and-swap lost: the task moved on since the caller read it."""
+
+
+class NotFound(SkedError, LookupError):
+    pass
+
+
+class InvalidSpec(SkedError, ValueError):
+    """Input that fails validation; the message says which field and why."""

@@ -1,0 +1,302 @@
+"""The CAS repository: the only code that writes task state to Postgres.
+
+A transition is one statement: `UPDATE tasks … WHERE id = $ AND version = $ AND status = $`,
+the task_events row (history and outbox at once) and a small `pg_notify`, all in one implicit
+transaction, so a state change and the event announcing it can never diverge. Batches move many
+tasks in the same one statement (`unnest`), which is what makes the pipeline fast.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+from uuid import UUID, uuid4
+
+import asyncpg
+
+from shared import fsm
+from shared.errors import NotFound
+from shared.fsm import Move, State
+from shared.models import Event, Task, TaskSpec
+
+log = logging.getLogger(__name__)
+
+# NOTIFY channel for state changes. Payload: "<id>:<version>:<state>" for one move, or
+# "*:<count>:<state,state…>" for a batch — small, and one per transaction, because every
+# notifying commit serialises on Postgres's notification queue.
+TASK_CHANNEL = "sked_task"
+
+_TASK_COLUMNS = (
+    "id, name, kind, spec::text AS spec_json, status, status_reason, version, attempt, "
+    "priority, retry_count, max_retries, next_retry_at, timeout_s, heartbeat_timeout_s, "
+    "node, idempotency_key, "
+    "paused_by, paused_reason, paused_at, result, error, created_at, updated_at, queued_at, "
+    "started_at, finished_at"
+)
+# the same columns by name, for reading back from a CTE that returned _TASK_COLUMNS
+_TASK_FIELDS = ", ".join(c.strip().split(" AS ")[-1] for c in _TASK_COLUMNS.split(","))
+_EVENT_COLUMNS = "id, task_id, from_status, to_status, version, attempt, reason, at, published_at"
+
+
+async def _init_connection(conn: asyncpg.Connection) -> None:
+    await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
+
+
+async def create_pool(dsn: str, size: int = 8) -> asyncpg.Pool:
+    pool = await asyncpg.create_pool(
+        dsn, min_size=1, max_size=size, init=_init_connection, command_timeout=60
+    )
+    assert pool is not None
+    return pool
+
+
+def _task(row: asyncpg.Record) -> Task:
+    return Task.from_row(row)
+
+
+def _event(row: asyncpg.Record) -> Event:
+    return Event.model_validate(dict(row))
+
+
+INSERT_TASKS = f"""
+WITH ins AS (
+    INSERT INTO tasks (id, name, kind, spec, status, status_reason, priority, max_retries,
+                       timeout_s, heartbeat_timeout_s, idempotency_key)
+    SELECT u.id, u.name, u.kind, u.spec::jsonb, 'created', 'submitted', u.priority,
+           u.max_retries, u.timeout_s, u.hb, u.ikey
+    FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int[], $6::int[],
+                $7::float8[], $8::float8[], $9::text[])
+         AS u(id, name, kind, spec, priority, max_retries, timeout_s, hb, ikey)
+    ON CONFLICT (idempotency_key) DO NOTHING
+    RETURNING {_TASK_COLUMNS}
+), ev AS (
+    INSERT INTO task_events (task_id, from_status, to_status, version, attempt, reason)
+    SELECT id, NULL, 'created', version, attempt, 'submitted' FROM ins
+)
+SELECT {_TASK_FIELDS} FROM ins
+"""
+
+SELECT_BY_IDEMPOTENCY_KEYS = f"SELECT {_TASK_COLUMNS} FROM tasks WHERE idempotency_key = ANY($1)"
+
+# The CAS. `u.p` is the move's patch (jsonb): a key present sets its column, a key absent keeps
+# it. The status guard beside the version guard makes a wrong `source` in a Move a lost race
+# rather than a silent jump.
+TRANSITION = f"""
+WITH u AS (
+    SELECT id, version, from_status, to_status, reason, patch::jsonb AS p
+    FROM unnest($1::uuid[], $2::int[], $3::text[], $4::text[], $5::text[], $6::text[])
+         AS u(id, version, from_status, to_status, reason, patch)
+), moved AS (
+    UPDATE tasks t SET
+        status = u.to_status,
+        status_reason = u.reason,
+        version = t.version + 1,
+        updated_at = now(),
+        attempt = COALESCE((u.p ->> 'attempt')::int, t.attempt),
+        retry_count = COALESCE((u.p ->> 'retry_count')::int, t.retry_count),
+        node = CASE WHEN u.p ? 'node' THEN u.p ->> 'node' ELSE t.node END,
+        next_retry_at = CASE WHEN u.p ? 'next_retry_at'
+                             THEN (u.p ->> 'next_retry_at')::timestamptz ELSE t.next_retry_at END,
+        result = CASE WHEN u.p ? 'result' THEN NULLIF(u.p -> 'result', 'null'::jsonb)
+                      ELSE t.result END,
+        error = CASE WHEN u.p ? 'error' THEN u.p ->> 'error' ELSE t.error END,
+        paused_by = CASE WHEN u.p ? 'paused_by' THEN u.p ->> 'paused_by' ELSE t.paused_by END,
+        paused_reason = CASE WHEN u.p ? 'paused_reason' THEN u.p ->> 'paused_reason'
+                             ELSE t.paused_reason END,
+        paused_at = CASE WHEN u.p ? 'paused_at' THEN (u.p ->> 'paused_at')::timestamptz
+                         ELSE t.paused_at END,
+        queued_at = CASE WHEN u.to_status = 'ready' THEN now() ELSE t.queued_at END,
+        started_at = CASE WHEN u.to_status = 'running' THEN now() ELSE t.started_at END,
+        finished_at = CASE WHEN u.to_status IN ('success', 'failed', 'timed_out', 'canceled',
+                                                'skipped')
+                           THEN now() ELSE t.finished_at END
+    FROM u
+    WHERE t.id = u.id AND t.version = u.version AND t.status = u.from_status
+    RETURNING {", ".join("t." + c.strip() for c in _TASK_COLUMNS.split(","))},
+              u.from_status AS _from, u.reason AS _reason
+), ev AS (
+    INSERT INTO task_events (task_id, from_status, to_status, version, attempt, reason)
+    SELECT id, _from, status, version, attempt, _reason FROM moved
+), note AS (
+    SELECT pg_notify('{TASK_CHANNEL}',
+                     CASE WHEN count(*) = 1
+                          THEN min(id::text) || ':' || min(version) || ':' || min(status)
+                          ELSE '*:' || count(*) || ':' || string_agg(DISTINCT status, ',') END)
+    FROM moved
+    HAVING count(*) > 0
+)
+SELECT {_TASK_FIELDS}, (SELECT count(*) FROM note) AS _notified FROM moved
+"""
+
+GET_TASK = f"SELECT {_TASK_COLUMNS} FROM tasks WHERE id = $1"
+
+LIST_TASKS = f"""
+SELECT {_TASK_COLUMNS} FROM tasks
+WHERE ($1::text[] IS NULL OR status = ANY($1))
+  AND ($2::text IS NULL OR name = $2)
+ORDER BY created_at DESC, id
+LIMIT $3
+"""
+
+HISTORY = f"SELECT {_EVENT_COLUMNS} FROM task_events WHERE task_id = $1 ORDER BY version"
+
+# Claims lock rows with SKIP LOCKED inside a transaction, then move them through the FSM in the
+# same transaction: replicas share the work and never claim the same row.
+CLAIM_RUNNABLE = f"""
+SELECT {_TASK_COLUMNS} FROM tasks
+WHERE status = 'ready'
+ORDER BY priority DESC, queued_at, id
+LIMIT $1
+FOR UPDATE SKIP LOCKED
+"""
+
+CLAIM_RETRY_DUE = f"""
+SELECT {_TASK_COLUMNS} FROM tasks
+WHERE status = 'retry_wait' AND next_retry_at <= now()
+ORDER BY next_retry_at
+LIMIT $1
+FOR UPDATE SKIP LOCKED
+"""
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    raise TypeError(f"cannot store {type(value).__name__} in a transition patch")
+
+
+def _move_args(moves: Sequence[Move]) -> tuple[list[Any], ...]:
+    ids = [m.task_id for m in moves]
+    if len(set(ids)) != len(ids):
+        raise ValueError("a batch may move each task only once")
+    return (
+        ids,
+        [m.version for m in moves],
+        [m.source.value for m in moves],
+        [m.target.value for m in moves],
+        [m.reason for m in moves],
+        [json.dumps(dict(m.patch), default=_json_default) for m in moves],
+    )
+
+
+class PgTaskRepo:
+    """Tasks and their history in Postgres, written only by compare-and-swap."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self.pool = pool
+
+    # -- creation ---------------------------------------------------------------------------
+
+    async def create(self, spec: TaskSpec) -> Task:
+        return (await self.create_many([spec]))[0]
+
+    async def create_many(self, specs: Sequence[TaskSpec]) -> list[Task]:
+        """Insert tasks in Created with their first event; one round trip for the batch.
+
+        A spec whose idempotency key is already taken yields the existing task, not a new one.
+        """
+        if not specs:
+            return []
+        ids = [uuid4() for _ in specs]
+        args = (
+            ids,
+            [s.name for s in specs],
+            [s.job.kind for s in specs],
+            [s.model_dump_json() for s in specs],
+            [s.priority for s in specs],
+            [s.max_retries for s in specs],
+            [s.timeout_s for s in specs],
+            [s.heartbeat_timeout_s for s in specs],
+            [s.idempotency_key for s in specs],
+        )
+        async with self.pool.acquire() as conn:
+            rows = await conn.fetch(INSERT_TASKS, *args)
+            created = {row["id"]: _task(row) for row in rows}
+            missing = [
+                s.idempotency_key for i, s in zip(ids, specs, strict=True) if i not in created
+            ]
+            by_key = {}
+            if missing:
+                for row in await conn.fetch(SELECT_BY_IDEMPOTENCY_KEYS, missing):
+                    by_key[row["idempotency_key"]] = _task(row)
+        out = []
+        for task_id, spec in zip(ids, specs, strict=True):
+            task = created.get(task_id)
+            if task is None:
+                task = by_key[spec.idempotency_key]
+            elif spec.idempotency_key is not None:
+                # a later spec in this same batch with the same key gets this task
+                by_key.setdefault(spec.idempotency_key, task)
+            out.append(task)
+        return out
+
+    # -- transitions ------------------------------------------------------------------------
+
+    async def transition(self, move: Move) -> Task | None:
+        """Apply one planned move. Returns the task after it, or None if this caller lost."""
+        moved = await self.transition_many([move])
+        return moved[0] if moved else None
+
+    async def transition_many(
+        self, moves: Sequence[Move], conn: asyncpg.Connection | None = None
+    ) -> list[Task]:
+        """Apply many moves in one statement; returns the tasks that moved (the CAS winners),
+        in the order of `moves`."""
+        if not moves:
+            return []
+        args = _move_args(moves)
+        if conn is not None:
+            rows = await conn.fetch(TRANSITION, *args)
+        else:
+            async with self.pool.acquire() as c:
+                rows = await c.fetch(TRANSITION, *args)
+        won = {row["id"]: row for row in rows}
+        return [_task(won[m.task_id]) for m in moves if m.task_id in won]
+
+    async def _claim_and_move(
+        self, claim_sql: str, limit: int, target: State, reason: str, **changes: Any
+    ) -> list[Task]:
+        async with self.pool.acquire() as conn, conn.transaction():
+            rows = await conn.fetch(claim_sql, limit)
+            moves = [fsm.plan(_task(row), target, reason, **changes) for row in rows]
+            return await self.transition_many(moves, conn)
+
+    async def pick_runnable(self, limit: int, node: str | None = None) -> list[Task]:
+        """Claim up to `limit` Ready tasks (highest priority, then oldest) into Scheduling.
+
+        Each claimed task gets a new attempt number. Replicas never claim the same task.
+        """
+        changes = {"node": node} if node is not None else {}
+        return await self._claim_and_move(
+            CLAIM_RUNNABLE, limit, State.SCHEDULING, "picked", **changes
+        )
+
+    async def sweep_due_retries(self, limit: int) -> list[Task]:
+        """Move RetryWait tasks whose backoff has elapsed back to Ready."""
+        return await self._claim_and_move(CLAIM_RETRY_DUE, limit, State.READY, "backoff elapsed")
+
+    # -- reads ------------------------------------------------------------------------------
+
+    async def get(self, task_id: UUID) -> Task:
+        row = await self.pool.fetchrow(GET_TASK, task_id)
+        if row is None:
+            raise NotFound(f"no task {task_id}")
+        return _task(row)
+
+    async def list_tasks(
+        self,
+        statuses: Iterable[object] | None = None,
+        name: str | None = None,
+        limit: int = 100,
+    ) -> list[Task]:
+        wanted = None if statuses is None else [State.parse(s).value for s in statuses]
+        rows = await self.pool.fetch(LIST_TASKS, wanted, name, limit)
+        return [_task(row) for row in rows]
+
+    async def history(self, task_id: UUID) -> list[Event]:
+        rows = await self.pool.fetch(HISTORY, task_id)
+        if not rows:
+            await self.get(task_id)  # raises NotFound for an unknown id
+        return [_event(row) for row in rows]

@@ -1,0 +1,92 @@
+"""Running a service process: logging, uvloop, signals to stop(), and interruptible waits."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class Service(Protocol):
+    async def run(self) -> None: ...
+    def stop(self) -> None: ...
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line = {
+            "at": self.formatTime(record),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key in ("task_id", "attempt", "trace_id", "service"):
+            if hasattr(record, key):
+                line[key] = str(getattr(record, key))
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        return json.dumps(line)
+
+
+def configure_logging(settings: Settings, service: str) -> None:
+    """The only place that installs log handlers: readable lines, or JSON with SKED_LOG_JSON."""
+    handler = logging.StreamHandler(sys.stderr)
+    if settings.log_json:
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(
+            logging.Formatter(f"%(asctime)s %(levelname)-5s {service} %(name)s: %(message)s")
+        )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(settings.log_level.upper())
+    for noisy in ("aiormq", "aio_pika"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+async def wait_any(*events: asyncio.Event, timeout: float | None = None) -> None:
+    """Return as soon as any of `events` is set, or after `timeout` seconds."""
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+
+
+async def serve(service: Service) -> None:
+    """Run `service` until it returns; SIGTERM and SIGINT ask it to stop."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, service.stop)
+    try:
+        await service.run()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def run_main(main: Callable[[], Awaitable[None]]) -> int:
+    """Run a service's async main on uvloop when available; the exit code says how it ended."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on every platform we ship
+        runner: Callable[[Awaitable[None]], None] = asyncio.run  # type: ignore[assignment]
+    else:
+        runner = uvloop.run  # type: ignore[assignment]
+    with contextlib.suppress(KeyboardInterrupt):
+        try:
+            runner(main())
+        except Exception:
+            log.exception("service failed")
+            return 1
+    return 0

@@ -1,0 +1,185 @@
+"""The outbox relay against real Postgres and RabbitMQ, in-process and as killed processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from pathlib import Path
+from uuid import UUID
+
+import aio_pika
+import asyncpg
+import pytest
+
+from services.relay.service import Relay
+from shared import fsm
+from shared.bus import EVENTS_EXCHANGE, AmqpBus
+from shared.fsm import State
+from shared.models import EventMessage, Task
+from shared.repo import PgTaskRepo
+from shared.settings import Settings
+from tests.helpers import ServiceProcess, eventually, spec
+
+LIFE = [State.PENDING, State.READY, State.SCHEDULING, State.RUNNING, State.SUCCESS]
+
+
+class EventSink:
+    """A queue bound to sked.events with task.#, collecting (task_id, version) in arrival order."""
+
+    def __init__(self) -> None:
+        self.arrivals: list[tuple[UUID, int]] = []
+        self.routing: list[tuple[str, str]] = []
+
+    async def consume(self, url: str, ready: asyncio.Event) -> None:
+        connection = await aio_pika.connect_robust(url)
+        async with connection:
+            channel = await connection.channel()
+            exchange = await channel.declare_exchange(
+                EVENTS_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True
+            )
+            queue = await channel.declare_queue(exclusive=True)
+            await queue.bind(exchange, "task.#")
+            ready.set()
+            async with queue.iterator() as messages:
+                async for message in messages:
+                    async with message.process():
+                        body = EventMessage.model_validate_json(message.body)
+                        for e in body.events:
+                            self.arrivals.append((e.task_id, e.version))
+                            self.routing.append((message.routing_key or "", e.to_status.value))
+
+
+@pytest.fixture
+async def sink(settings: Settings) -> AsyncIterator[EventSink]:
+    s = EventSink()
+    ready = asyncio.Event()
+    task = asyncio.create_task(s.consume(settings.rabbitmq_url, ready))
+    await asyncio.wait_for(ready.wait(), 30)
+    yield s
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def drive(repo: PgTaskRepo, tasks: list[Task], steps: list[State], seed: int) -> None:
+    """Move every task through `steps`, interleaving tasks, batch sizes and 4 concurrent movers."""
+    rnd = random.Random(seed)
+    current = {t.id: t for t in tasks}
+    queue = [t.id for t in tasks for _ in steps]
+    rnd.shuffle(queue)
+    lock = asyncio.Lock()
+
+    async def mover() -> None:
+        while True:
+            async with lock:
+                if not queue:
+                    return
+                chunk = []
+                while queue and len(chunk) < rnd.randint(1, 20):
+                    tid = queue.pop()
+                    if tid in chunk:
+                        queue.insert(0, tid)
+                        break
+                    chunk.append(tid)
+                moves = []
+                for tid in chunk:
+                    task = current[tid]
+                    nxt = steps[LIFE.index(task.status) + 1] if task.status in LIFE else steps[0]
+                    moves.append(fsm.plan(task, nxt))
+                moved = await repo.transition_many(moves)
+                assert len(moved) == len(moves)
+                for t in moved:
+                    current[t.id] = t
+
+    await asyncio.gather(*(mover() for _ in range(4)))
+
+
+def check_order(arrivals: list[tuple[UUID, int]], expected: dict[UUID, int]) -> None:
+    """Every version 1..N of every task arrived; dropping duplicates leaves them in order."""
+    seen: dict[UUID, list[int]] = defaultdict(list)
+    for task_id, version in arrivals:
+        applied = seen[task_id]
+        if applied and version <= applied[-1]:
+            continue  # a duplicate after a crash: consumers drop it by (task_id, version)
+        applied.append(version)
+    assert set(seen) == set(expected)
+    for task_id, top in expected.items():
+        assert seen[task_id] == list(range(1, top + 1)), task_id
+
+
+async def unpublished(pool: asyncpg.Pool) -> int:
+    return await pool.fetchval("SELECT count(*) FROM task_events WHERE published_at IS NULL")
+
+
+async def test_thousand_transitions_arrive_in_order(
+    settings: Settings, repo: PgTaskRepo, pool: asyncpg.Pool, sink: EventSink
+) -> None:
+    bus = AmqpBus(settings.rabbitmq_url)
+    await bus.connect()
+    relay = Relay(settings.model_copy(update={"relay_batch": 100}), pool, bus)
+    runner = asyncio.create_task(relay.run())
+    try:
+        tasks = await repo.create_many([spec(f"r{i}") for i in range(200)])
+        await drive(repo, tasks, LIFE, seed=1)
+        expected = {t.id: 6 for t in tasks}  # Created + 5 moves
+        await eventually(lambda: _count(sink, 1200), timeout=60, what="1,200 events")
+        assert len(sink.arrivals) == 1200  # no crash, so no duplicate
+        check_order(sink.arrivals, expected)
+        assert all(rk == f"task.{state}" for rk, state in sink.routing)
+        assert await unpublished(pool) == 0
+    finally:
+        relay.stop()
+        await asyncio.wait_for(runner, 10)
+        await bus.close()
+
+
+async def _count(sink: EventSink, n: int) -> bool:
+    return len(sink.arrivals) >= n
+
+
+async def test_killed_relay_loses_nothing(
+    settings: Settings,
+    service_env: dict[str, str],
+    repo: PgTaskRepo,
+    pool: asyncpg.Pool,
+    sink: EventSink,
+    tmp_path: Path,
+) -> None:
+    env = {**service_env, "SKED_RELAY_BATCH": "20"}
+    first = ServiceProcess("relay", env, tmp_path)
+    second = None
+    try:
+        await first.wait_for_log("relay listening")
+        tasks = await repo.create_many([spec(f"k{i}") for i in range(200)])
+        mover = asyncio.create_task(drive(repo, tasks, LIFE, seed=2))
+
+        async def midway() -> bool:
+            return len(sink.arrivals) > 100
+
+        await eventually(midway, timeout=60, what="the first relay to publish some events")
+        first.kill()
+        await mover
+        assert await unpublished(pool) > 0, "the relay finished before it could be killed"
+        second = ServiceProcess("relay", env, tmp_path)
+        await eventually(
+            lambda: _none_unpublished(pool), timeout=60, what="the second relay to drain"
+        )
+        await eventually(lambda: _count(sink, 1200), timeout=30, what="every event")
+        check_order(sink.arrivals, {t.id: 6 for t in tasks})
+    finally:
+        first.stop()
+        if second is not None:
+            assert second.stop() == 0, second.log()
+
+
+async def _none_unpublished(pool: asyncpg.Pool) -> bool:
+    return await unpublished(pool) == 0
+
+
+def test_event_message_schema_is_json() -> None:
+    body = EventMessage(events=[])
+    assert json.loads(body.model_dump_json()) == {"schema_version": 1, "events": []}

@@ -1,0 +1,211 @@
+"""The CAS repository against real Postgres: races, side effects, batches, claims, reads."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+from uuid import UUID
+
+import asyncpg
+import pytest
+
+from shared import fsm
+from shared.errors import IllegalTransition, InvalidSpec, NotFound, StaleWrite, UnknownState
+from shared.fsm import State
+from shared.models import TaskSpec
+from shared.repo import PgTaskRepo
+from tests.helpers import spec
+
+
+async def counts(pool: asyncpg.Pool) -> tuple[int, int]:
+    tasks = await pool.fetchval("SELECT count(*) FROM tasks")
+    events = await pool.fetchval("SELECT count(*) FROM task_events")
+    return tasks, events
+
+
+async def test_create_records_the_created_event(repo: PgTaskRepo) -> None:
+    task = await repo.create(spec("hello", priority=3, max_retries=2))
+    assert (task.status, task.version, task.attempt, task.priority) == (State.CREATED, 1, 0, 3)
+    history = await repo.history(task.id)
+    assert [(e.from_status, e.to_status, e.version) for e in history] == [(None, State.CREATED, 1)]
+
+
+async def test_idempotency_key_gives_the_same_task(repo: PgTaskRepo, pool: asyncpg.Pool) -> None:
+    first = await repo.create(spec("a", idempotency_key="k-1"))
+    again = await repo.create_many([spec("a", idempotency_key="k-1"), spec("b")])
+    assert again[0].id == first.id
+    assert again[1].id != first.id
+    assert await counts(pool) == (2, 2)
+
+
+async def test_fifty_racers_one_winner(repo: PgTaskRepo, pool: asyncpg.Pool) -> None:
+    """50 coroutines on 10 connections apply the same transition: exactly one wins."""
+    task = await repo.create(spec())
+    assert pool.get_max_size() == 10
+
+    async def racer() -> bool:
+        try:
+            await fsm.apply(repo, task, State.PENDING, reason="race")
+        except StaleWrite:
+            return False
+        return True
+
+    results = await asyncio.gather(*(racer() for _ in range(50)))
+    assert results.count(True) == 1
+    after = await repo.get(task.id)
+    assert (after.status, after.version) == (State.PENDING, task.version + 1)
+    rows = await pool.fetch(
+        "SELECT * FROM task_events WHERE task_id = $1 AND to_status = 'pending'", task.id
+    )
+    assert len(rows) == 1
+
+
+async def test_failing_side_effect_changes_nothing(repo: PgTaskRepo, pool: asyncpg.Pool) -> None:
+    task = await repo.create(spec())
+    before = await counts(pool)
+
+    async def boom() -> None:
+        raise RuntimeError("the backend refused")
+
+    with pytest.raises(RuntimeError, match="refused"):
+        await fsm.apply(repo, task, State.PENDING, effect=boom)
+    after = await repo.get(task.id)
+    assert after == task
+    assert await counts(pool) == before
+
+
+async def test_side_effect_runs_before_the_cas(repo: PgTaskRepo) -> None:
+    task = await repo.create(spec())
+    seen: list[State] = []
+
+    async def look() -> None:
+        seen.append((await repo.get(task.id)).status)
+
+    await fsm.apply(repo, task, State.PENDING, effect=look)
+    assert seen == [State.CREATED]
+
+
+async def test_illegal_and_unknown_moves_write_nothing(
+    repo: PgTaskRepo, pool: asyncpg.Pool
+) -> None:
+    task = await repo.create(spec())
+    before = await counts(pool)
+    with pytest.raises(IllegalTransition, match="Created -> Running"):
+        await fsm.apply(repo, task, State.RUNNING)
+    with pytest.raises(UnknownState, match="'exploded'"):
+        await fsm.apply(repo, task, "exploded")
+    assert await repo.get(task.id) == task
+    assert await counts(pool) == before
+
+
+async def test_terminal_task_rejects_every_move(repo: PgTaskRepo, pool: asyncpg.Pool) -> None:
+    task = await repo.create(spec())
+    task = await fsm.apply(repo, task, State.CANCELED, reason="operator")
+    before = await counts(pool)
+    for target in State:
+        with pytest.raises(IllegalTransition, match="Canceled -> "):
+            await fsm.apply(repo, task, target)
+    assert await repo.get(task.id) == task
+    assert await counts(pool) == before
+
+
+async def test_invalid_spec_is_a_clear_error(pool: asyncpg.Pool) -> None:
+    before = await counts(pool)
+    with pytest.raises(InvalidSpec, match=r"job\.command\.argv"):
+        TaskSpec.parse({"name": "x", "job": {"kind": "command", "argv": []}})
+    with pytest.raises(InvalidSpec, match="priority"):
+        TaskSpec.parse({"name": "x", "job": {"kind": "command", "argv": ["a"]}, "priority": "hi"})
+    with pytest.raises(InvalidSpec, match="colour"):
+        TaskSpec.parse({"name": "x", "job": {"kind": "command", "argv": ["a"]}, "colour": 1})
+    with pytest.raises(InvalidSpec, match="handler"):
+        TaskSpec.parse({"name": "x", "job": {"kind": "handler", "handler": "not a path"}})
+    assert await counts(pool) == before
+
+
+async def test_batched_moves_return_only_winners(repo: PgTaskRepo, pool: asyncpg.Pool) -> None:
+    tasks = await repo.create_many([spec(f"t{i}") for i in range(100)])
+    stale = tasks[:10]
+    await repo.transition_many([fsm.plan(t, State.PENDING) for t in stale])
+    _, events_before = await counts(pool)
+    moved = await repo.transition_many([fsm.plan(t, State.PENDING) for t in tasks])
+    assert len(moved) == 90
+    assert {t.id for t in moved} == {t.id for t in tasks[10:]}
+    assert all(t.status is State.PENDING and t.version == 2 for t in moved)
+    _, events_after = await counts(pool)
+    assert events_after - events_before == 90
+
+
+async def test_patch_fields_and_retry_bookkeeping(repo: PgTaskRepo) -> None:
+    task = await repo.create(spec(max_retries=1))
+    for target in (State.PENDING, State.READY):
+        task = await fsm.apply(repo, task, target)
+    [task] = await repo.pick_runnable(10, node="n1")
+    assert (task.status, task.attempt, task.node) == (State.SCHEDULING, 1, "n1")
+    task = await fsm.apply(repo, task, State.RUNNING)
+    task = await fsm.apply(repo, task, State.FAILED, error="exit 1")
+    due = datetime.now(UTC) - timedelta(seconds=1)
+    task = await fsm.apply(repo, task, State.RETRY_WAIT, next_retry_at=due)
+    assert (task.retry_count, task.error, task.next_retry_at) == (1, "exit 1", due)
+    [task] = await repo.sweep_due_retries(10)
+    assert task.status is State.READY
+    [task] = await repo.pick_runnable(10)
+    assert task.attempt == 2
+    task = await fsm.apply(repo, task, State.RUNNING)
+    task = await fsm.apply(repo, task, State.FAILED, error="exit 1 again")
+    with pytest.raises(IllegalTransition, match="retries spent"):
+        await fsm.apply(repo, task, State.RETRY_WAIT)
+    assert fsm.is_terminal(task.status, fsm.has_retry_left(task))
+    history = await repo.history(task.id)
+    assert [e.version for e in history] == list(range(1, task.version + 1))
+
+
+async def test_pick_runnable_order_and_no_double_pick(repo: PgTaskRepo) -> None:
+    specs = [spec(f"p{p}-{i}", priority=p) for i in range(20) for p in (0, 5, 1)]
+    tasks = await repo.create_many(specs)
+    pend = await repo.transition_many([fsm.plan(t, State.PENDING) for t in tasks])
+    for t in pend:  # one at a time, so queued_at follows submission order
+        await repo.transition(fsm.plan(t, State.READY))
+    picks = await asyncio.gather(*(repo.pick_runnable(7) for _ in range(10)))
+    picked = [t for batch in picks for t in batch]
+    assert len(picked) == 60
+    assert len({t.id for t in picked}) == 60
+    ordered = await _pick_all(repo, specs)
+    assert [t.priority for t in ordered] == sorted((t.priority for t in ordered), reverse=True)
+
+
+async def _pick_all(repo: PgTaskRepo, specs: list[TaskSpec]) -> list:
+    tasks = await repo.create_many([s.model_copy(update={"name": s.name + "b"}) for s in specs])
+    for t in tasks:
+        t = await repo.transition(fsm.plan(t, State.PENDING))
+        await repo.transition(fsm.plan(t, State.READY))
+    out = []
+    while batch := await repo.pick_runnable(5):
+        out.extend(batch)
+    # FIFO within one priority
+    for p in (0, 1, 5):
+        names = [t.name for t in out if t.priority == p]
+        assert names == [f"p{p}-{i}b" for i in range(20)]
+    return out
+
+
+async def test_reads(repo: PgTaskRepo) -> None:
+    a = await repo.create(spec("a"))
+    b = await repo.create(spec("b"))
+    await fsm.apply(repo, b, State.PENDING)
+    assert [t.id for t in await repo.list_tasks(statuses=["Pending"])] == [b.id]
+    assert [t.id for t in await repo.list_tasks(name="a")] == [a.id]
+    assert len(await repo.list_tasks(limit=1)) == 1
+    with pytest.raises(UnknownState):
+        await repo.list_tasks(statuses=["nope"])
+    with pytest.raises(NotFound):
+        await repo.get(UUID(int=0))
+    with pytest.raises(NotFound):
+        await repo.history(UUID(int=0))
+
+
+async def test_a_move_with_a_wrong_source_loses(repo: PgTaskRepo) -> None:
+    """The SQL guards status too: a Move built from a wrong snapshot cannot jump states."""
+    task = await repo.create(spec())
+    forged = fsm.Move(task.id, task.version, State.PENDING, State.READY, "forged")
+    assert await repo.transition(forged) is None
+    assert (await repo.get(task.id)).status is State.CREATED
