@@ -13,7 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aio_pika
-from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractRobustConnection
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractExchange,
+    AbstractQueue,
+    AbstractRobustConnection,
+)
 
 from shared.fsm import State
 
@@ -21,12 +26,29 @@ log = logging.getLogger(__name__)
 
 # Transition events, relayed from the outbox. Routing key: task.<state>, e.g. task.retry_wait.
 EVENTS_EXCHANGE = "sked.events"
+# Producers publish task specs here (routing key `submit`); the scheduler consumes SUBMIT_QUEUE.
+TASKS_EXCHANGE = "sked.tasks"
+SUBMIT_KEY = "submit"
+SUBMIT_QUEUE = "sked.submit"
+# Messages that cannot be accepted go to DEAD_QUEUE through DLX, the reason in REASON_HEADER.
+DLX = "sked.dlx"
+DEAD_QUEUE = "sked.dead"
+REASON_HEADER = "x-sked-reason"
+# The scheduler sends each placed attempt to its node: routing key = node id.
+DISPATCH_EXCHANGE = "sked.dispatch"
+# A node's queue lives on for a day without its executor, then RabbitMQ drops it: by then
+# recovery has moved anything dispatched to it elsewhere.
+NODE_QUEUE_EXPIRES_MS = 24 * 3600 * 1000
 SCHEMA_HEADER = "x-sked-schema"
 JSON = "application/json"
 
 
 def event_routing_key(state: State) -> str:
     return f"task.{state.value}"
+
+
+def node_queue(node_id: str) -> str:
+    return f"sked.node.{node_id}"
 
 
 @dataclass(frozen=True)
@@ -46,11 +68,37 @@ class AmqpBus:
         self._exchanges: dict[str, AbstractExchange] = {}
 
     async def connect(self) -> None:
+        """Connect and declare the exchanges and shared queues (idempotent)."""
         self._connection = await aio_pika.connect_robust(self.url)
-        self._channel = await self._connection.channel(publisher_confirms=True)
-        self._exchanges[EVENTS_EXCHANGE] = await self._channel.declare_exchange(
-            EVENTS_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True
+        self._channel = channel = await self._connection.channel(publisher_confirms=True)
+        for name, kind in (
+            (EVENTS_EXCHANGE, aio_pika.ExchangeType.TOPIC),
+            (TASKS_EXCHANGE, aio_pika.ExchangeType.TOPIC),
+            (DLX, aio_pika.ExchangeType.FANOUT),
+            (DISPATCH_EXCHANGE, aio_pika.ExchangeType.DIRECT),
+        ):
+            self._exchanges[name] = await channel.declare_exchange(name, kind, durable=True)
+        dead = await channel.declare_queue(DEAD_QUEUE, durable=True)
+        await dead.bind(self._exchanges[DLX])
+        submit = await channel.declare_queue(
+            SUBMIT_QUEUE, durable=True, arguments={"x-dead-letter-exchange": DLX}
         )
+        await submit.bind(self._exchanges[TASKS_EXCHANGE], SUBMIT_KEY)
+
+    async def consumer_channel(self, prefetch: int) -> AbstractChannel:
+        """A channel of its own for consuming, so its prefetch bounds only that consumer."""
+        if self._connection is None:
+            raise RuntimeError("AmqpBus.connect() was not called")
+        channel = await self._connection.channel()
+        await channel.set_qos(prefetch_count=prefetch)
+        return channel
+
+    async def declare_node_queue(self, channel: AbstractChannel, node_id: str) -> AbstractQueue:
+        queue = await channel.declare_queue(
+            node_queue(node_id), durable=True, arguments={"x-expires": NODE_QUEUE_EXPIRES_MS}
+        )
+        await queue.bind(DISPATCH_EXCHANGE, node_id)
+        return queue
 
     @property
     def channel(self) -> AbstractChannel:
@@ -65,6 +113,10 @@ class AmqpBus:
         about 1,500 messages/s here). Raises if any is refused; the caller then retries all of
         them, which is why consumers must drop duplicates.
         """
+        await self.start_publish(exchange, messages)
+
+    def start_publish(self, exchange: str, messages: Sequence[Outgoing]) -> asyncio.Future[Any]:
+        """Start publishing now; the returned future resolves when every confirm is in."""
         target = self._exchanges[exchange]
         confirms = [
             target.publish(
@@ -78,7 +130,14 @@ class AmqpBus:
             )
             for m in messages
         ]
-        await asyncio.gather(*confirms)
+        return asyncio.gather(*confirms)
+
+    async def dead_letter(
+        self, body: bytes, reason: str, routing_key: str, headers: dict[str, Any] | None = None
+    ) -> None:
+        """Park a message we cannot accept in DEAD_QUEUE, with why, for an operator to see."""
+        note = {**(headers or {}), REASON_HEADER: reason[:2000], "x-sked-routing-key": routing_key}
+        await self.publish(DLX, [Outgoing(routing_key, body, note)])
 
     async def close(self) -> None:
         if self._connection is not None:

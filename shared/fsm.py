@@ -7,7 +7,7 @@ The table below is the only place the rules live; `mermaid()` draws it for docs/
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
@@ -159,6 +159,7 @@ PATCHABLE = frozenset(
         "next_retry_at",
         "result",
         "error",
+        "log_tail",
         "paused_by",
         "paused_reason",
         "paused_at",
@@ -199,6 +200,27 @@ def plan(task: TaskView, target: object, reason: str = "", **changes: Any) -> Mo
     if rule.spends_retry:
         patch["retry_count"] = task.retry_count + 1
     return Move(task.id, task.version, rule.source, rule.target, reason or rule.trigger, patch)
+
+
+def walk(start: State, path: Sequence[State]) -> tuple[list[str | None], list[str], list[str]]:
+    """The steps of a brand-new task entering at `start` and moving along `path`, each
+    checked against the table, as (from states, to states, reasons) for the repository.
+
+    Only for a task created by the same statement: it has no attempt and no retries spent,
+    so no guard can refuse, and no other writer can hold it.
+    """
+    froms: list[str | None] = [None]
+    tos, reasons = [start.value], ["submitted"]
+    current = start
+    for target in path:
+        rule = rule_for(current, target)
+        if rule.needs_retry or rule.new_attempt or rule.spends_retry:
+            raise IllegalTransition(current.label, target.label, "not a step of admission")
+        froms.append(current.value)
+        tos.append(rule.target.value)
+        reasons.append(rule.trigger)
+        current = rule.target
+    return froms, tos, reasons
 
 
 class MoveStore(Protocol):

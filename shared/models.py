@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from datetime import datetime
 from functools import cached_property
 from typing import Annotated, Any, Literal
-from uuid import UUID
+from uuid import NAMESPACE_URL, UUID, uuid4, uuid5
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator
 
@@ -55,7 +55,8 @@ Job = Annotated[CommandJob | HandlerJob, Field(discriminator="kind")]
 
 
 class Resources(_Input):
-    cpu: float = Field(default=1.0, ge=0, le=1024)
+    # No declared cpu means best effort: bounded by the node's slots only, as in Kubernetes.
+    cpu: float = Field(default=0.0, ge=0, le=1024)
     memory_mb: int = Field(default=0, ge=0, le=16 * 1024 * 1024)
     gpu: int = Field(default=0, ge=0, le=64)
 
@@ -85,6 +86,24 @@ class TaskSpec(_Input):
             return cls.model_validate(data)
         except ValidationError as exc:
             raise InvalidSpec(describe(exc)) from None
+
+
+def task_id_for(spec: TaskSpec, message_id: str | None = None) -> UUID:
+    """The id a submitted task gets, the same however often the submission is delivered.
+
+    With an idempotency key: derived from the key, so every submission with that key names the
+    same task. Else the message id when it is a UUID (the SDK's), or a UUID derived from any
+    other message id. Without either, a redelivery (which only follows a scheduler crash) could
+    create a second task: producers that cannot set a message id should use a key.
+    """
+    if spec.idempotency_key is not None:
+        return uuid5(NAMESPACE_URL, f"sked:idempotency-key:{spec.idempotency_key}")
+    if not message_id:
+        return uuid4()
+    try:
+        return UUID(message_id)
+    except ValueError:
+        return uuid5(NAMESPACE_URL, f"sked:message-id:{message_id}")
 
 
 def describe(exc: ValidationError) -> str:
@@ -131,6 +150,10 @@ class Task:
     queued_at: datetime | None
     started_at: datetime | None
     finished_at: datetime | None
+    log_tail: str | None
+    cpu: float
+    memory_mb: int
+    gpu: int
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Task:
@@ -179,3 +202,25 @@ class EventMessage(BaseModel):
 
     schema_version: Literal[1] = SCHEMA_VERSION
     events: list[Event]
+
+
+class Dispatch(BaseModel):
+    """Scheduler -> executor: run this attempt. Routing key: the node id."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    task_id: UUID
+    attempt: int
+    version: int  # the task's version in Scheduling: the executor's start CAS is fenced by it
+    retry_count: int
+    max_retries: int
+    node: str
+
+    @property
+    def id(self) -> UUID:
+        return self.task_id
+
+    @property
+    def status(self) -> State:
+        return State.SCHEDULING

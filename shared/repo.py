@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 from uuid import UUID, uuid4
 
@@ -23,17 +25,39 @@ from shared.models import Event, Task, TaskSpec
 
 log = logging.getLogger(__name__)
 
-# NOTIFY channel for state changes. Payload: "<id>:<version>:<state>" for one move, or
-# "*:<count>:<state,state…>" for a batch — small, and one per transaction, because every
-# notifying commit serialises on Postgres's notification queue.
+# NOTIFY channel for state changes, one notification per transaction, because every notifying
+# commit serialises on Postgres's notification queue. Payload: "<id>:<version>:<state>" for
+# each task moved, space-separated, up to NOTIFY_LIST_MAX tasks (about 5 KB, under the 8 KB
+# limit); a bigger batch sends only "*:<count>:<state,state…>". See `parse_notify`.
 TASK_CHANNEL = "sked_task"
+NOTIFY_LIST_MAX = 100
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A parsed state-change notification: which tasks (None: too many to list), which states."""
+
+    ids: frozenset[UUID] | None
+    states: frozenset[str]
+
+
+def parse_notify(payload: str) -> Notice:
+    if payload.startswith("*:"):
+        return Notice(None, frozenset(payload.rsplit(":", 1)[-1].split(",")))
+    ids, states = set(), set()
+    for entry in payload.split():
+        task_id, _, state = entry.split(":")
+        ids.add(UUID(task_id))
+        states.add(state)
+    return Notice(frozenset(ids), frozenset(states))
+
 
 _TASK_COLUMNS = (
     "id, name, kind, spec::text AS spec_json, status, status_reason, version, attempt, "
     "priority, retry_count, max_retries, next_retry_at, timeout_s, heartbeat_timeout_s, "
     "node, idempotency_key, "
     "paused_by, paused_reason, paused_at, result, error, created_at, updated_at, queued_at, "
-    "started_at, finished_at"
+    "started_at, finished_at, log_tail, cpu, memory_mb, gpu"
 )
 # the same columns by name, for reading back from a CTE that returned _TASK_COLUMNS
 _TASK_FIELDS = ", ".join(c.strip().split(" AS ")[-1] for c in _TASK_COLUMNS.split(","))
@@ -60,25 +84,54 @@ def _event(row: asyncpg.Record) -> Event:
     return Event.model_validate(dict(row))
 
 
+def _notify_from(cte: str) -> str:
+    """The one NOTIFY of a statement that moved the rows of `cte` (see TASK_CHANNEL)."""
+    return f"""
+    SELECT pg_notify('{TASK_CHANNEL}',
+                     CASE WHEN count(*) <= {NOTIFY_LIST_MAX}
+                          THEN string_agg(id::text || ':' || version || ':' || status, ' ')
+                          ELSE '*:' || count(*) || ':' || string_agg(DISTINCT status, ',') END)
+    FROM {cte}
+    HAVING count(*) > 0
+"""
+
+
+# Creation and the first moves of a new task in one statement: the row is inserted in its
+# final state of the walk ($13-$15, planned by fsm.walk, e.g. Created -> Pending -> Ready) with
+# one event row per step. Nobody else can hold a row this statement creates, so no CAS is
+# needed; the FSM has checked every step.
 INSERT_TASKS = f"""
-WITH ins AS (
-    INSERT INTO tasks (id, name, kind, spec, status, status_reason, priority, max_retries,
-                       timeout_s, heartbeat_timeout_s, idempotency_key)
-    SELECT u.id, u.name, u.kind, u.spec::jsonb, 'created', 'submitted', u.priority,
-           u.max_retries, u.timeout_s, u.hb, u.ikey
+WITH w AS (
+    SELECT * FROM unnest($13::text[], $14::text[], $15::text[]) WITH ORDINALITY
+                  AS w(from_status, to_status, reason, version)
+), last AS (
+    SELECT to_status, reason, version FROM w ORDER BY version DESC LIMIT 1
+), ins AS (
+    INSERT INTO tasks (id, name, kind, spec, status, status_reason, version, priority,
+                       max_retries, timeout_s, heartbeat_timeout_s, idempotency_key, cpu,
+                       memory_mb, gpu, queued_at)
+    SELECT u.id, u.name, u.kind, u.spec::jsonb, last.to_status, last.reason, last.version,
+           u.priority, u.max_retries, u.timeout_s, u.hb, u.ikey, u.cpu, u.memory_mb, u.gpu,
+           CASE WHEN last.to_status = 'ready' THEN now() END
     FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int[], $6::int[],
-                $7::float8[], $8::float8[], $9::text[])
-         AS u(id, name, kind, spec, priority, max_retries, timeout_s, hb, ikey)
-    ON CONFLICT (idempotency_key) DO NOTHING
+                $7::float8[], $8::float8[], $9::text[], $10::float8[], $11::bigint[],
+                $12::int[])
+         AS u(id, name, kind, spec, priority, max_retries, timeout_s, hb, ikey, cpu, memory_mb,
+              gpu)
+    CROSS JOIN last
+    -- a redelivered submission (same id) or a reused idempotency key creates nothing
+    ON CONFLICT DO NOTHING
     RETURNING {_TASK_COLUMNS}
 ), ev AS (
     INSERT INTO task_events (task_id, from_status, to_status, version, attempt, reason)
-    SELECT id, NULL, 'created', version, attempt, 'submitted' FROM ins
-)
-SELECT {_TASK_FIELDS} FROM ins
+    SELECT ins.id, w.from_status, w.to_status, w.version, 0, w.reason FROM ins CROSS JOIN w
+), note AS ({_notify_from("ins")})
+SELECT {_TASK_FIELDS}, (SELECT count(*) FROM note) AS _notified FROM ins
 """
 
-SELECT_BY_IDEMPOTENCY_KEYS = f"SELECT {_TASK_COLUMNS} FROM tasks WHERE idempotency_key = ANY($1)"
+SELECT_EXISTING = f"""
+SELECT {_TASK_COLUMNS} FROM tasks WHERE id = ANY($1::uuid[]) OR idempotency_key = ANY($2::text[])
+"""
 
 # The CAS. `u.p` is the move's patch (jsonb): a key present sets its column, a key absent keeps
 # it. The status guard beside the version guard makes a wrong `source` in a Move a lost race
@@ -102,6 +155,7 @@ WITH u AS (
         result = CASE WHEN u.p ? 'result' THEN NULLIF(u.p -> 'result', 'null'::jsonb)
                       ELSE t.result END,
         error = CASE WHEN u.p ? 'error' THEN u.p ->> 'error' ELSE t.error END,
+        log_tail = CASE WHEN u.p ? 'log_tail' THEN u.p ->> 'log_tail' ELSE t.log_tail END,
         paused_by = CASE WHEN u.p ? 'paused_by' THEN u.p ->> 'paused_by' ELSE t.paused_by END,
         paused_reason = CASE WHEN u.p ? 'paused_reason' THEN u.p ->> 'paused_reason'
                              ELSE t.paused_reason END,
@@ -119,18 +173,40 @@ WITH u AS (
 ), ev AS (
     INSERT INTO task_events (task_id, from_status, to_status, version, attempt, reason)
     SELECT id, _from, status, version, attempt, _reason FROM moved
-), note AS (
-    SELECT pg_notify('{TASK_CHANNEL}',
-                     CASE WHEN count(*) = 1
-                          THEN min(id::text) || ':' || min(version) || ':' || min(status)
-                          ELSE '*:' || count(*) || ':' || string_agg(DISTINCT status, ',') END)
-    FROM moved
-    HAVING count(*) > 0
-)
+), note AS ({_notify_from("moved")})
 SELECT {_TASK_FIELDS}, (SELECT count(*) FROM note) AS _notified FROM moved
 """
 
 GET_TASK = f"SELECT {_TASK_COLUMNS} FROM tasks WHERE id = $1"
+GET_TASKS = f"SELECT {_TASK_COLUMNS} FROM tasks WHERE id = ANY($1::uuid[])"
+GET_READY = f"SELECT {_TASK_COLUMNS} FROM tasks WHERE id = ANY($1::uuid[]) AND status = 'ready'"
+
+# What the ready queue needs to (re)score a task; the reconciler reads only tasks Ready for a
+# while, which a live scheduler would have popped already.
+READY_FOR_QUEUE = """
+SELECT id, priority, queued_at FROM tasks
+WHERE status = 'ready' AND queued_at < now() - make_interval(secs => $1)
+ORDER BY queued_at
+LIMIT $2
+"""
+
+# A Ready task that cannot be placed says why (only written when the reason changes).
+SET_WAIT_REASONS = """
+UPDATE tasks t SET status_reason = u.reason
+FROM unnest($1::uuid[], $2::text[]) AS u(id, reason)
+WHERE t.id = u.id AND t.status = 'ready' AND t.status_reason IS DISTINCT FROM u.reason
+"""
+
+# Which of these tasks are terminal: Success/Canceled/Skipped, or Failed/TimedOut with no
+# retry left (the FSM's is_terminal, in SQL, so waiters fetch only finished rows).
+TERMINAL_AMONG = f"""
+SELECT {_TASK_COLUMNS} FROM tasks
+WHERE id = ANY($1::uuid[])
+  AND (status IN ('success', 'canceled', 'skipped')
+       OR (status IN ('failed', 'timed_out') AND retry_count >= max_retries))
+"""
+
+NEXT_RETRY_DUE = "SELECT min(next_retry_at) FROM tasks WHERE status = 'retry_wait'"
 
 LIST_TASKS = f"""
 SELECT {_TASK_COLUMNS} FROM tasks
@@ -181,6 +257,13 @@ def _move_args(moves: Sequence[Move]) -> tuple[list[Any], ...]:
     )
 
 
+@dataclass(frozen=True)
+class QueuedRow:
+    id: UUID
+    priority: int
+    queued_at: datetime | None
+
+
 class PgTaskRepo:
     """Tasks and their history in Postgres, written only by compare-and-swap."""
 
@@ -189,17 +272,36 @@ class PgTaskRepo:
 
     # -- creation ---------------------------------------------------------------------------
 
-    async def create(self, spec: TaskSpec) -> Task:
-        return (await self.create_many([spec]))[0]
+    async def create(self, spec: TaskSpec, task_id: UUID | None = None) -> Task:
+        return (await self.create_many([spec], None if task_id is None else [task_id]))[0]
 
-    async def create_many(self, specs: Sequence[TaskSpec]) -> list[Task]:
+    async def admit_many(
+        self,
+        specs: Sequence[TaskSpec],
+        ids: Sequence[UUID],
+        walk: Sequence[State],
+        conn: asyncpg.Connection | None = None,
+    ) -> list[Task]:
+        """Create tasks and walk the new ones from Created through `walk` (checked by the FSM)
+        in one statement. Existing tasks (a redelivery, a taken idempotency key) are returned
+        as they are."""
+        return await self.create_many(specs, ids, conn, walk)
+
+    async def create_many(
+        self,
+        specs: Sequence[TaskSpec],
+        ids: Sequence[UUID] | None = None,
+        conn: asyncpg.Connection | None = None,
+        walk: Sequence[State] = (),
+    ) -> list[Task]:
         """Insert tasks in Created with their first event; one round trip for the batch.
 
-        A spec whose idempotency key is already taken yields the existing task, not a new one.
+        `ids` (optional) are producer-chosen task ids: a submission delivered twice creates one
+        task. A spec whose idempotency key is already taken yields the existing task.
         """
         if not specs:
             return []
-        ids = [uuid4() for _ in specs]
+        ids = list(ids) if ids is not None else [uuid4() for _ in specs]
         args = (
             ids,
             [s.name for s in specs],
@@ -210,25 +312,41 @@ class PgTaskRepo:
             [s.timeout_s for s in specs],
             [s.heartbeat_timeout_s for s in specs],
             [s.idempotency_key for s in specs],
+            [s.resources.cpu for s in specs],
+            [s.resources.memory_mb for s in specs],
+            [s.resources.gpu for s in specs],
+            *fsm.walk(State.CREATED, walk),
         )
-        async with self.pool.acquire() as conn:
-            rows = await conn.fetch(INSERT_TASKS, *args)
-            created = {row["id"]: _task(row) for row in rows}
-            missing = [
-                s.idempotency_key for i, s in zip(ids, specs, strict=True) if i not in created
-            ]
-            by_key = {}
-            if missing:
-                for row in await conn.fetch(SELECT_BY_IDEMPOTENCY_KEYS, missing):
-                    by_key[row["idempotency_key"]] = _task(row)
+        if conn is None:
+            async with self.pool.acquire() as c:
+                return await self._create(c, ids, specs, args)
+        return await self._create(conn, ids, specs, args)
+
+    async def _create(
+        self,
+        conn: asyncpg.Connection,
+        ids: list[UUID],
+        specs: Sequence[TaskSpec],
+        args: tuple[list[Any], ...],
+    ) -> list[Task]:
+        rows = await conn.fetch(INSERT_TASKS, *args)
+        created = {row["id"]: _task(row) for row in rows}
+        by_id: dict[UUID, Task] = {}
+        by_key: dict[str, Task] = {}
+        if len(created) < len(ids):
+            keys = [s.idempotency_key for s in specs if s.idempotency_key is not None]
+            for row in await conn.fetch(SELECT_EXISTING, ids, keys):
+                found = _task(row)
+                by_id[found.id] = found
+                if found.idempotency_key is not None:
+                    by_key[found.idempotency_key] = found
         out = []
         for task_id, spec in zip(ids, specs, strict=True):
-            task = created.get(task_id)
+            task: Task | None = created.get(task_id) or by_id.get(task_id)
+            if task is None and spec.idempotency_key is not None:
+                task = by_key.get(spec.idempotency_key)
             if task is None:
-                task = by_key[spec.idempotency_key]
-            elif spec.idempotency_key is not None:
-                # a later spec in this same batch with the same key gets this task
-                by_key.setdefault(spec.idempotency_key, task)
+                raise RuntimeError(f"task {task_id} was neither created nor found")
             out.append(task)
         return out
 
@@ -294,6 +412,30 @@ class PgTaskRepo:
         wanted = None if statuses is None else [State.parse(s).value for s in statuses]
         rows = await self.pool.fetch(LIST_TASKS, wanted, name, limit)
         return [_task(row) for row in rows]
+
+    async def get_many(self, ids: Sequence[UUID]) -> list[Task]:
+        rows = await self.pool.fetch(GET_TASKS, list(ids))
+        return [_task(row) for row in rows]
+
+    async def terminal_among(self, ids: Sequence[UUID]) -> list[Task]:
+        """Those of `ids` that are terminal (never move again)."""
+        return [_task(row) for row in await self.pool.fetch(TERMINAL_AMONG, list(ids))]
+
+    async def get_ready(self, ids: Sequence[UUID], conn: asyncpg.Connection) -> list[Task]:
+        """Those of `ids` still Ready (a popped id may have been canceled meanwhile)."""
+        return [_task(row) for row in await conn.fetch(GET_READY, list(ids))]
+
+    async def ready_for_queue(self, older_than_s: float, limit: int) -> list[QueuedRow]:
+        rows = await self.pool.fetch(READY_FOR_QUEUE, older_than_s, limit)
+        return [QueuedRow(r["id"], r["priority"], r["queued_at"]) for r in rows]
+
+    async def set_wait_reasons(self, reasons: dict[UUID, str]) -> None:
+        if reasons:
+            await self.pool.execute(SET_WAIT_REASONS, list(reasons), list(reasons.values()))
+
+    async def next_retry_due(self) -> datetime | None:
+        due: datetime | None = await self.pool.fetchval(NEXT_RETRY_DUE)
+        return due
 
     async def history(self, task_id: UUID) -> list[Event]:
         rows = await self.pool.fetch(HISTORY, task_id)

@@ -9,7 +9,7 @@ import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from shared.settings import Settings
 
@@ -61,6 +61,31 @@ async def wait_any(*events: asyncio.Event, timeout: float | None = None) -> None
     finally:
         for w in waiters:
             w.cancel()
+
+
+T = TypeVar("T")
+
+
+async def next_batch(inbox: asyncio.Queue[T | None], limit: int = 10_000) -> list[T] | None:
+    """Wait for one item, then take whatever else is already queued (up to `limit`).
+
+    This is how every sked loop batches: no timer, no linger — under load the queue fills
+    while the previous batch is written, so batches grow exactly when they help. None in the
+    queue means stop: it returns None (leaving the None for the next call) once the items
+    before it are taken.
+    """
+    first = await inbox.get()
+    if first is None:
+        inbox.put_nowait(None)
+        return None
+    batch = [first]
+    while len(batch) < limit and not inbox.empty():
+        item = inbox.get_nowait()
+        if item is None:
+            inbox.put_nowait(None)
+            break
+        batch.append(item)
+    return batch
 
 
 async def serve(service: Service) -> None:

@@ -6,8 +6,40 @@ Redis database and RabbitMQ vhost; every process reads them through `Settings`.
 
 from __future__ import annotations
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+import os
+import socket
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+def _total_memory_mb() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1024 * 1024)
+    except (ValueError, OSError, AttributeError):  # not every platform names these
+        return 1024
+
+
+def parse_labels(value: Any) -> dict[str, str]:
+    """Labels from `k=v,k2=v2`, a JSON object, or a dict."""
+    if isinstance(value, dict):
+        return {str(k): str(v) for k, v in value.items()}
+    text = str(value or "").strip()
+    if not text:
+        return {}
+    if text.startswith("{"):
+        import json
+
+        return parse_labels(json.loads(text))
+    labels = {}
+    for part in text.split(","):
+        key, sep, val = part.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"a label must look like key=value, got {part!r}")
+        labels[key.strip()] = val.strip()
+    return labels
 
 
 class Settings(BaseSettings):
@@ -25,3 +57,28 @@ class Settings(BaseSettings):
     # events whose NOTIFY was missed (a listener reconnect, a relay crash).
     relay_batch: int = Field(default=1000, ge=1, le=10_000)
     relay_sweep_s: float = Field(default=5.0, gt=0)
+    relay_linger_s: float = Field(default=0.02, ge=0, description="batching window after a wake")
+
+    # Scheduler.
+    aging_s: float = Field(default=5.0, ge=0, description="waiting this long = +1 priority")
+    max_message_bytes: int = Field(default=1024 * 1024, ge=1024)
+    submit_batch: int = Field(default=500, ge=1, le=10_000)
+    dispatch_batch: int = Field(default=500, ge=1, le=10_000)
+    reconcile_s: float = Field(default=5.0, gt=0, description="queue/Postgres consistency check")
+    node_ttl_s: float = Field(default=10.0, gt=0, description="a node silent this long is gone")
+
+    # Executor (one process = one node).
+    node_id: str = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "node")
+    slots: int = Field(default=4, ge=1, le=10_000)
+    node_cpu: float = Field(default_factory=lambda: float(os.cpu_count() or 1), ge=0)
+    node_memory_mb: int = Field(default_factory=_total_memory_mb, ge=0)
+    node_gpu: int = Field(default=0, ge=0)
+    node_labels: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
+    node_heartbeat_s: float = Field(default=2.0, gt=0)
+    state_dir: Path | None = None  # default: <tmp>/sked/<node_id>
+    shutdown_grace_s: float = Field(default=10.0, ge=0)
+
+    @field_validator("node_labels", mode="before")
+    @classmethod
+    def _labels(cls, value: Any) -> dict[str, str]:
+        return parse_labels(value)

@@ -16,6 +16,7 @@ from urllib.parse import quote
 
 import asyncpg
 import pytest
+from redis.asyncio import Redis
 
 from shared.migrate import migrate
 from shared.repo import PgTaskRepo, create_pool
@@ -131,8 +132,24 @@ def amqp_url() -> Iterator[str]:
 
 
 @pytest.fixture
-def settings(dsn: str, amqp_url: str) -> Settings:
-    return Settings(database_url=dsn, rabbitmq_url=amqp_url, redis_url=f"{REDIS_BASE}/15")
+async def redis_url() -> str:
+    """A Redis database (1-15) of this test's own, emptied before use.
+
+    Tests run one at a time, so a database is never shared by two live tests; FLUSHDB touches
+    only that database (never FLUSHALL on the shared server).
+    """
+    url = f"{REDIS_BASE}/{1 + next(_counter) % 15}"
+    client = Redis.from_url(url)
+    try:
+        await client.flushdb()
+    finally:
+        await client.aclose()
+    return url
+
+
+@pytest.fixture
+def settings(dsn: str, amqp_url: str, redis_url: str) -> Settings:
+    return Settings(database_url=dsn, rabbitmq_url=amqp_url, redis_url=redis_url)
 
 
 @pytest.fixture
@@ -143,5 +160,6 @@ def service_env(settings: Settings) -> dict[str, str]:
         SKED_DATABASE_URL=settings.database_url,
         SKED_RABBITMQ_URL=settings.rabbitmq_url,
         SKED_REDIS_URL=settings.redis_url,
+        PYTHONUNBUFFERED="1",
     )
     return env

@@ -5,28 +5,21 @@ from __future__ import annotations
 import sys
 
 from services.relay.service import Relay
-from shared.bus import AmqpBus
-from shared.repo import create_pool
 from shared.runtime import configure_logging, run_main, serve
 from shared.settings import Settings
+from shared.wiring import backends
 
 
 async def main(settings: Settings) -> None:
-    pool = await create_pool(settings.database_url, settings.db_pool_size)
-    bus = AmqpBus(settings.rabbitmq_url)
-    try:
-        await bus.connect()
-        await serve(Relay(settings, pool, bus))
-    finally:
-        await bus.close()
-        await pool.close()
+    async with backends(settings) as b:
+        await serve(Relay(settings, b.pool, b.bus))
 
 
-def run() -> int:
+def run(argv: list[str] | None = None) -> int:
     settings = Settings()
     configure_logging(settings, "relay")
     return run_main(lambda: main(settings))
 
 
 if __name__ == "__main__":
-    sys.exit(run())
+    sys.exit(run(sys.argv[1:]))

@@ -11,6 +11,7 @@ import asyncpg
 
 from services.relay import service as relay_service
 from shared import migrate as migrate_module
+from shared import nodes as nodes_module
 from shared import repo as repo_module
 from tests.conftest import PG_ADMIN, PG_BASE, RUN
 
@@ -59,7 +60,7 @@ async def test_every_query_prepares(pool: asyncpg.Pool) -> None:
     """A typo in any SQL constant fails here, not in production."""
     queries = {
         f"{module.__name__}.{name}": value
-        for module in (repo_module, relay_service, migrate_module)
+        for module in (repo_module, relay_service, migrate_module, nodes_module)
         for name, value in vars(module).items()
         if name.isupper()
         and isinstance(value, str)

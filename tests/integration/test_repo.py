@@ -10,10 +10,11 @@ import asyncpg
 import pytest
 
 from shared import fsm
+from shared.client import is_done
 from shared.errors import IllegalTransition, InvalidSpec, NotFound, StaleWrite, UnknownState
 from shared.fsm import State
 from shared.models import TaskSpec
-from shared.repo import PgTaskRepo
+from shared.repo import PgTaskRepo, parse_notify
 from tests.helpers import spec
 
 
@@ -209,3 +210,55 @@ async def test_a_move_with_a_wrong_source_loses(repo: PgTaskRepo) -> None:
     forged = fsm.Move(task.id, task.version, State.PENDING, State.READY, "forged")
     assert await repo.transition(forged) is None
     assert (await repo.get(task.id)).status is State.CREATED
+
+
+async def test_terminal_query_agrees_with_the_fsm(repo: PgTaskRepo, pool: asyncpg.Pool) -> None:
+    """repo.TERMINAL_AMONG is fsm.is_terminal written in SQL; they must never disagree."""
+    tasks = []
+    for state in State:
+        for retry_count in (0, 2):
+            task = await repo.create(spec(f"{state}-{retry_count}", max_retries=2))
+            # test-only: put the row straight into each (state, retries) combination
+            await pool.execute(
+                "UPDATE tasks SET status = $2, retry_count = $3 WHERE id = $1",
+                task.id,
+                state.value,
+                retry_count,
+            )
+            tasks.append(task.id)
+    terminal = {t.id for t in await repo.terminal_among(tasks)}
+    for task in await repo.get_many(tasks):
+        assert (task.id in terminal) == is_done(task), (task.status, task.retry_count)
+
+
+async def test_admission_walks_the_fsm_in_one_statement(
+    repo: PgTaskRepo, pool: asyncpg.Pool
+) -> None:
+    first = spec("walk")
+    task_id = UUID(int=42)
+    [task] = await repo.admit_many([first], [task_id], (State.PENDING, State.READY))
+    assert (task.status, task.version, task.attempt) == (State.READY, 3, 0)
+    assert task.queued_at is not None
+    history = await repo.history(task_id)
+    assert [(e.from_status, e.to_status, e.version) for e in history] == [
+        (None, State.CREATED, 1),
+        (State.CREATED, State.PENDING, 2),
+        (State.PENDING, State.READY, 3),
+    ]
+    # a redelivered submission creates nothing and returns the task as it is
+    [again] = await repo.admit_many([first], [task_id], (State.PENDING, State.READY))
+    assert again == task
+    assert await counts(pool) == (1, 3)
+    with pytest.raises(IllegalTransition, match="Created -> Running"):
+        await repo.admit_many([spec("bad")], [UUID(int=43)], (State.RUNNING,))
+    assert await counts(pool) == (1, 3)
+
+
+def test_notify_payloads_parse() -> None:
+    a, b = UUID(int=1), UUID(int=2)
+    notice = parse_notify(f"{a}:3:ready {b}:7:success")
+    assert notice.ids == {a, b}
+    assert notice.states == {"ready", "success"}
+    big = parse_notify("*:500:success,failed")
+    assert big.ids is None
+    assert big.states == {"success", "failed"}

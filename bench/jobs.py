@@ -1,0 +1,5 @@
+"""Handlers the benchmarks submit."""
+
+
+def noop() -> None:
+    return None

@@ -1,0 +1,102 @@
+"""`sked dev`: the whole deployment in one terminal, each service its own process.
+
+Applies migrations, then runs the scheduler, the relay and N executors (`sked service …`),
+prefixing every log line with its process's name. Ctrl-C (or SIGTERM) stops them all: each
+gets SIGTERM and a grace period, then SIGKILL. If any one dies, the rest are stopped too and the
+exit code says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+from shared.migrate import migrate
+from shared.runtime import run_main
+from shared.settings import Settings
+
+GRACE_S = 15.0
+COLOURS = ["36", "33", "35", "32", "34", "31"]
+
+
+@dataclass
+class Child:
+    name: str
+    proc: asyncio.subprocess.Process
+
+
+def _commands(executors: int, slots: int) -> list[tuple[str, list[str]]]:
+    sked = [sys.executable, "-m", "services.cli", "service"]
+    out = [("scheduler", [*sked, "scheduler"]), ("relay", [*sked, "relay"])]
+    for i in range(1, executors + 1):
+        node = f"dev-{i}"
+        out.append((node, [*sked, "executor", "--node-id", node, "--slots", str(slots)]))
+    return out
+
+
+async def _pump(child: Child, colour: str, tty: bool) -> None:
+    assert child.proc.stdout is not None
+    prefix = f"\x1b[{colour}m{child.name:>10}\x1b[0m | " if tty else f"{child.name:>10} | "
+    async for line in child.proc.stdout:
+        sys.stdout.write(prefix + line.decode(errors="replace"))
+        sys.stdout.flush()
+
+
+async def _dev(executors: int, slots: int) -> int:
+    settings = Settings()
+    await migrate(settings.database_url)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    children: list[Child] = []
+    tty = sys.stdout.isatty()
+    pumps = []
+    for i, (name, argv) in enumerate(_commands(executors, slots)):
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C reaches only us; we stop the children in order
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        child = Child(name, proc)
+        children.append(child)
+        pumps.append(asyncio.create_task(_pump(child, COLOURS[i % len(COLOURS)], tty)))
+    exits = [asyncio.create_task(c.proc.wait()) for c in children]
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait([*exits, stopper], return_when=asyncio.FIRST_COMPLETED)
+    crashed = [c.name for c in children if c.proc.returncode is not None]
+    if crashed:
+        pass
+    else:
+        pass
+    for child in children:
+        if child.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.proc.terminate()
+    _done, _pending = await asyncio.wait(exits, timeout=GRACE_S)
+    for child in children:
+        if child.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.proc.kill()
+    await asyncio.gather(*exits)
+    await asyncio.gather(*pumps, return_exceptions=True)
+    stopper.cancel()
+    return 1 if crashed else 0
+
+
+def run_dev(executors: int, slots: int) -> int:
+    if executors < 1:
+        return 2
+    code = 0
+
+    async def main() -> None:
+        nonlocal code
+        code = await _dev(executors, slots)
+
+    return run_main(main) or code

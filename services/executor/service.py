@@ -1,0 +1,263 @@
+"""The executor's loops: start dispatched attempts, report their outcomes, heartbeat as a node.
+
+start   dispatches from this node's queue (prefetch = slots, so RabbitMQ never hands this node
+        more attempts than it has slots), in batches: CAS Scheduling -> Running first, then
+        start the process. Claiming before starting is what makes a redelivered dispatch
+        harmless: its CAS loses, so an attempt is never started twice.
+finish  outcomes in batches, in one transaction: Running -> Success | Failed | TimedOut, and
+        Failed/TimedOut -> RetryWait (capped exponential backoff with jitter) while retries
+        remain. Only then is the dispatch acknowledged.
+beat    refresh this node's row; a node silent for SKED_NODE_TTL_S gets no new work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from uuid import UUID, uuid4
+
+from aio_pika.abc import AbstractIncomingMessage
+from pydantic import ValidationError
+
+from services.executor.backend import Launch, LocalBackend, Outcome
+from shared import fsm
+from shared.backoff import retry_delay
+from shared.bus import AmqpBus
+from shared.fsm import State
+from shared.models import Dispatch, Task
+from shared.nodes import PgNodeRepo
+from shared.queues import ReadyQueue
+from shared.repo import PgTaskRepo
+from shared.runtime import next_batch, wait_any
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Attempt:
+    task: Task  # as it stood after this executor's Scheduling -> Running CAS
+    message: AbstractIncomingMessage
+
+
+class Executor:
+    """One executor process is one node."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        repo: PgTaskRepo,
+        nodes: PgNodeRepo,
+        bus: AmqpBus,
+        backend: LocalBackend,
+        queue: ReadyQueue,
+    ) -> None:
+        self.settings = settings
+        self.node_id = settings.node_id
+        self.repo = repo
+        self.nodes = nodes
+        self.bus = bus
+        self.backend = backend
+        self.queue = queue
+        self.boot_id = uuid4()
+        self.active: dict[tuple[UUID, int], Attempt] = {}
+        self._inbox: asyncio.Queue[AbstractIncomingMessage | None] = asyncio.Queue()
+        self._outcomes: asyncio.Queue[tuple[Attempt, Outcome] | None] = asyncio.Queue()
+        self._runs: set[asyncio.Task[None]] = set()
+        self._stopping = asyncio.Event()
+        self.ready = asyncio.Event()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        s = self.settings
+        await self.backend.start()
+        channel = await self.bus.consumer_channel(prefetch=s.slots)
+        queue = await self.bus.declare_node_queue(channel, self.node_id)
+        await self.nodes.register(
+            self.node_id,
+            s.slots,
+            s.node_cpu,
+            s.node_memory_mb,
+            s.node_gpu,
+            s.node_labels,
+            self.boot_id,
+        )
+        tag = await queue.consume(self._inbox.put)
+        log.info(
+            "executor %s ready: %d slots, cpu %g, memory %d MB, gpu %d, labels %s",
+            self.node_id,
+            s.slots,
+            s.node_cpu,
+            s.node_memory_mb,
+            s.node_gpu,
+            s.node_labels,
+        )
+        self.ready.set()
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._start_loop())
+                group.create_task(self._finish_loop())
+                group.create_task(self._beat_loop())
+                await self._stopping.wait()
+                # stop taking work, let what runs finish (bounded), then stop the rest
+                await self.nodes.set_ready(self.node_id, self.boot_id, False)
+                await queue.cancel(tag)
+                await self._drain_runs()
+                self._outcomes.put_nowait(None)
+        finally:
+            await channel.close()
+            await self.backend.close()
+
+    def stop(self) -> None:
+        if not self._stopping.is_set():
+            log.info("executor %s stopping", self.node_id)
+        self._stopping.set()
+        self._inbox.put_nowait(None)
+
+    async def _drain_runs(self) -> None:
+        if self._runs:
+            await asyncio.wait(self._runs, timeout=self.settings.shutdown_grace_s)
+        for task_id, attempt in list(self.backend.running()):
+            await self.backend.stop_task(task_id, attempt)
+        if self._runs:
+            await asyncio.wait(self._runs, timeout=10)
+
+    # -- start --------------------------------------------------------------------------------
+
+    async def _start_loop(self) -> None:
+        while (batch := await next_batch(self._inbox)) is not None:
+            await self.start(batch)
+        await self._hand_back_unstarted()
+
+    async def start(self, batch: list[AbstractIncomingMessage]) -> int:
+        """Claim and start a batch of dispatches; returns how many attempts started here."""
+        fresh: dict[UUID, tuple[Dispatch, AbstractIncomingMessage]] = {}
+        for message in batch:
+            try:
+                dispatch = Dispatch.model_validate_json(message.body)
+            except ValidationError as exc:  # only a bug or a foreign publisher does this
+                log.error("dropping an unreadable dispatch: %s", exc)
+                await message.ack()
+                continue
+            key = (dispatch.task_id, dispatch.attempt)
+            if key in self.active:
+                # redelivered after a reconnect while it still runs: acknowledge via this copy
+                self.active[key].message = message
+                continue
+            if dispatch.task_id in fresh:
+                await message.ack()  # the same dispatch twice in one batch
+                continue
+            fresh[dispatch.task_id] = (dispatch, message)
+        moves = [
+            fsm.plan(d, State.RUNNING, f"started on {self.node_id}") for d, _ in fresh.values()
+        ]
+        started = await self.repo.transition_many(moves)
+        won = {t.id for t in started}
+        for dispatch, message in fresh.values():
+            if dispatch.task_id not in won:
+                log.info(
+                    "dispatch of %s attempt %d is stale (the task moved on); dropped",
+                    dispatch.task_id,
+                    dispatch.attempt,
+                )
+                await message.ack()
+        for task in started:
+            attempt = Attempt(task, fresh[task.id][1])
+            self.active[(task.id, task.attempt)] = attempt
+            run = asyncio.create_task(self._run(attempt))
+            self._runs.add(run)
+            run.add_done_callback(self._runs.discard)
+        return len(started)
+
+    async def _run(self, attempt: Attempt) -> None:
+        task = attempt.task
+        outcome = await self.backend.run(
+            Launch(task.id, task.attempt, task.spec.job, task.timeout_s, env={})
+        )
+        await self._outcomes.put((attempt, outcome))
+
+    async def _hand_back_unstarted(self) -> None:
+        """On shutdown, dispatches received but not started go back to Ready at once."""
+        while not self._inbox.empty():
+            message = self._inbox.get_nowait()
+            if message is None:
+                continue
+            try:
+                dispatch = Dispatch.model_validate_json(message.body)
+            except ValidationError:
+                await message.ack()
+                continue
+            moved = await self.repo.transition(
+                fsm.plan(dispatch, State.READY, f"node {self.node_id} shut down before start")
+            )
+            if moved is not None:
+                await self.queue.push([moved])
+            await message.ack()
+
+    # -- finish -------------------------------------------------------------------------------
+
+    async def _finish_loop(self) -> None:
+        while (batch := await next_batch(self._outcomes)) is not None:
+            await self.finish(batch)
+
+    async def finish(self, batch: list[tuple[Attempt, Outcome]]) -> None:
+        now = datetime.now(UTC)
+        ends = []
+        for attempt, outcome in batch:
+            target, reason, changes = _end(outcome, self.node_id)
+            ends.append(fsm.plan(attempt.task, target, reason, **changes))
+        async with self.repo.pool.acquire() as conn, conn.transaction():
+            ended = await self.repo.transition_many(ends, conn)
+            retries = [
+                fsm.plan(
+                    t,
+                    State.RETRY_WAIT,
+                    f"retry {t.retry_count + 1} of {t.max_retries}",
+                    next_retry_at=now + timedelta(seconds=_delay(t)),
+                )
+                for t in ended
+                if t.status in fsm.RETRYABLE and fsm.has_retry_left(t)
+            ]
+            await self.repo.transition_many(retries, conn)
+        won = {t.id for t in ended}
+        for attempt, outcome in batch:
+            task = attempt.task
+            if task.id not in won:
+                log.info(
+                    "outcome of %s attempt %d not applied (the task moved on): ok=%s",
+                    task.id,
+                    task.attempt,
+                    outcome.ok,
+                )
+            self.active.pop((task.id, task.attempt), None)
+            await attempt.message.ack()
+
+    # -- node heartbeat -----------------------------------------------------------------------
+
+    async def _beat_loop(self) -> None:
+        while not self._stopping.is_set():
+            await wait_any(self._stopping, timeout=self.settings.node_heartbeat_s)
+            if self._stopping.is_set():
+                return
+            load = len(self.active) / self.settings.slots
+            if not await self.nodes.heartbeat(self.node_id, self.boot_id, load):
+                log.error("node %s was taken over by another executor; stopping", self.node_id)
+                self.stop()
+
+
+def _end(outcome: Outcome, node: str) -> tuple[State, str, dict[str, object]]:
+    changes: dict[str, object] = {"log_tail": outcome.log_tail, "result": outcome.result}
+    if outcome.ok:
+        return State.SUCCESS, f"succeeded on {node}", {**changes, "error": None}
+    changes["error"] = outcome.error
+    if outcome.timed_out:
+        return State.TIMED_OUT, outcome.error or "timed out", changes
+    return State.FAILED, outcome.error or "failed", changes
+
+
+def _delay(task: Task) -> float:
+    spec = task.spec
+    return retry_delay(task.retry_count, spec.backoff_base_s, spec.backoff_cap_s)

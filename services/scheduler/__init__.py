@@ -1,0 +1,1 @@
+"""The scheduler: accepts submissions, keeps the ready queue, places and dispatches attempts."""

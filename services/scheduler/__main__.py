@@ -1,0 +1,25 @@
+"""Wire settings -> Postgres, Redis, RabbitMQ -> Scheduler, and run it: `sked service scheduler`."""
+
+from __future__ import annotations
+
+import sys
+
+from services.scheduler.service import Scheduler
+from shared.runtime import configure_logging, run_main, serve
+from shared.settings import Settings
+from shared.wiring import backends
+
+
+async def main(settings: Settings) -> None:
+    async with backends(settings) as b:
+        await serve(Scheduler(settings, b.tasks, b.nodes, b.bus, b.ready_queue))
+
+
+def run(argv: list[str] | None = None) -> int:
+    settings = Settings()
+    configure_logging(settings, "scheduler")
+    return run_main(lambda: main(settings))
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))

@@ -1,0 +1,273 @@
+"""The scheduler's loops: intake, dispatch, retry sweep and queue reconciliation.
+
+intake    submissions from `sked.submit`, in batches: Created -> Pending -> Ready in one
+          transaction, then into the Redis ready queue, then one multiple-ack.
+dispatch  pop by aged priority, place on nodes under their row locks, CAS Ready -> Scheduling
+          with the node, send each attempt to its node's queue. Woken by intake, by capacity
+          being freed (NOTIFY) and by nodes joining — never a tight poll.
+retry     RetryWait tasks whose backoff elapsed -> Ready (SKIP LOCKED, shared by replicas),
+          sleeping until the earliest `next_retry_at` or a NOTIFY of a new RetryWait.
+reconcile rebuild the ready queue after a Redis loss; re-queue Ready tasks Redis lost track
+          of (a scheduler killed between pop and CAS).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from uuid import UUID
+
+import asyncpg
+from aio_pika.abc import AbstractIncomingMessage
+
+from services.scheduler.intake import Accepted, judge
+from shared import fsm
+from shared.bus import DISPATCH_EXCHANGE, SUBMIT_QUEUE, AmqpBus, Outgoing
+from shared.fsm import State
+from shared.models import Dispatch, Task, TaskSpec
+from shared.nodes import NODE_CHANNEL, PgNodeRepo
+from shared.placement import Need, place_many
+from shared.queues import ReadyQueue
+from shared.repo import TASK_CHANNEL, PgTaskRepo, parse_notify
+from shared.runtime import next_batch, wait_any
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+# A NOTIFY naming one of these states may have freed capacity on a node.
+FREES_CAPACITY = {
+    s.value
+    for s in (
+        State.SUCCESS,
+        State.FAILED,
+        State.TIMED_OUT,
+        State.LOST,
+        State.CANCELED,
+        State.PAUSED,
+        State.RETRY_WAIT,
+        State.READY,
+    )
+}
+
+
+# A task with no dependencies is ready as soon as it is accepted.
+ADMISSION = (State.PENDING, State.READY)
+
+
+def need_of(task: Task) -> Need:
+    spec = task.spec
+    return Need(
+        cpu=spec.resources.cpu,
+        memory_mb=spec.resources.memory_mb,
+        gpu=spec.resources.gpu,
+        selector=spec.selector,
+    )
+
+
+class Scheduler:
+    """One replica; any number may run against the same Postgres, Redis and RabbitMQ."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        repo: PgTaskRepo,
+        nodes: PgNodeRepo,
+        bus: AmqpBus,
+        queue: ReadyQueue,
+    ) -> None:
+        self.settings = settings
+        self.repo = repo
+        self.nodes = nodes
+        self.bus = bus
+        self.queue = queue
+        # None is the stop signal for the intake loop
+        self._inbox: asyncio.Queue[AbstractIncomingMessage | None] = asyncio.Queue()
+        self._wake_dispatch = asyncio.Event()
+        self._wake_retry = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self.ready = asyncio.Event()  # set once consuming: tests and `sked dev` wait on it
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        await self.rebuild_queue()
+        listener: asyncpg.Connection = await asyncpg.connect(self.settings.database_url)
+        await listener.add_listener(TASK_CHANNEL, self._on_task_notify)
+        await listener.add_listener(NODE_CHANNEL, self._on_node_notify)
+        channel = await self.bus.consumer_channel(prefetch=self.settings.submit_batch * 2)
+        submit = await channel.get_queue(SUBMIT_QUEUE)
+        tag = await submit.consume(self._inbox.put)
+        log.info("scheduler consuming %s", SUBMIT_QUEUE)
+        self.ready.set()
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._intake_loop())
+                group.create_task(self._dispatch_loop())
+                group.create_task(self._retry_loop())
+                group.create_task(self._reconcile_loop())
+        finally:
+            await submit.cancel(tag)
+            await channel.close()
+            await listener.close()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._inbox.put_nowait(None)
+
+    # -- intake -------------------------------------------------------------------------------
+
+    async def _intake_loop(self) -> None:
+        """Take submissions in batches: wait for the first, then whatever else has arrived."""
+        while (batch := await next_batch(self._inbox, self.settings.submit_batch)) is not None:
+            await self.accept(batch)
+
+    async def accept(self, batch: Sequence[AbstractIncomingMessage]) -> list[Task]:
+        accepted: list[Accepted] = []
+        for message in batch:
+            verdict = judge(
+                message.body,
+                message.content_type,
+                message.message_id,
+                self.settings.max_message_bytes,
+            )
+            if isinstance(verdict, Accepted):
+                accepted.append(verdict)
+            else:
+                log.warning("dead-lettering a submission: %s", verdict.reason)
+                await self.bus.dead_letter(
+                    message.body,
+                    verdict.reason,
+                    message.routing_key or "",
+                    {"x-sked-message-id": message.message_id or ""},
+                )
+        ready = await self.admit([a.spec for a in accepted], [a.task_id for a in accepted])
+        await batch[-1].ack(multiple=True)
+        return ready
+
+    async def admit(self, specs: Sequence[TaskSpec], ids: Sequence[UUID]) -> list[Task]:
+        """Create tasks and walk the new ones Created -> Pending -> Ready, in one statement."""
+        if not specs:
+            return []
+        tasks = await self.repo.admit_many(specs, ids, ADMISSION)
+        ready = [t for t in tasks if t.status is State.READY and t.version == len(ADMISSION) + 1]
+        await self.queue.push(ready)
+        self._wake_dispatch.set()
+        return ready
+
+    # -- dispatch -----------------------------------------------------------------------------
+
+    async def _dispatch_loop(self) -> None:
+        while not self._stopping.is_set():
+            self._wake_dispatch.clear()
+            while await self.dispatch_once() >= self.settings.dispatch_batch:
+                pass  # a full batch went out: there may be more to place right away
+            await wait_any(self._wake_dispatch, self._stopping, timeout=self.settings.reconcile_s)
+
+    async def dispatch_once(self) -> int:
+        """One pass: place as many queued tasks as nodes have room for. Returns how many.
+
+        The nodes' rows stay locked from reading their usage to the CAS that reserves on them,
+        so two schedulers placing at once serialise here and neither overcommits a node.
+        """
+        if not await self.queue.size():
+            return 0  # most wake-ups (a task finished) find nothing queued: skip the locks
+        async with self.repo.pool.acquire() as conn, conn.transaction():
+            nodes = [n.state() for n in await self.nodes.lock_and_read(conn)]
+            free = sum(max(n.slots - n.used_slots, 0) for n in nodes if n.ready)
+            if free <= 0:
+                return 0
+            ids = await self.queue.pop(min(free, self.settings.dispatch_batch))
+            if not ids:
+                return 0
+            tasks = await self.repo.get_ready(ids, conn)
+            order = {task_id: i for i, task_id in enumerate(ids)}
+            tasks.sort(key=lambda t: order[t.id])
+            placed, unplaced = place_many([(t.id, need_of(t)) for t in tasks], nodes)
+            moves = [
+                fsm.plan(t, State.SCHEDULING, "placed", node=placed[t.id])
+                for t in tasks
+                if t.id in placed
+            ]
+            moved = await self.repo.transition_many(moves, conn)
+        # Dispatches go out only after COMMIT: an executor whose CAS ran before it would not
+        # see the Scheduling row (its snapshot predates the commit) and would drop the attempt.
+        # The confirms are awaited after the Redis work below, which overlaps with them.
+        sent = self.bus.start_publish(DISPATCH_EXCHANGE, [_dispatch(t) for t in moved])
+        waiting = [t for t in tasks if t.id in unplaced]
+        if waiting:
+            await self.queue.push(waiting)
+            await self.repo.set_wait_reasons({t.id: unplaced[t.id] for t in waiting})
+        await sent
+        return len(moved)
+
+    # -- retries ------------------------------------------------------------------------------
+
+    async def _retry_loop(self) -> None:
+        while not self._stopping.is_set():
+            self._wake_retry.clear()
+            moved = await self.repo.sweep_due_retries(self.settings.dispatch_batch)
+            if moved:
+                await self.queue.push(moved)
+                self._wake_dispatch.set()
+                continue
+            due = await self.repo.next_retry_due()
+            wait = self.settings.reconcile_s
+            if due is not None:
+                wait = min(wait, max((due - datetime.now(UTC)).total_seconds(), 0.0))
+            await wait_any(self._wake_retry, self._stopping, timeout=wait)
+
+    # -- reconciliation -----------------------------------------------------------------------
+
+    async def rebuild_queue(self) -> int:
+        ready = await self.repo.ready_for_queue(older_than_s=-1e9, limit=10_000_000)
+        return await self.queue.rebuild(ready)
+
+    async def reconcile_once(self) -> int:
+        """Rebuild the queue if Redis lost it; re-add Ready tasks it lost track of."""
+        if not await self.queue.is_built():
+            log.warning("the ready queue is gone (Redis lost its data): rebuilding")
+            n = await self.rebuild_queue()
+        else:
+            stale = await self.repo.ready_for_queue(self.settings.reconcile_s, 10_000)
+            missing = set(await self.queue.absent([t.id for t in stale]))
+            n = await self.queue.push([t for t in stale if t.id in missing])
+            if n:
+                log.warning("re-queued %d Ready tasks the queue had lost", n)
+        if n:
+            self._wake_dispatch.set()
+        return n
+
+    async def _reconcile_loop(self) -> None:
+        while not self._stopping.is_set():
+            jitter = random.uniform(0.8, 1.2)
+            await wait_any(self._stopping, timeout=self.settings.reconcile_s * jitter)
+            if not self._stopping.is_set():
+                await self.reconcile_once()
+
+    # -- notifications ------------------------------------------------------------------------
+
+    def _on_task_notify(self, _conn: object, _pid: int, _channel: str, payload: str) -> None:
+        states = parse_notify(payload).states
+        if states & FREES_CAPACITY:
+            self._wake_dispatch.set()
+        if State.RETRY_WAIT.value in states:
+            self._wake_retry.set()
+
+    def _on_node_notify(self, *_: object) -> None:
+        self._wake_dispatch.set()
+
+
+def _dispatch(task: Task) -> Outgoing:
+    assert task.node is not None
+    body = Dispatch(
+        task_id=task.id,
+        attempt=task.attempt,
+        version=task.version,
+        retry_count=task.retry_count,
+        max_retries=task.max_retries,
+        node=task.node,
+    )
+    return Outgoing(task.node, body.model_dump_json().encode())

@@ -1,0 +1,211 @@
+"""The producer SDK: submit tasks over RabbitMQ, read them and wait for them in Postgres.
+
+    from shared.client import SkedClient, SyncSkedClient
+
+    async with SkedClient() as sked:          # reads SKED_* like every sked process
+        task_id = await sked.submit({"name": "hello", "job": {"kind": "command",
+                                                               "argv": ["echo", "hi"]}})
+        task = await sked.wait(task_id)
+
+`submit` returns as soon as RabbitMQ has confirmed the message: the task id is chosen here (the
+message id), so a redelivered submission can never become a second task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterable, Sequence
+from types import TracebackType
+from typing import Any
+from uuid import UUID
+
+import aio_pika
+import asyncpg
+
+from shared import fsm
+from shared.bus import JSON, SCHEMA_HEADER, SUBMIT_KEY, TASKS_EXCHANGE, AmqpBus
+from shared.errors import SkedError
+from shared.models import Event, Task, TaskSpec, task_id_for
+from shared.repo import TASK_CHANNEL, PgTaskRepo, create_pool, parse_notify
+from shared.settings import Settings
+
+
+class WaitTimeout(SkedError, TimeoutError):
+    def __init__(self, pending: Iterable[UUID], timeout: float) -> None:
+        ids = ", ".join(str(i) for i in pending)
+        super().__init__(f"not terminal after {timeout:g} s: {ids}")
+
+
+def is_done(task: Task) -> bool:
+    return fsm.is_terminal(task.status, fsm.has_retry_left(task))
+
+
+class SkedClient:
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings or Settings()
+        self._bus: AmqpBus | None = None
+        self._pool: asyncpg.Pool | None = None
+
+    async def __aenter__(self) -> SkedClient:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._bus is not None:
+            await self._bus.close()
+            self._bus = None
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+
+    async def _repo(self) -> PgTaskRepo:
+        if self._pool is None:
+            self._pool = await create_pool(self.settings.database_url, 2)
+        return PgTaskRepo(self._pool)
+
+    async def _publisher(self) -> AmqpBus:
+        if self._bus is None:
+            bus = AmqpBus(self.settings.rabbitmq_url)
+            await bus.connect()
+            self._bus = bus
+        return self._bus
+
+    # -- submit -------------------------------------------------------------------------------
+
+    async def submit(self, spec: TaskSpec | dict[str, Any]) -> UUID:
+        """Publish one task; returns its id once RabbitMQ confirmed the message."""
+        return (await self.submit_many([spec]))[0]
+
+    async def submit_many(self, specs: Sequence[TaskSpec | dict[str, Any]]) -> list[UUID]:
+        """Publish many tasks with all confirms in flight at once; returns their ids in order.
+
+        Specs are validated here first, so a bad one raises InvalidSpec and nothing is sent.
+        """
+        parsed = [s if isinstance(s, TaskSpec) else TaskSpec.parse(s) for s in specs]
+        ids = [task_id_for(s) for s in parsed]
+        bus = await self._publisher()
+        exchange = await bus.channel.get_exchange(TASKS_EXCHANGE)
+        await asyncio.gather(
+            *(
+                exchange.publish(
+                    aio_pika.Message(
+                        spec.model_dump_json().encode(),
+                        content_type=JSON,
+                        message_id=str(task_id),
+                        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                        headers={SCHEMA_HEADER: 1},
+                    ),
+                    routing_key=SUBMIT_KEY,
+                )
+                for spec, task_id in zip(parsed, ids, strict=True)
+            )
+        )
+        return ids
+
+    # -- read ---------------------------------------------------------------------------------
+
+    async def get(self, task_id: UUID | str) -> Task:
+        return await (await self._repo()).get(UUID(str(task_id)))
+
+    async def history(self, task_id: UUID | str) -> list[Event]:
+        return await (await self._repo()).history(UUID(str(task_id)))
+
+    async def wait(self, task_id: UUID | str, timeout: float | None = None) -> Task:
+        """Wait until the task is terminal; returns it. Raises WaitTimeout."""
+        return (await self.wait_all([task_id], timeout))[UUID(str(task_id))]
+
+    async def wait_all(
+        self, task_ids: Iterable[UUID | str], timeout: float | None = None
+    ) -> dict[UUID, Task]:
+        """Wait until every task is terminal.
+
+        Woken by the state-change NOTIFY: it checks only the tasks a notification names (or all
+        pending ones after a batch too big to list), and all of them once a second in case a
+        notification was missed. A task not yet created (its submission still queued) counts
+        as pending.
+        """
+        repo = await self._repo()
+        pending = {UUID(str(i)) for i in task_ids}
+        done: dict[UUID, Task] = {}
+        wake = asyncio.Event()
+        named: set[UUID] = set()  # ids named by notifications since the last check
+        check_all = True
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def notified(_c: object, _p: int, _ch: str, payload: str) -> None:
+            nonlocal check_all
+            notice = parse_notify(payload)
+            if notice.ids is None:
+                check_all = True
+            else:
+                named.update(notice.ids & pending)
+            if check_all or named:
+                wake.set()
+
+        conn: asyncpg.Connection = await asyncpg.connect(self.settings.database_url)
+        try:
+            await conn.add_listener(TASK_CHANNEL, notified)
+            last_full = time.monotonic()
+            while True:
+                wake.clear()
+                if check_all or time.monotonic() - last_full >= 1.0:
+                    check, check_all, last_full = list(pending), False, time.monotonic()
+                else:
+                    check = list(named & pending)
+                named.clear()
+                for task in await repo.terminal_among(check):
+                    done[task.id] = task
+                    pending.discard(task.id)
+                if not pending:
+                    return done
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise WaitTimeout(pending, timeout or 0)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), min(1.0, left or 1.0))
+        finally:
+            await conn.close()
+
+
+class SyncSkedClient:
+    """The same calls for code without an event loop: each runs on a private loop."""
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._client = SkedClient(settings)
+
+    def submit(self, spec: TaskSpec | dict[str, Any]) -> UUID:
+        return self._loop.run_until_complete(self._client.submit(spec))
+
+    def submit_many(self, specs: Sequence[TaskSpec | dict[str, Any]]) -> list[UUID]:
+        return self._loop.run_until_complete(self._client.submit_many(specs))
+
+    def get(self, task_id: UUID | str) -> Task:
+        return self._loop.run_until_complete(self._client.get(task_id))
+
+    def history(self, task_id: UUID | str) -> list[Event]:
+        return self._loop.run_until_complete(self._client.history(task_id))
+
+    def wait(self, task_id: UUID | str, timeout: float | None = None) -> Task:
+        return self._loop.run_until_complete(self._client.wait(task_id, timeout))
+
+    def wait_all(
+        self, task_ids: Iterable[UUID | str], timeout: float | None = None
+    ) -> dict[UUID, Task]:
+        return self._loop.run_until_complete(self._client.wait_all(task_ids, timeout))
+
+    def close(self) -> None:
+        self._loop.run_until_complete(self._client.close())
+        self._loop.close()
+
+    def __enter__(self) -> SyncSkedClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,163 @@
+"""Placement: filter nodes by what a task needs, score the rest, pick the best (pure, no I/O).
+
+Filter: ready, a free slot, free cpu / memory / gpu, every selector label. Score (higher wins):
+
+    0.5 * free-resource ratio after placing (mean over slots, cpu, memory, gpu the node has)
+  + 0.3 * (1 - reported load)
+  + 0.2 * affinity (share of the task's preferred labels the node carries)
+
+so work spreads to the emptiest, least loaded node, nudged by preferences; ties go to the
+lowest node id, so two schedulers with the same view decide the same way. When nothing fits,
+`reason` names the first requirement no node can meet at all (`no node has gpu >= 2`), or says
+that nodes which could take the task are all full.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+W_FREE, W_LOAD, W_AFFINITY = 0.5, 0.3, 0.2
+EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Need:
+    cpu: float = 0.0
+    memory_mb: int = 0
+    gpu: int = 0
+    selector: Mapping[str, str] = field(default_factory=dict)
+    affinity: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NodeState:
+    id: str
+    slots: int
+    cpu: float
+    memory_mb: int
+    gpu: int
+    labels: Mapping[str, str] = field(default_factory=dict)
+    ready: bool = True
+    load: float = 0.0
+    used_slots: int = 0
+    used_cpu: float = 0.0
+    used_memory_mb: int = 0
+    used_gpu: int = 0
+
+    def placed(self, need: Need) -> NodeState:
+        """This node after reserving `need` on it."""
+        return replace(
+            self,
+            used_slots=self.used_slots + 1,
+            used_cpu=self.used_cpu + need.cpu,
+            used_memory_mb=self.used_memory_mb + need.memory_mb,
+            used_gpu=self.used_gpu + need.gpu,
+        )
+
+    def released(self, need: Need) -> NodeState:
+        return replace(
+            self,
+            used_slots=self.used_slots - 1,
+            used_cpu=self.used_cpu - need.cpu,
+            used_memory_mb=self.used_memory_mb - need.memory_mb,
+            used_gpu=self.used_gpu - need.gpu,
+        )
+
+
+def _selector_text(selector: Mapping[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
+
+
+def matches(node: NodeState, selector: Mapping[str, str]) -> bool:
+    return all(node.labels.get(k) == v for k, v in selector.items())
+
+
+def capacity_gap(node: NodeState, need: Need) -> str | None:
+    """The first total capacity of `node` too small for `need` (ignoring what is in use)."""
+    if node.cpu + EPS < need.cpu:
+        return f"cpu >= {need.cpu:g}"
+    if node.memory_mb < need.memory_mb:
+        return f"memory_mb >= {need.memory_mb}"
+    if node.gpu < need.gpu:
+        return f"gpu >= {need.gpu}"
+    return None
+
+
+def fits(node: NodeState, need: Need) -> bool:
+    """Every filter: ready, selector, and room for the task right now."""
+    return (
+        node.ready
+        and matches(node, need.selector)
+        and node.used_slots < node.slots
+        and node.used_cpu + need.cpu <= node.cpu + EPS
+        and node.used_memory_mb + need.memory_mb <= node.memory_mb
+        and node.used_gpu + need.gpu <= node.gpu
+    )
+
+
+def score(node: NodeState, need: Need) -> float:
+    after = node.placed(need)
+    ratios = [1 - after.used_slots / node.slots]
+    if node.cpu > 0:
+        ratios.append(1 - after.used_cpu / node.cpu)
+    if node.memory_mb > 0:
+        ratios.append(1 - after.used_memory_mb / node.memory_mb)
+    if node.gpu > 0:
+        ratios.append(1 - after.used_gpu / node.gpu)
+    free = sum(ratios) / len(ratios)
+    load = 1 - min(max(node.load, 0.0), 1.0)
+    affinity = (
+        sum(node.labels.get(k) == v for k, v in need.affinity.items()) / len(need.affinity)
+        if need.affinity
+        else 0.0
+    )
+    return W_FREE * free + W_LOAD * load + W_AFFINITY * affinity
+
+
+@dataclass(frozen=True)
+class Choice:
+    node: NodeState | None
+    reason: str = ""
+
+
+def why_not(need: Need, nodes: Sequence[NodeState]) -> str:
+    """Why no node fits `need`: the first requirement that rules out every node."""
+    ready = [n for n in nodes if n.ready]
+    if not ready:
+        return "no ready node"
+    matching = [n for n in ready if matches(n, need.selector)]
+    if not matching:
+        return f"no node matches selector {_selector_text(need.selector)}"
+    sized = [n for n in matching if capacity_gap(n, need) is None]
+    if not sized:
+        gaps = {capacity_gap(n, need) for n in matching}
+        return f"no node has {' or '.join(sorted(g for g in gaps if g))}"
+    return f"all {len(sized)} node(s) that fit are full"
+
+
+def choose(need: Need, nodes: Sequence[NodeState]) -> Choice:
+    candidates = [n for n in nodes if fits(n, need)]
+    if not candidates:
+        return Choice(None, why_not(need, nodes))
+    return Choice(min(candidates, key=lambda n: (-score(n, need), n.id)))
+
+
+def place_many(
+    needs: Sequence[tuple[object, Need]], nodes: Sequence[NodeState]
+) -> tuple[dict[object, str], dict[object, str]]:
+    """Place tasks in the given order, each seeing the reservations of those before it.
+
+    Returns ({key: node id}, {key: reason it stays Ready}).
+    """
+    state = {n.id: n for n in nodes}
+    placed: dict[object, str] = {}
+    unplaced: dict[object, str] = {}
+    for key, need in needs:
+        choice = choose(need, list(state.values()))
+        if choice.node is None:
+            unplaced[key] = choice.reason
+        else:
+            placed[key] = choice.node.id
+            state[choice.node.id] = choice.node.placed(need)
+    return placed, unplaced

@@ -1,0 +1,73 @@
+"""Handler functions the backend tests run in handler workers, as `tests.handlers:<name>`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+
+def noop() -> None:
+    return None
+
+
+def echo(**kwargs: Any) -> dict[str, Any]:
+    print("echo", sorted(kwargs))  # noqa: T201
+    return kwargs
+
+
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+def double(x: float) -> float:
+    return x * 2
+
+
+async def slow_add(a: int, b: int) -> int:
+    await asyncio.sleep(0.01)
+    return a + b
+
+
+def fail() -> None:
+    print("about to fail")  # noqa: T201
+    raise ValueError("bad")
+
+
+def not_json() -> set[int]:
+    return {1, 2}
+
+
+def exit_now(code: int) -> None:
+    print("bye", flush=True)  # noqa: T201
+    os._exit(code)
+
+
+def pid() -> int:
+    return os.getpid()
+
+
+def environ(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def sleep(seconds: float, marker: str | None = None) -> str:
+    """Print, touch `marker` (so a test knows it runs), then sleep."""
+    print("sleeping", flush=True)  # noqa: T201
+    sys.stderr.write("to stderr\n")
+    if marker:
+        open(marker, "w").close()
+    time.sleep(seconds)
+    return "woke"
+
+
+def spawn_sleeper(pidfile: str) -> None:
+    """Start a grandchild `sleep 60` in the worker's process group, then wait forever."""
+    child = subprocess.Popen(["sleep", "60"])
+    with open(pidfile + ".tmp", "w") as f:
+        f.write(str(child.pid))
+    os.replace(pidfile + ".tmp", pidfile)
+    time.sleep(3600)

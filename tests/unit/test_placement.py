@@ -1,0 +1,137 @@
+"""Placement: filter reasons, score order, ties, selectors, and a property over random nodes."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.placement import Need, NodeState, choose, fits, place_many, score
+
+
+def node(nid: str, **kw: object) -> NodeState:
+    base: dict[str, object] = {"slots": 4, "cpu": 8.0, "memory_mb": 16_000, "gpu": 0}
+    base.update(kw)
+    return NodeState(id=nid, **base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("need", "nodes", "reason"),
+    [
+        (Need(), [], "no ready node"),
+        (Need(), [node("a", ready=False)], "no ready node"),
+        (Need(gpu=2), [node("a"), node("b", gpu=1)], "no node has gpu >= 2"),
+        (Need(cpu=16), [node("a")], "no node has cpu >= 16"),
+        (Need(memory_mb=32_000), [node("a")], "no node has memory_mb >= 32000"),
+        (
+            Need(selector={"zone": "eu"}),
+            [node("a", labels={"zone": "us"})],
+            "no node matches selector zone=eu",
+        ),
+        (Need(), [node("a", used_slots=4)], "all 1 node(s) that fit are full"),
+        (Need(cpu=4), [node("a", used_cpu=6.0)], "all 1 node(s) that fit are full"),
+    ],
+)
+def test_filter_reasons(need: Need, nodes: list[NodeState], reason: str) -> None:
+    choice = choose(need, nodes)
+    assert choice.node is None
+    assert choice.reason == reason
+
+
+def test_prefers_the_emptier_node() -> None:
+    busy = node("a", used_slots=3, used_cpu=6.0)
+    idle = node("b")
+    assert choose(Need(cpu=1), [busy, idle]).node == idle
+
+
+def test_prefers_lower_load() -> None:
+    assert choose(Need(), [node("a", load=0.9), node("b", load=0.1)]).node.id == "b"  # type: ignore[union-attr]
+
+
+def test_affinity_breaks_even_scores() -> None:
+    need = Need(affinity={"disk": "ssd"})
+    nodes = [node("a"), node("b", labels={"disk": "ssd"})]
+    assert choose(need, nodes).node.id == "b"  # type: ignore[union-attr]
+
+
+def test_ties_go_to_the_lowest_id() -> None:
+    nodes = [node("c"), node("a"), node("b")]
+    assert choose(Need(), nodes).node.id == "a"  # type: ignore[union-attr]
+
+
+def test_selector_must_match_every_label() -> None:
+    need = Need(selector={"zone": "eu", "disk": "ssd"})
+    nodes = [node("a", labels={"zone": "eu"}), node("b", labels={"zone": "eu", "disk": "ssd"})]
+    assert choose(need, nodes).node.id == "b"  # type: ignore[union-attr]
+
+
+def test_place_many_sees_earlier_reservations() -> None:
+    nodes = [node("a", slots=1, gpu=2), node("b", slots=5)]
+    needs = [(i, Need(gpu=1)) for i in range(3)]
+    placed, unplaced = place_many(needs, nodes)
+    assert placed == {0: "a"}
+    assert unplaced == {1: "all 1 node(s) that fit are full", 2: "all 1 node(s) that fit are full"}
+
+
+def test_score_counts_only_resources_the_node_has() -> None:
+    plain = node("a", gpu=0)
+    assert 0 <= score(plain, Need()) <= 1
+
+
+nodes_st = st.lists(
+    st.builds(
+        NodeState,
+        id=st.text("abcdef", min_size=1, max_size=3),
+        slots=st.integers(1, 4),
+        cpu=st.sampled_from([0.0, 1.0, 2.0, 8.0]),
+        memory_mb=st.sampled_from([0, 512, 4096]),
+        gpu=st.integers(0, 2),
+        labels=st.dictionaries(st.sampled_from(["zone", "disk"]), st.sampled_from(["x", "y"])),
+        ready=st.booleans(),
+        load=st.floats(0, 1),
+        used_slots=st.integers(0, 4),
+        used_cpu=st.sampled_from([0.0, 1.0, 4.0]),
+        used_memory_mb=st.sampled_from([0, 256, 4096]),
+        used_gpu=st.integers(0, 2),
+    ),
+    max_size=6,
+    unique_by=lambda n: n.id,
+)
+need_st = st.builds(
+    Need,
+    cpu=st.sampled_from([0.0, 0.5, 1.0, 4.0]),
+    memory_mb=st.sampled_from([0, 256, 1024]),
+    gpu=st.integers(0, 2),
+    selector=st.dictionaries(st.sampled_from(["zone", "disk"]), st.sampled_from(["x", "y"])),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(need=need_st, nodes=nodes_st)
+def test_a_chosen_node_satisfies_every_requirement(need: Need, nodes: list[NodeState]) -> None:
+    choice = choose(need, nodes)
+    if choice.node is None:
+        assert not any(fits(n, need) for n in nodes)
+        assert choice.reason
+        return
+    n = choice.node
+    assert n.ready
+    assert n.used_slots < n.slots
+    assert n.used_cpu + need.cpu <= n.cpu + 1e-9
+    assert n.used_memory_mb + need.memory_mb <= n.memory_mb
+    assert n.used_gpu + need.gpu <= n.gpu
+    assert all(n.labels.get(k) == v for k, v in need.selector.items())
+
+
+@settings(max_examples=200, deadline=None)
+@given(needs=st.lists(need_st, max_size=12), nodes=nodes_st)
+def test_place_many_never_overcommits(needs: list[Need], nodes: list[NodeState]) -> None:
+    placed, _ = place_many(list(enumerate(needs)), nodes)
+    for n in nodes:
+        mine = [needs[i] for i, nid in placed.items() if nid == n.id]
+        if not mine:
+            continue
+        assert n.used_slots + len(mine) <= n.slots
+        assert n.used_cpu + sum(m.cpu for m in mine) <= n.cpu + 1e-9
+        assert n.used_memory_mb + sum(m.memory_mb for m in mine) <= n.memory_mb
+        assert n.used_gpu + sum(m.gpu for m in mine) <= n.gpu
