@@ -14,8 +14,9 @@ that nodes which could take the task are all full.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 W_FREE, W_LOAD, W_AFFINITY = 0.5, 0.3, 0.2
 EPS = 1e-9
@@ -143,16 +144,19 @@ def choose(need: Need, nodes: Sequence[NodeState]) -> Choice:
     return Choice(min(candidates, key=lambda n: (-score(n, need), n.id)))
 
 
+K = TypeVar("K", bound=Hashable)
+
+
 def place_many(
-    needs: Sequence[tuple[object, Need]], nodes: Sequence[NodeState]
-) -> tuple[dict[object, str], dict[object, str]]:
+    needs: Sequence[tuple[K, Need]], nodes: Sequence[NodeState]
+) -> tuple[dict[K, str], dict[K, str]]:
     """Place tasks in the given order, each seeing the reservations of those before it.
 
     Returns ({key: node id}, {key: reason it stays Ready}).
     """
     state = {n.id: n for n in nodes}
-    placed: dict[object, str] = {}
-    unplaced: dict[object, str] = {}
+    placed: dict[K, str] = {}
+    unplaced: dict[K, str] = {}
     for key, need in needs:
         choice = choose(need, list(state.values()))
         if choice.node is None:

@@ -77,6 +77,12 @@ class Settings(BaseSettings):
     node_heartbeat_s: float = Field(default=2.0, gt=0)
     state_dir: Path | None = None  # default: <tmp>/sked/<node_id>
     shutdown_grace_s: float = Field(default=10.0, ge=0)
+    # Outcomes wait this long to share one transaction: results land a few ms later, and
+    # Postgres does one statement where it would do one per task.
+    finish_linger_s: float = Field(default=0.005, ge=0)
+    # A dispatch pass woken by a freed slot waits this long for more slots to free: under
+    # saturation one pass then places many tasks (a newly submitted task never waits for it).
+    dispatch_linger_s: float = Field(default=0.005, ge=0)
 
     @field_validator("node_labels", mode="before")
     @classmethod

@@ -200,7 +200,8 @@ class Executor:
     # -- finish -------------------------------------------------------------------------------
 
     async def _finish_loop(self) -> None:
-        while (batch := await next_batch(self._outcomes)) is not None:
+        linger = self.settings.finish_linger_s
+        while (batch := await next_batch(self._outcomes, linger=linger)) is not None:
             await self.finish(batch)
 
     async def finish(self, batch: list[tuple[Attempt, Outcome]]) -> None:

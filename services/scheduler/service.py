@@ -29,7 +29,7 @@ from shared.bus import DISPATCH_EXCHANGE, SUBMIT_QUEUE, AmqpBus, Outgoing
 from shared.fsm import State
 from shared.models import Dispatch, Task, TaskSpec
 from shared.nodes import NODE_CHANNEL, PgNodeRepo
-from shared.placement import Need, place_many
+from shared.placement import Need, NodeState, place_many
 from shared.queues import ReadyQueue
 from shared.repo import TASK_CHANNEL, PgTaskRepo, parse_notify
 from shared.runtime import next_batch, wait_any
@@ -86,6 +86,7 @@ class Scheduler:
         # None is the stop signal for the intake loop
         self._inbox: asyncio.Queue[AbstractIncomingMessage | None] = asyncio.Queue()
         self._wake_dispatch = asyncio.Event()
+        self._new_work = asyncio.Event()  # set by intake: dispatch without lingering
         self._wake_retry = asyncio.Event()
         self._stopping = asyncio.Event()
         self.ready = asyncio.Event()  # set once consuming: tests and `sked dev` wait on it
@@ -148,13 +149,27 @@ class Scheduler:
         return ready
 
     async def admit(self, specs: Sequence[TaskSpec], ids: Sequence[UUID]) -> list[Task]:
-        """Create tasks and walk the new ones Created -> Pending -> Ready, in one statement."""
+        """Create tasks and walk the new ones Created -> Pending -> Ready (one statement).
+
+        When nothing is queued ahead of them, they are placed in the same transaction and
+        skip the Redis queue: no older or higher task waits, so the order is the same, and a
+        submission reaches its node in one commit instead of three.
+        """
         if not specs:
             return []
-        tasks = await self.repo.admit_many(specs, ids, ADMISSION)
-        ready = [t for t in tasks if t.status is State.READY and t.version == len(ADMISSION) + 1]
-        await self.queue.push(ready)
-        self._wake_dispatch.set()
+        direct = not await self.queue.size()
+        async with self.repo.pool.acquire() as conn, conn.transaction():
+            tasks = await self.repo.admit_many(specs, ids, ADMISSION, conn)
+            fresh = len(ADMISSION) + 1
+            ready = [t for t in tasks if t.status is State.READY and t.version == fresh]
+            moved: list[Task] = []
+            waiting = {t.id: "" for t in ready}
+            if direct and ready:
+                moved, waiting = await self._place(conn, ready)
+        await self._hand_over(moved, ready, waiting)
+        if waiting:
+            self._new_work.set()
+            self._wake_dispatch.set()
         return ready
 
     # -- dispatch -----------------------------------------------------------------------------
@@ -162,9 +177,16 @@ class Scheduler:
     async def _dispatch_loop(self) -> None:
         while not self._stopping.is_set():
             self._wake_dispatch.clear()
+            self._new_work.clear()
             while await self.dispatch_once() >= self.settings.dispatch_batch:
                 pass  # a full batch went out: there may be more to place right away
             await wait_any(self._wake_dispatch, self._stopping, timeout=self.settings.reconcile_s)
+            if not self._new_work.is_set():
+                # woken by a freed slot: let a few more free up so one pass places them all;
+                # new work cuts this short, so a submission never waits for it
+                await wait_any(
+                    self._new_work, self._stopping, timeout=self.settings.dispatch_linger_s
+                )
 
     async def dispatch_once(self) -> int:
         """One pass: place as many queued tasks as nodes have room for. Returns how many.
@@ -185,23 +207,42 @@ class Scheduler:
             tasks = await self.repo.get_ready(ids, conn)
             order = {task_id: i for i, task_id in enumerate(ids)}
             tasks.sort(key=lambda t: order[t.id])
-            placed, unplaced = place_many([(t.id, need_of(t)) for t in tasks], nodes)
-            moves = [
-                fsm.plan(t, State.SCHEDULING, "placed", node=placed[t.id])
-                for t in tasks
-                if t.id in placed
-            ]
-            moved = await self.repo.transition_many(moves, conn)
-        # Dispatches go out only after COMMIT: an executor whose CAS ran before it would not
-        # see the Scheduling row (its snapshot predates the commit) and would drop the attempt.
-        # The confirms are awaited after the Redis work below, which overlaps with them.
-        sent = self.bus.start_publish(DISPATCH_EXCHANGE, [_dispatch(t) for t in moved])
-        waiting = [t for t in tasks if t.id in unplaced]
-        if waiting:
-            await self.queue.push(waiting)
-            await self.repo.set_wait_reasons({t.id: unplaced[t.id] for t in waiting})
-        await sent
+            moved, waiting = await self._place(conn, tasks, nodes)
+        await self._hand_over(moved, tasks, waiting)
         return len(moved)
+
+    async def _place(
+        self,
+        conn: asyncpg.Connection,
+        tasks: list[Task],
+        nodes: list[NodeState] | None = None,
+    ) -> tuple[list[Task], dict[UUID, str]]:
+        """Inside a transaction: place `tasks` in order on the locked nodes and CAS the placed
+        ones Ready -> Scheduling. Returns them, and {task id: why not} for the rest."""
+        if nodes is None:
+            nodes = [n.state() for n in await self.nodes.lock_and_read(conn)]
+        placed, unplaced = place_many([(t.id, need_of(t)) for t in tasks], nodes)
+        moves = [
+            fsm.plan(t, State.SCHEDULING, "placed", node=placed[t.id])
+            for t in tasks
+            if t.id in placed
+        ]
+        moved = await self.repo.transition_many(moves, conn)
+        return moved, unplaced
+
+    async def _hand_over(
+        self, moved: list[Task], tasks: list[Task], waiting: dict[UUID, str]
+    ) -> None:
+        """After COMMIT: dispatch what was placed; queue the rest with the reason they wait.
+
+        Dispatches go out only after the commit: an executor whose CAS ran before it would not
+        see the Scheduling row (its snapshot predates the commit) and would drop the attempt.
+        """
+        sent = self.bus.start_publish(DISPATCH_EXCHANGE, [_dispatch(t) for t in moved])
+        if waiting:
+            await self.queue.push([t for t in tasks if t.id in waiting])
+            await self.repo.set_wait_reasons({k: v for k, v in waiting.items() if v})
+        await sent
 
     # -- retries ------------------------------------------------------------------------------
 
