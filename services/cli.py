@@ -20,6 +20,7 @@ from uuid import UUID
 
 from shared import fsm
 from shared.client import SkedClient, WaitTimeout
+from shared.control import NotAllowed
 from shared.errors import SkedError
 from shared.fsm import State
 from shared.migrate import migrate
@@ -168,8 +169,9 @@ def _status_lines(task: Task) -> list[str]:
     if task.next_retry_at is not None and task.status is State.RETRY_WAIT:
         lines.append(f"retry at:  {task.next_retry_at.isoformat()}")
     if task.paused_at is not None:
+        label = "paused:   " if task.status is State.PAUSED else "last paused:"
         lines.append(
-            f"paused:    by {task.paused_by} at {task.paused_at.isoformat()}: {task.paused_reason}"
+            f"{label} by {task.paused_by} at {task.paused_at.isoformat()}: {task.paused_reason}"
         )
     return lines
 
@@ -240,6 +242,22 @@ async def _wait(args: argparse.Namespace) -> int:
     for t in failed:
         print(f"{t.id} {t.status.label}: {t.error or t.status_reason}", file=sys.stderr)
     return 1 if failed else 0
+
+
+async def _control(args: argparse.Namespace) -> int:
+    task_id = _task_id(args.id)
+    async with SkedClient() as client:
+        if args.action == "pause":
+            task = await client.pause(task_id, args.reason, args.by)
+        elif args.action == "resume":
+            task = await client.resume(task_id)
+        else:
+            task = await client.cancel(task_id, args.reason, args.by)
+    if args.json:
+        _print_json(task.as_json())
+    else:
+        print(f"{task.id} {task.status.label}: {task.status_reason}")
+    return 0
 
 
 async def _nodes(args: argparse.Namespace) -> int:
@@ -334,6 +352,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float)
     p.set_defaults(func=lambda a: _run(_wait(a)))
 
+    for action, text in (
+        ("pause", "pause a task (a running attempt is stopped; no retry is spent)"),
+        ("resume", "resume a paused task: it runs again as a new attempt"),
+        ("cancel", "cancel a task (a running attempt is stopped)"),
+    ):
+        p = sub.add_parser(action, help=text)
+        p.add_argument("id")
+        if action != "resume":
+            p.add_argument("--reason", default="", required=action == "pause")
+            p.add_argument("--by", help="who is acting (default: user@host)")
+        p.add_argument("--json", action="store_true")
+        p.set_defaults(func=lambda a: _run(_control(a)), action=action)
+
     p = sub.add_parser("nodes", help="registered executors, their capacity and usage")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=lambda a: _run(_nodes(a)))
@@ -345,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
+    except NotAllowed as exc:  # a well-formed request the task's state refuses
+        print(f"sked: {exc}", file=sys.stderr)
+        return 1
     except SkedError as exc:
         print(f"sked: {exc}", file=sys.stderr)
         return 2

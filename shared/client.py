@@ -23,11 +23,14 @@ from uuid import UUID
 
 import aio_pika
 import asyncpg
+from opentelemetry.trace import SpanKind
+from redis.asyncio import Redis
 
-from shared import fsm
+from shared import control, fsm, telemetry
 from shared.bus import JSON, SCHEMA_HEADER, SUBMIT_KEY, TASKS_EXCHANGE, AmqpBus
 from shared.errors import SkedError
 from shared.models import Event, Task, TaskSpec, task_id_for
+from shared.queues import ReadyQueue
 from shared.repo import TASK_CHANNEL, PgTaskRepo, create_pool, parse_notify
 from shared.settings import Settings
 
@@ -47,6 +50,7 @@ class SkedClient:
         self.settings = settings or Settings()
         self._bus: AmqpBus | None = None
         self._pool: asyncpg.Pool | None = None
+        self._redis: Redis | None = None
 
     async def __aenter__(self) -> SkedClient:
         return self
@@ -57,6 +61,9 @@ class SkedClient:
         await self.close()
 
     async def close(self) -> None:
+        if self._redis is not None:
+            await self._redis.aclose()
+            self._redis = None
         if self._bus is not None:
             await self._bus.close()
             self._bus = None
@@ -68,6 +75,11 @@ class SkedClient:
         if self._pool is None:
             self._pool = await create_pool(self.settings.database_url, 2)
         return PgTaskRepo(self._pool)
+
+    def _queue(self) -> ReadyQueue:
+        if self._redis is None:
+            self._redis = Redis.from_url(self.settings.redis_url)
+        return ReadyQueue(self._redis, self.settings.aging_s)
 
     async def _publisher(self) -> AmqpBus:
         if self._bus is None:
@@ -91,22 +103,52 @@ class SkedClient:
         ids = [task_id_for(s) for s in parsed]
         bus = await self._publisher()
         exchange = await bus.channel.get_exchange(TASKS_EXCHANGE)
-        await asyncio.gather(
-            *(
-                exchange.publish(
-                    aio_pika.Message(
-                        spec.model_dump_json().encode(),
-                        content_type=JSON,
-                        message_id=str(task_id),
-                        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                        headers={SCHEMA_HEADER: 1},
-                    ),
-                    routing_key=SUBMIT_KEY,
-                )
-                for spec, task_id in zip(parsed, ids, strict=True)
+        # each task's trace starts here: this span is the root of everything sked does for it
+        spans = [
+            telemetry.start(
+                f"{TASKS_EXCHANGE} publish",
+                kind=SpanKind.PRODUCER,
+                attributes=telemetry.messaging(
+                    TASKS_EXCHANGE, "publish", task_id, task_name=spec.name
+                ),
             )
-        )
+            for spec, task_id in zip(parsed, ids, strict=True)
+        ]
+        try:
+            await asyncio.gather(
+                *(
+                    exchange.publish(
+                        aio_pika.Message(
+                            spec.model_dump_json().encode(),
+                            content_type=JSON,
+                            message_id=str(task_id),
+                            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                            headers=telemetry.headers_for(span, {SCHEMA_HEADER: 1}),
+                        ),
+                        routing_key=SUBMIT_KEY,
+                    )
+                    for spec, task_id, span in zip(parsed, ids, spans, strict=True)
+                )
+            )
+        finally:
+            for span in spans:
+                span.end()
         return ids
+
+    # -- control ------------------------------------------------------------------------------
+
+    async def pause(self, task_id: UUID | str, reason: str, by: str | None = None) -> Task:
+        """Pause a non-terminal task (a running attempt is stopped). Raises NotAllowed."""
+        return await control.pause(await self._repo(), UUID(str(task_id)), reason, by)
+
+    async def resume(self, task_id: UUID | str) -> Task:
+        """Resume a paused task: it runs again as a new attempt, with no retry spent."""
+        return await control.resume(await self._repo(), self._queue(), UUID(str(task_id)))
+
+    async def cancel(self, task_id: UUID | str, reason: str = "", by: str | None = None) -> Task:
+        """Cancel a non-terminal task (a running attempt is stopped). Raises NotAllowed."""
+        repo = await self._repo()
+        return await control.cancel(repo, self._queue(), UUID(str(task_id)), reason, by)
 
     # -- read ---------------------------------------------------------------------------------
 
@@ -194,6 +236,15 @@ class SyncSkedClient:
 
     def wait(self, task_id: UUID | str, timeout: float | None = None) -> Task:
         return self._loop.run_until_complete(self._client.wait(task_id, timeout))
+
+    def pause(self, task_id: UUID | str, reason: str, by: str | None = None) -> Task:
+        return self._loop.run_until_complete(self._client.pause(task_id, reason, by))
+
+    def resume(self, task_id: UUID | str) -> Task:
+        return self._loop.run_until_complete(self._client.resume(task_id))
+
+    def cancel(self, task_id: UUID | str, reason: str = "", by: str | None = None) -> Task:
+        return self._loop.run_until_complete(self._client.cancel(task_id, reason, by))
 
     def wait_all(
         self, task_ids: Iterable[UUID | str], timeout: float | None = None

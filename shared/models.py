@@ -154,6 +154,7 @@ class Task:
     cpu: float
     memory_mb: int
     gpu: int
+    traceparent: str | None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Task:

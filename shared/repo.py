@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -18,7 +19,7 @@ from uuid import UUID, uuid4
 
 import asyncpg
 
-from shared import fsm
+from shared import fsm, telemetry
 from shared.errors import NotFound
 from shared.fsm import Move, State
 from shared.models import Event, Task, TaskSpec
@@ -57,7 +58,7 @@ _TASK_COLUMNS = (
     "priority, retry_count, max_retries, next_retry_at, timeout_s, heartbeat_timeout_s, "
     "node, idempotency_key, "
     "paused_by, paused_reason, paused_at, result, error, created_at, updated_at, queued_at, "
-    "started_at, finished_at, log_tail, cpu, memory_mb, gpu"
+    "started_at, finished_at, log_tail, cpu, memory_mb, gpu, traceparent"
 )
 # the same columns by name, for reading back from a CTE that returned _TASK_COLUMNS
 _TASK_FIELDS = ", ".join(c.strip().split(" AS ")[-1] for c in _TASK_COLUMNS.split(","))
@@ -109,15 +110,15 @@ WITH w AS (
 ), ins AS (
     INSERT INTO tasks (id, name, kind, spec, status, status_reason, version, priority,
                        max_retries, timeout_s, heartbeat_timeout_s, idempotency_key, cpu,
-                       memory_mb, gpu, queued_at)
+                       memory_mb, gpu, traceparent, queued_at)
     SELECT u.id, u.name, u.kind, u.spec::jsonb, last.to_status, last.reason, last.version,
            u.priority, u.max_retries, u.timeout_s, u.hb, u.ikey, u.cpu, u.memory_mb, u.gpu,
-           CASE WHEN last.to_status = 'ready' THEN now() END
+           u.traceparent, CASE WHEN last.to_status = 'ready' THEN now() END
     FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int[], $6::int[],
                 $7::float8[], $8::float8[], $9::text[], $10::float8[], $11::bigint[],
-                $12::int[])
+                $12::int[], $16::text[])
          AS u(id, name, kind, spec, priority, max_retries, timeout_s, hb, ikey, cpu, memory_mb,
-              gpu)
+              gpu, traceparent)
     CROSS JOIN last
     -- a redelivered submission (same id) or a reused idempotency key creates nothing
     ON CONFLICT DO NOTHING
@@ -281,11 +282,12 @@ class PgTaskRepo:
         ids: Sequence[UUID],
         walk: Sequence[State],
         conn: asyncpg.Connection | None = None,
+        traceparents: Sequence[str | None] | None = None,
     ) -> list[Task]:
         """Create tasks and walk the new ones from Created through `walk` (checked by the FSM)
         in one statement. Existing tasks (a redelivery, a taken idempotency key) are returned
         as they are."""
-        return await self.create_many(specs, ids, conn, walk)
+        return await self.create_many(specs, ids, conn, walk, traceparents)
 
     async def create_many(
         self,
@@ -293,15 +295,18 @@ class PgTaskRepo:
         ids: Sequence[UUID] | None = None,
         conn: asyncpg.Connection | None = None,
         walk: Sequence[State] = (),
+        traceparents: Sequence[str | None] | None = None,
     ) -> list[Task]:
         """Insert tasks in Created with their first event; one round trip for the batch.
 
         `ids` (optional) are producer-chosen task ids: a submission delivered twice creates one
         task. A spec whose idempotency key is already taken yields the existing task.
+        `traceparents` (optional) are the tasks' trace contexts (see shared.telemetry).
         """
         if not specs:
             return []
         ids = list(ids) if ids is not None else [uuid4() for _ in specs]
+        steps = fsm.walk(State.CREATED, walk)
         args = (
             ids,
             [s.name for s in specs],
@@ -315,12 +320,27 @@ class PgTaskRepo:
             [s.resources.cpu for s in specs],
             [s.resources.memory_mb for s in specs],
             [s.resources.gpu for s in specs],
-            *fsm.walk(State.CREATED, walk),
+            *steps,
+            list(traceparents) if traceparents is not None else [None] * len(specs),
         )
+        started = time.time_ns()
         if conn is None:
             async with self.pool.acquire() as c:
-                return await self._create(c, ids, specs, args)
-        return await self._create(conn, ids, specs, args)
+                tasks, fresh = await self._create(c, ids, specs, args)
+        else:
+            tasks, fresh = await self._create(conn, ids, specs, args)
+        if telemetry.enabled():
+            telemetry.transitions(
+                [
+                    (t, Move(t.id, i + 1, State(src), State(dst), why))
+                    for t in fresh
+                    for i, (src, dst, why) in enumerate(zip(*steps, strict=True))
+                    if src is not None
+                ],
+                started,
+                time.time_ns(),
+            )
+        return tasks
 
     async def _create(
         self,
@@ -328,7 +348,8 @@ class PgTaskRepo:
         ids: list[UUID],
         specs: Sequence[TaskSpec],
         args: tuple[list[Any], ...],
-    ) -> list[Task]:
+    ) -> tuple[list[Task], list[Task]]:
+        """All the tasks asked for, in order, and those this statement created."""
         rows = await conn.fetch(INSERT_TASKS, *args)
         created = {row["id"]: _task(row) for row in rows}
         by_id: dict[UUID, Task] = {}
@@ -348,7 +369,7 @@ class PgTaskRepo:
             if task is None:
                 raise RuntimeError(f"task {task_id} was neither created nor found")
             out.append(task)
-        return out
+        return out, list(created.values())
 
     # -- transitions ------------------------------------------------------------------------
 
@@ -365,13 +386,16 @@ class PgTaskRepo:
         if not moves:
             return []
         args = _move_args(moves)
+        started = time.time_ns()
         if conn is not None:
             rows = await conn.fetch(TRANSITION, *args)
         else:
             async with self.pool.acquire() as c:
                 rows = await c.fetch(TRANSITION, *args)
         won = {row["id"]: row for row in rows}
-        return [_task(won[m.task_id]) for m in moves if m.task_id in won]
+        moved = [(_task(won[m.task_id]), m) for m in moves if m.task_id in won]
+        telemetry.transitions(moved, started, time.time_ns())
+        return [task for task, _ in moved]
 
     async def _claim_and_move(
         self, claim_sql: str, limit: int, target: State, reason: str, **changes: Any

@@ -53,14 +53,17 @@ def configure_logging(settings: Settings, service: str) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-async def wait_any(*events: asyncio.Event, timeout: float | None = None) -> None:
-    """Return as soon as any of `events` is set, or after `timeout` seconds."""
+async def wait_any(*events: asyncio.Event, timeout: float | None = None) -> bool:
+    """Return as soon as any of `events` is set (True), or after `timeout` seconds (False)."""
+    if any(e.is_set() for e in events):
+        return True
     waiters = [asyncio.ensure_future(e.wait()) for e in events]
     try:
-        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for w in waiters:
             w.cancel()
+    return bool(done)
 
 
 T = TypeVar("T")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from services.executor.backend import LocalBackend
 from services.executor.service import Executor
+from shared import telemetry
 from shared.runtime import configure_logging, run_main, serve
 from shared.settings import Settings, parse_labels
 from shared.wiring import backends
@@ -57,6 +58,7 @@ async def main(settings: Settings) -> None:
 def run(argv: list[str] | None = None) -> int:
     settings = settings_from(parse_args(argv))
     configure_logging(settings, f"executor[{settings.node_id}]")
+    telemetry.setup("sked-executor")
     return run_main(lambda: main(settings))
 
 

@@ -18,28 +18,36 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from uuid import UUID, uuid4
 
+import asyncpg
 from aio_pika.abc import AbstractIncomingMessage
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind
 from pydantic import ValidationError
 
 from services.executor.backend import Launch, LocalBackend, Outcome
-from shared import fsm
+from shared import fsm, telemetry
 from shared.backoff import retry_delay
-from shared.bus import AmqpBus
+from shared.bus import AmqpBus, node_queue
 from shared.fsm import State
 from shared.models import Dispatch, Task
 from shared.nodes import PgNodeRepo
 from shared.queues import ReadyQueue
-from shared.repo import PgTaskRepo
+from shared.repo import TASK_CHANNEL, PgTaskRepo, parse_notify
 from shared.runtime import next_batch, wait_any
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
+
+# A move into one of these, made by someone else, takes a running attempt away from this node.
+TAKEN_AWAY = {s.value for s in (State.PAUSED, State.CANCELED, State.LOST, State.RETRY_WAIT)}
 
 
 @dataclass
 class Attempt:
     task: Task  # as it stood after this executor's Scheduling -> Running CAS
     message: AbstractIncomingMessage
+    trace: Context | None = None  # the dispatch's consumer span, parent of the run span
 
 
 class Executor:
@@ -67,6 +75,8 @@ class Executor:
         self._outcomes: asyncio.Queue[tuple[Attempt, Outcome] | None] = asyncio.Queue()
         self._runs: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
+        self._look = asyncio.Event()  # the watch loop has suspects to check
+        self._suspects: set[UUID] = set()
         self.ready = asyncio.Event()
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -85,6 +95,8 @@ class Executor:
             s.node_labels,
             self.boot_id,
         )
+        listener: asyncpg.Connection = await asyncpg.connect(s.database_url)
+        await listener.add_listener(TASK_CHANNEL, self._on_task_notify)
         tag = await queue.consume(self._inbox.put)
         log.info(
             "executor %s ready: %d slots, cpu %g, memory %d MB, gpu %d, labels %s",
@@ -101,6 +113,7 @@ class Executor:
                 group.create_task(self._start_loop())
                 group.create_task(self._finish_loop())
                 group.create_task(self._beat_loop())
+                group.create_task(self._watch_loop())
                 await self._stopping.wait()
                 # stop taking work, let what runs finish (bounded), then stop the rest
                 await self.nodes.set_ready(self.node_id, self.boot_id, False)
@@ -108,6 +121,7 @@ class Executor:
                 await self._drain_runs()
                 self._outcomes.put_nowait(None)
         finally:
+            await listener.close()
             await channel.close()
             await self.backend.close()
 
@@ -165,18 +179,40 @@ class Executor:
                 )
                 await message.ack()
         for task in started:
-            attempt = Attempt(task, fresh[task.id][1])
+            message = fresh[task.id][1]
+            attempt = Attempt(task, message, self._received(task, message))
             self.active[(task.id, task.attempt)] = attempt
             run = asyncio.create_task(self._run(attempt))
             self._runs.add(run)
             run.add_done_callback(self._runs.discard)
         return len(started)
 
+    def _received(self, task: Task, message: AbstractIncomingMessage) -> Context | None:
+        """The consumer span of a dispatch (under the producer span in its headers)."""
+        if not telemetry.enabled():
+            return None
+        received = telemetry.start(
+            f"{node_queue(self.node_id)} receive",
+            telemetry.extract(message.headers),
+            SpanKind.CONSUMER,
+            telemetry.messaging(node_queue(self.node_id), "receive", task.id, attempt=task.attempt),
+        )
+        received.end()
+        return trace.set_span_in_context(received)
+
     async def _run(self, attempt: Attempt) -> None:
         task = attempt.task
-        outcome = await self.backend.run(
-            Launch(task.id, task.attempt, task.spec.job, task.timeout_s, env={})
-        )
+        with telemetry.span(
+            f"attempt {task.attempt} run",
+            attempt.trace or task.traceparent,
+            attributes={"sked.task_id": str(task.id), "sked.node": self.node_id},
+        ) as span:
+            outcome = await self.backend.run(
+                Launch(task.id, task.attempt, task.spec.job, task.timeout_s, env={})
+            )
+            span.set_attribute("sked.ok", outcome.ok)
+            if outcome.error:
+                span.set_attribute("sked.error", outcome.error)
         await self._outcomes.put((attempt, outcome))
 
     async def _hand_back_unstarted(self) -> None:
@@ -235,6 +271,52 @@ class Executor:
                 )
             self.active.pop((task.id, task.attempt), None)
             await attempt.message.ack()
+
+    # -- watching what runs here -------------------------------------------------------------
+
+    def _on_task_notify(self, _c: object, _p: int, _ch: str, payload: str) -> None:
+        notice = parse_notify(payload)
+        if not notice.states & TAKEN_AWAY:
+            return
+        if notice.ids is None:
+            self._suspects.update(task_id for task_id, _ in self.active)
+        else:
+            self._suspects.update(notice.ids & {task_id for task_id, _ in self.active})
+        if self._suspects:
+            self._look.set()
+
+    async def _watch_loop(self) -> None:
+        """Stop attempts whose task is no longer Running in that attempt here: paused or
+        canceled by an operator, or declared lost and retried elsewhere. Woken by the NOTIFY of
+        such a move; every heartbeat period it also checks all of them, in case one was
+        missed. The dispatch stays unacknowledged until the process is gone, so this node never
+        runs more processes than it has slots."""
+        while not self._stopping.is_set():
+            woke = await wait_any(
+                self._look, self._stopping, timeout=self.settings.node_heartbeat_s
+            )
+            self._look.clear()
+            if woke:
+                suspects, self._suspects = self._suspects, set()
+            else:
+                suspects = {task_id for task_id, _ in self.active}
+            mine = [(i, a) for i, a in self.active if i in suspects]
+            if not mine:
+                continue
+            current = {t.id: t for t in await self.repo.get_many([i for i, _ in mine])}
+            for task_id, attempt in mine:
+                task = current.get(task_id)
+                if task is None or (task.status is State.RUNNING and task.attempt == attempt):
+                    continue
+                why = "gone" if task is None else f"{task.status.label} (attempt {task.attempt})"
+                if await self.backend.stop_task(task_id, attempt):
+                    log.info(
+                        "stopped %s attempt %d: the task is now %s",
+                        task_id,
+                        attempt,
+                        why,
+                        extra={"task_id": str(task_id), "attempt": attempt},
+                    )
 
     # -- node heartbeat -----------------------------------------------------------------------
 

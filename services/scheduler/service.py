@@ -22,9 +22,10 @@ from uuid import UUID
 
 import asyncpg
 from aio_pika.abc import AbstractIncomingMessage
+from opentelemetry.trace import Span, SpanKind
 
 from services.scheduler.intake import Accepted, judge
-from shared import fsm
+from shared import fsm, telemetry
 from shared.bus import DISPATCH_EXCHANGE, SUBMIT_QUEUE, AmqpBus, Outgoing
 from shared.fsm import State
 from shared.models import Dispatch, Task, TaskSpec
@@ -127,6 +128,8 @@ class Scheduler:
 
     async def accept(self, batch: Sequence[AbstractIncomingMessage]) -> list[Task]:
         accepted: list[Accepted] = []
+        traceparents: list[str | None] = []
+        spans: list[Span] = []
         for message in batch:
             verdict = judge(
                 message.body,
@@ -136,6 +139,22 @@ class Scheduler:
             )
             if isinstance(verdict, Accepted):
                 accepted.append(verdict)
+                traceparent = _header(message, "traceparent")
+                if telemetry.enabled():
+                    if traceparent is None:  # a producer without tracing: the trace starts here
+                        with telemetry.span(
+                            "sked task", attributes={"sked.task_id": str(verdict.task_id)}
+                        ) as root:
+                            traceparent = telemetry.traceparent_of(root)
+                    spans.append(
+                        telemetry.start(
+                            f"{SUBMIT_QUEUE} receive",
+                            traceparent,
+                            SpanKind.CONSUMER,
+                            telemetry.messaging(SUBMIT_QUEUE, "receive", verdict.task_id),
+                        )
+                    )
+                traceparents.append(traceparent)
             else:
                 log.warning("dead-lettering a submission: %s", verdict.reason)
                 await self.bus.dead_letter(
@@ -144,11 +163,22 @@ class Scheduler:
                     message.routing_key or "",
                     {"x-sked-message-id": message.message_id or ""},
                 )
-        ready = await self.admit([a.spec for a in accepted], [a.task_id for a in accepted])
+        try:
+            ready = await self.admit(
+                [a.spec for a in accepted], [a.task_id for a in accepted], traceparents
+            )
+        finally:
+            for span in spans:
+                span.end()
         await batch[-1].ack(multiple=True)
         return ready
 
-    async def admit(self, specs: Sequence[TaskSpec], ids: Sequence[UUID]) -> list[Task]:
+    async def admit(
+        self,
+        specs: Sequence[TaskSpec],
+        ids: Sequence[UUID],
+        traceparents: Sequence[str | None] | None = None,
+    ) -> list[Task]:
         """Create tasks and walk the new ones Created -> Pending -> Ready (one statement).
 
         When nothing is queued ahead of them, they are placed in the same transaction and
@@ -159,7 +189,7 @@ class Scheduler:
             return []
         direct = not await self.queue.size()
         async with self.repo.pool.acquire() as conn, conn.transaction():
-            tasks = await self.repo.admit_many(specs, ids, ADMISSION, conn)
+            tasks = await self.repo.admit_many(specs, ids, ADMISSION, conn, traceparents)
             fresh = len(ADMISSION) + 1
             ready = [t for t in tasks if t.status is State.READY and t.version == fresh]
             moved: list[Task] = []
@@ -238,11 +268,17 @@ class Scheduler:
         Dispatches go out only after the commit: an executor whose CAS ran before it would not
         see the Scheduling row (its snapshot predates the commit) and would drop the attempt.
         """
-        sent = self.bus.start_publish(DISPATCH_EXCHANGE, [_dispatch(t) for t in moved])
+        spans = [_dispatch_span(t) for t in moved] if telemetry.enabled() else []
+        messages = [_dispatch(t, spans[i] if spans else None) for i, t in enumerate(moved)]
+        sent = self.bus.start_publish(DISPATCH_EXCHANGE, messages)
         if waiting:
             await self.queue.push([t for t in tasks if t.id in waiting])
             await self.repo.set_wait_reasons({k: v for k, v in waiting.items() if v})
-        await sent
+        try:
+            await sent
+        finally:
+            for span in spans:
+                span.end()
 
     # -- retries ------------------------------------------------------------------------------
 
@@ -301,7 +337,25 @@ class Scheduler:
         self._wake_dispatch.set()
 
 
-def _dispatch(task: Task) -> Outgoing:
+def _header(message: AbstractIncomingMessage, name: str) -> str | None:
+    value = (message.headers or {}).get(name)
+    if isinstance(value, bytes):
+        return value.decode()
+    return value if isinstance(value, str) else None
+
+
+def _dispatch_span(task: Task) -> Span:
+    return telemetry.start(
+        f"{DISPATCH_EXCHANGE} publish",
+        task.traceparent,
+        SpanKind.PRODUCER,
+        telemetry.messaging(
+            DISPATCH_EXCHANGE, "publish", task.id, node=task.node, attempt=task.attempt
+        ),
+    )
+
+
+def _dispatch(task: Task, span: Span | None = None) -> Outgoing:
     assert task.node is not None
     body = Dispatch(
         task_id=task.id,
@@ -311,4 +365,5 @@ def _dispatch(task: Task) -> Outgoing:
         max_retries=task.max_retries,
         node=task.node,
     )
-    return Outgoing(task.node, body.model_dump_json().encode())
+    headers = telemetry.headers_for(span) if span is not None else {}
+    return Outgoing(task.node, body.model_dump_json().encode(), headers)

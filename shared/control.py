@@ -1,0 +1,112 @@
+"""Operator control of single tasks: pause, resume, cancel — through the FSM like every change.
+
+Each action re-reads the task and retries its CAS when the task moved meanwhile (a running
+task may finish while an operator pauses it): the action applies to whatever state the task is
+in by then, or fails with a clear error if that state is terminal. Stopping a running process
+is the executor's part: it hears the NOTIFY of the move and stops the attempt.
+"""
+
+from __future__ import annotations
+
+import getpass
+import socket
+from datetime import UTC, datetime
+from uuid import UUID
+
+from shared import fsm
+from shared.errors import SkedError, StaleWrite
+from shared.fsm import State
+from shared.models import Task
+from shared.queues import ReadyQueue
+from shared.repo import PgTaskRepo
+
+ATTEMPTS = 20
+
+
+class NotAllowed(SkedError):
+    """The task's state does not allow the action (terminal, or already so)."""
+
+
+def operator() -> str:
+    """Who is acting, when the caller does not say: user@host."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry in some containers
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def _refuse(action: str, task: Task) -> None:
+    if fsm.is_terminal(task.status, fsm.has_retry_left(task)):
+        raise NotAllowed(
+            f"cannot {action} task {task.id}: it is {task.status.label}, a terminal state"
+        )
+
+
+async def pause(repo: PgTaskRepo, task_id: UUID, reason: str, by: str | None = None) -> Task:
+    """Any non-terminal state -> Paused. A running attempt is stopped by its executor; no
+    retry is spent, and the task does not start again until resumed."""
+    who = by or operator()
+    for _ in range(ATTEMPTS):
+        task = await repo.get(task_id)
+        _refuse("pause", task)
+        if task.status is State.PAUSED:
+            raise NotAllowed(f"task {task_id} is already paused (by {task.paused_by})")
+        try:
+            moved: Task = await fsm.apply(
+                repo,
+                task,
+                State.PAUSED,
+                reason=f"paused by {who}: {reason}",
+                paused_by=who,
+                paused_reason=reason,
+                paused_at=datetime.now(UTC),
+            )
+        except StaleWrite:
+            continue
+        return moved
+    raise StaleWrite(f"task {task_id} kept changing; pause not applied")
+
+
+async def cancel(
+    repo: PgTaskRepo,
+    queue: ReadyQueue | None,
+    task_id: UUID,
+    reason: str = "",
+    by: str | None = None,
+) -> Task:
+    """Any non-terminal state -> Canceled (terminal). A running attempt is stopped."""
+    who = by or operator()
+    for _ in range(ATTEMPTS):
+        task = await repo.get(task_id)
+        _refuse("cancel", task)
+        text = f"canceled by {who}" + (f": {reason}" if reason else "")
+        try:
+            moved: Task = await fsm.apply(repo, task, State.CANCELED, reason=text)
+        except StaleWrite:
+            continue
+        if queue is not None and task.status is State.READY:
+            await queue.remove([task_id])  # tidy only: a popped Canceled task is dropped anyway
+        return moved
+    raise StaleWrite(f"task {task_id} kept changing; cancel not applied")
+
+
+async def resume(repo: PgTaskRepo, queue: ReadyQueue, task_id: UUID) -> Task:
+    """Paused -> Pending -> Ready, and into the ready queue. The next attempt gets a new
+    attempt number; retry_count is unchanged (a pause costs no retry)."""
+    for _ in range(ATTEMPTS):
+        task = await repo.get(task_id)
+        if task.status is not State.PAUSED:
+            _refuse("resume", task)
+            raise NotAllowed(f"task {task_id} is {task.status.label}, not paused")
+        async with repo.pool.acquire() as conn, conn.transaction():
+            pending = await repo.transition_many([fsm.plan(task, State.PENDING, "resumed")], conn)
+            if not pending:
+                continue  # it moved meanwhile: look again
+            # a task with no dependencies is ready at once
+            ready = await repo.transition_many(
+                [fsm.plan(pending[0], State.READY, "resumed: no dependencies")], conn
+            )
+        await queue.push(ready)
+        return ready[0]
+    raise StaleWrite(f"task {task_id} kept changing; resume not applied")

@@ -1,0 +1,131 @@
+"""One trace per task: producer, scheduler and executor spans, read from an in-memory exporter.
+
+The scheduler and the executor run in this process (real Postgres, Redis, RabbitMQ; the
+executor's worker processes are real) so that one exporter sees every span.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from services.executor.backend import LocalBackend
+from services.executor.service import Executor
+from services.scheduler.service import Scheduler
+from shared import telemetry
+from shared.client import SkedClient
+from shared.fsm import State
+from shared.settings import Settings
+from shared.wiring import backends
+
+_EXPORTER = InMemorySpanExporter()
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    """The in-memory exporter behind this process's tracer provider (installed once)."""
+    if not telemetry.enabled():
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
+        telemetry.use(provider)
+    assert isinstance(trace.get_tracer_provider(), TracerProvider)
+    _EXPORTER.clear()
+    yield _EXPORTER
+    _EXPORTER.clear()
+
+
+def trace_of(task_traceparent: str | None) -> int:
+    assert task_traceparent is not None
+    return int(task_traceparent.split("-")[1], 16)
+
+
+async def test_one_trace_holds_producer_scheduler_and_executor_spans_in_order(
+    settings: Settings, spans: InMemorySpanExporter, tmp_path: Path
+) -> None:
+    node_settings = settings.model_copy(update={"node_id": "traced", "slots": 1})
+    async with backends(settings) as s, backends(node_settings) as e:
+        scheduler = Scheduler(settings, s.tasks, s.nodes, s.bus, s.ready_queue)
+        executor = Executor(
+            node_settings, e.tasks, e.nodes, e.bus, LocalBackend(1, tmp_path), e.ready_queue
+        )
+        running = [asyncio.create_task(scheduler.run()), asyncio.create_task(executor.run())]
+        try:
+            await asyncio.wait_for(scheduler.ready.wait(), 30)
+            await asyncio.wait_for(executor.ready.wait(), 30)
+            async with SkedClient(settings) as client:
+                task_id = await client.submit(
+                    {"name": "traced", "job": {"kind": "handler", "handler": "tests.e2e.jobs:noop"}}
+                )
+                task = await client.wait(task_id, timeout=30)
+        finally:
+            scheduler.stop()
+            executor.stop()
+            await asyncio.wait_for(asyncio.gather(*running), 30)
+    assert task.status is State.SUCCESS
+
+    trace_id = trace_of(task.traceparent)
+    mine: list[ReadableSpan] = [
+        sp for sp in spans.get_finished_spans() if sp.context and sp.context.trace_id == trace_id
+    ]
+    mine.sort(key=lambda sp: sp.start_time or 0)
+    names = [sp.name for sp in mine]
+
+    def first(name: str) -> ReadableSpan:
+        found = [sp for sp in mine if sp.name == name]
+        assert found, f"no span {name!r} in {names}"
+        return found[0]
+
+    producer = first("sked.tasks publish")
+    received = first("sked.submit receive")
+    dispatched = first("sked.dispatch publish")
+    consumed = first("sked.node.traced receive")
+    run = first("attempt 1 run")
+    assert producer.kind is SpanKind.PRODUCER
+    assert received.kind is SpanKind.CONSUMER
+    assert dispatched.kind is SpanKind.PRODUCER
+    assert consumed.kind is SpanKind.CONSUMER
+    # a span per transition, every one in this trace
+    transitions = [n for n in names if "→" in n]
+    assert transitions == [
+        "Created → Pending",
+        "Pending → Ready",
+        "Ready → Scheduling",
+        "Scheduling → Running",
+        "Running → Success",
+    ], names
+    # producer first, then the scheduler's spans, then the executor's
+    order = [
+        producer,
+        received,
+        first("Ready → Scheduling"),
+        dispatched,
+        consumed,
+        run,
+        first("Running → Success"),
+    ]
+    starts = [sp.start_time for sp in order]
+    assert starts == sorted(starts), [sp.name for sp in order]
+    # parentage: the consumer spans hang under the producer spans whose context they carried
+    assert received.parent is not None
+    assert received.parent.span_id == producer.context.span_id
+    assert consumed.parent is not None
+    assert consumed.parent.span_id == dispatched.context.span_id
+    assert run.parent is not None
+    assert run.parent.span_id == consumed.context.span_id
+    # and nothing of this task landed in another trace
+    others = [
+        sp
+        for sp in spans.get_finished_spans()
+        if sp.attributes
+        and sp.attributes.get("sked.task_id") == str(task_id)
+        and sp.context.trace_id != trace_id
+    ]
+    assert not others, [sp.name for sp in others]
