@@ -33,6 +33,8 @@ SERVICES: dict[str, str] = {
     "scheduler": "services.scheduler.__main__",
     "executor": "services.executor.__main__",
     "relay": "services.relay.__main__",
+    "heartbeat-monitor": "services.heartbeat_monitor.__main__",
+    "recovery": "services.recovery.__main__",
 }
 
 

@@ -1,6 +1,7 @@
 """`sked dev`: the whole deployment in one terminal, each service its own process.
 
-Applies migrations, then runs the scheduler, the relay and N executors (`sked service …`),
+Applies migrations, then runs the scheduler, the relay, the heartbeat-monitor, recovery and N
+executors (`sked service …`),
 prefixing every log line with its process's name. Ctrl-C (or SIGTERM) stops them all: each
 gets SIGTERM and a grace period, then SIGKILL. If any one dies, the rest are stopped too and the
 exit code says so.
@@ -31,7 +32,12 @@ class Child:
 
 def _commands(executors: int, slots: int) -> list[tuple[str, list[str]]]:
     sked = [sys.executable, "-m", "services.cli", "service"]
-    out = [("scheduler", [*sked, "scheduler"]), ("relay", [*sked, "relay"])]
+    out = [
+        ("scheduler", [*sked, "scheduler"]),
+        ("relay", [*sked, "relay"]),
+        ("monitor", [*sked, "heartbeat-monitor"]),
+        ("recovery", [*sked, "recovery"]),
+    ]
     for i in range(1, executors + 1):
         node = f"dev-{i}"
         out.append((node, [*sked, "executor", "--node-id", node, "--slots", str(slots)]))

@@ -16,6 +16,7 @@ import aio_pika
 from aio_pika.abc import (
     AbstractChannel,
     AbstractExchange,
+    AbstractIncomingMessage,
     AbstractQueue,
     AbstractRobustConnection,
 )
@@ -36,6 +37,11 @@ DEAD_QUEUE = "sked.dead"
 REASON_HEADER = "x-sked-reason"
 # The scheduler sends each placed attempt to its node: routing key = node id.
 DISPATCH_EXCHANGE = "sked.dispatch"
+# Executors publish heartbeats (their own and their attempts') here; monitors share the queue.
+HEARTBEATS_EXCHANGE = "sked.heartbeats"
+HEARTBEATS_QUEUE = "sked.heartbeats"
+# The heartbeat-monitor asks an executor about one attempt (request/reply, routing key node id).
+PROBE_EXCHANGE = "sked.probe"
 # A node's queue lives on for a day without its executor, then RabbitMQ drops it: by then
 # recovery has moved anything dispatched to it elsewhere.
 NODE_QUEUE_EXPIRES_MS = 24 * 3600 * 1000
@@ -76,6 +82,8 @@ class AmqpBus:
             (TASKS_EXCHANGE, aio_pika.ExchangeType.TOPIC),
             (DLX, aio_pika.ExchangeType.FANOUT),
             (DISPATCH_EXCHANGE, aio_pika.ExchangeType.DIRECT),
+            (HEARTBEATS_EXCHANGE, aio_pika.ExchangeType.FANOUT),
+            (PROBE_EXCHANGE, aio_pika.ExchangeType.DIRECT),
         ):
             self._exchanges[name] = await channel.declare_exchange(name, kind, durable=True)
         dead = await channel.declare_queue(DEAD_QUEUE, durable=True)
@@ -84,6 +92,11 @@ class AmqpBus:
             SUBMIT_QUEUE, durable=True, arguments={"x-dead-letter-exchange": DLX}
         )
         await submit.bind(self._exchanges[TASKS_EXCHANGE], SUBMIT_KEY)
+        # a heartbeat is worth nothing after a few seconds: expire rather than pile up
+        beats = await channel.declare_queue(
+            HEARTBEATS_QUEUE, durable=True, arguments={"x-message-ttl": 10_000}
+        )
+        await beats.bind(self._exchanges[HEARTBEATS_EXCHANGE])
 
     async def consumer_channel(self, prefetch: int) -> AbstractChannel:
         """A channel of its own for consuming, so its prefetch bounds only that consumer."""
@@ -131,6 +144,13 @@ class AmqpBus:
             for m in messages
         ]
         return asyncio.gather(*confirms)
+
+    async def reply(self, request: AbstractIncomingMessage, body: bytes) -> None:
+        """Answer a request on its reply_to queue (default exchange), with its correlation id."""
+        await self.channel.default_exchange.publish(
+            aio_pika.Message(body, content_type=JSON, correlation_id=request.correlation_id),
+            routing_key=request.reply_to or "",
+        )
 
     async def dead_letter(
         self, body: bytes, reason: str, routing_key: str, headers: dict[str, Any] | None = None

@@ -155,6 +155,9 @@ class Task:
     memory_mb: int
     gpu: int
     traceparent: str | None
+    hb_at: datetime | None
+    hb_deadline: datetime | None
+    hb_seq: int
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Task:

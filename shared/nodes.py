@@ -8,7 +8,7 @@ leaves those states, by the same CAS that moves the task.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 from uuid import UUID
@@ -32,8 +32,12 @@ WITH up AS (
 SELECT pg_notify('{NODE_CHANNEL}', id) FROM up
 """
 
+# An executor's heartbeat also re-asserts that it is ready (a monitor may have marked it not
+# ready while it was only reconnecting); a draining executor stops heartbeating first.
 HEARTBEAT = """
-UPDATE nodes SET heartbeat_at = now(), load = $3 WHERE id = $1 AND boot_id = $2 RETURNING ready
+UPDATE nodes SET heartbeat_at = now(), load = $3, ready = true
+WHERE id = $1 AND boot_id = $2
+RETURNING ready
 """
 
 SET_READY = f"""
@@ -61,23 +65,16 @@ LEFT JOIN (
 ALL_WITH_USAGE = _WITH_USAGE + " ORDER BY n.id"
 
 # Placement runs with the live nodes' rows locked (in id order, so schedulers never deadlock):
-# two schedulers placing at once serialise here and each sees the other's reservations. Lock
-# and read are one round trip; only nodes locked here count as live.
-LOCK_AND_READ = (
-    """
-WITH locked AS MATERIALIZED (
-    SELECT id FROM nodes
-    WHERE ready AND heartbeat_at > now() - make_interval(secs => $1)
-    ORDER BY id
-    FOR UPDATE
-)
+# two schedulers placing at once serialise here and each sees the other's reservations. The
+# lock and the read of usage must be two statements: at READ COMMITTED a statement reads as of
+# its own start, so usage read by the statement that waited for the lock would miss what the
+# previous holder committed meanwhile (a test reproduces that overcommit step by step).
+LOCK_LIVE = """
+SELECT id FROM nodes
+WHERE ready AND heartbeat_at > now() - make_interval(secs => $1)
+ORDER BY id
+FOR UPDATE
 """
-    + _WITH_USAGE.replace(
-        "n.heartbeat_at > now() - make_interval(secs => $1) AS live",
-        "n.id IN (SELECT id FROM locked) AS live",
-    )
-    + " ORDER BY n.id"
-)
 
 
 @dataclass(frozen=True)
@@ -162,5 +159,11 @@ class PgNodeRepo:
         return [NodeRow.from_row(r) for r in await self.pool.fetch(ALL_WITH_USAGE, self.ttl_s)]
 
     async def lock_and_read(self, conn: asyncpg.Connection) -> list[NodeRow]:
-        """Inside a transaction: lock the live nodes and read every node with its usage."""
-        return [NodeRow.from_row(r) for r in await conn.fetch(LOCK_AND_READ, self.ttl_s)]
+        """Inside a transaction: lock the live nodes, then read every node with its usage.
+
+        Only the nodes locked here count as live: one that turned live between the lock and
+        the read waits for the next pass rather than being placed on unlocked.
+        """
+        locked = {r["id"] for r in await conn.fetch(LOCK_LIVE, self.ttl_s)}
+        rows = [NodeRow.from_row(r) for r in await conn.fetch(ALL_WITH_USAGE, self.ttl_s)]
+        return [r if r.id in locked else replace(r, live=False) for r in rows]

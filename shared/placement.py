@@ -120,10 +120,14 @@ def score(node: NodeState, need: Need) -> float:
 class Choice:
     node: NodeState | None
     reason: str = ""
+    # True when some node could take the task once it has room: wait in line. False when no
+    # node can take it at all (too small, wrong labels, not ready): park until nodes change.
+    fits_later: bool = False
 
 
 def why_not(need: Need, nodes: Sequence[NodeState]) -> str:
-    """Why no node fits `need`: the first requirement that rules out every node."""
+    """Why no node fits `need`: the first requirement that rules out every node, or that the
+    nodes that could take it are all full (`waits_for_room` tells the two apart)."""
     ready = [n for n in nodes if n.ready]
     if not ready:
         return "no ready node"
@@ -137,10 +141,17 @@ def why_not(need: Need, nodes: Sequence[NodeState]) -> str:
     return f"all {len(sized)} node(s) that fit are full"
 
 
+def waits_for_room(need: Need, nodes: Sequence[NodeState]) -> bool:
+    """Some ready node could take `need` once enough of what runs on it has finished."""
+    return any(
+        n.ready and matches(n, need.selector) and capacity_gap(n, need) is None for n in nodes
+    )
+
+
 def choose(need: Need, nodes: Sequence[NodeState]) -> Choice:
     candidates = [n for n in nodes if fits(n, need)]
     if not candidates:
-        return Choice(None, why_not(need, nodes))
+        return Choice(None, why_not(need, nodes), waits_for_room(need, nodes))
     return Choice(min(candidates, key=lambda n: (-score(n, need), n.id)))
 
 
@@ -149,18 +160,19 @@ K = TypeVar("K", bound=Hashable)
 
 def place_many(
     needs: Sequence[tuple[K, Need]], nodes: Sequence[NodeState]
-) -> tuple[dict[K, str], dict[K, str]]:
+) -> tuple[dict[K, str], dict[K, Choice]]:
     """Place tasks in the given order, each seeing the reservations of those before it.
 
-    Returns ({key: node id}, {key: reason it stays Ready}).
+    Returns ({key: node id}, {key: the Choice that found no node: its reason, and whether it
+    only waits for room}).
     """
     state = {n.id: n for n in nodes}
     placed: dict[K, str] = {}
-    unplaced: dict[K, str] = {}
+    unplaced: dict[K, Choice] = {}
     for key, need in needs:
         choice = choose(need, list(state.values()))
         if choice.node is None:
-            unplaced[key] = choice.reason
+            unplaced[key] = choice
         else:
             placed[key] = choice.node.id
             state[choice.node.id] = choice.node.placed(need)

@@ -23,6 +23,9 @@ from redis.asyncio import Redis
 log = logging.getLogger(__name__)
 
 READY_KEY = "sked:ready"
+# Ready tasks no node can take at all (too big, wrong labels) wait here, with their scores,
+# so they cannot block the head of the queue; a node joining or changing moves them back.
+PARKED_KEY = "sked:parked"
 BUILT_KEY = "sked:ready:built"  # gone after FLUSHALL or a restart without persistence
 EPOCH = datetime(2025, 1, 1, tzinfo=UTC).timestamp()
 
@@ -66,17 +69,40 @@ class ReadyQueue:
 
     async def remove(self, ids: Sequence[UUID]) -> None:
         if ids:
-            await self.redis.zrem(READY_KEY, *(str(i) for i in ids))
+            members = [str(i) for i in ids]
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.zrem(READY_KEY, *members)
+                pipe.zrem(PARKED_KEY, *members)
+                await pipe.execute()
+
+    async def park(self, tasks: Iterable[Queued]) -> int:
+        mapping = {str(t.id): self.score_of(t) for t in tasks}
+        if mapping:
+            await self.redis.zadd(PARKED_KEY, mapping)
+        return len(mapping)
+
+    async def unpark(self) -> int:
+        """Move every parked task back into the queue, in one atomic step."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.zcard(PARKED_KEY)
+            pipe.zunionstore(READY_KEY, [READY_KEY, PARKED_KEY], aggregate="MIN")
+            pipe.delete(PARKED_KEY)
+            n, _, _ = await pipe.execute()
+        return int(n)
 
     async def size(self) -> int:
         return int(await self.redis.zcard(READY_KEY))
 
     async def absent(self, ids: Sequence[UUID]) -> list[UUID]:
-        """Those of `ids` that are not in the queue."""
+        """Those of `ids` that are neither queued nor parked."""
         if not ids:
             return []
-        scores = await self.redis.zmscore(READY_KEY, [str(i) for i in ids])
-        return [i for i, s in zip(ids, scores, strict=True) if s is None]
+        members = [str(i) for i in ids]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zmscore(READY_KEY, members)
+            pipe.zmscore(PARKED_KEY, members)
+            queued, parked = await pipe.execute()
+        return [i for i, q, p in zip(ids, queued, parked, strict=True) if q is None and p is None]
 
     async def is_built(self) -> bool:
         return bool(await self.redis.exists(BUILT_KEY))
@@ -98,3 +124,28 @@ class ReadyQueue:
 
 def _text(member: bytes | str) -> str:
     return member.decode() if isinstance(member, bytes) else member
+
+
+class ReadySource(Protocol):
+    """Where the queue is rebuilt from: the task repository."""
+
+    async def ready_for_queue(self, older_than_s: float, limit: int) -> Sequence[Queued]: ...
+
+
+async def rebuild(queue: ReadyQueue, repo: ReadySource) -> int:
+    """Put every Ready task of Postgres into the queue (after a Redis loss, at start)."""
+    return await queue.rebuild(await repo.ready_for_queue(older_than_s=-1e9, limit=10_000_000))
+
+
+async def reconcile(queue: ReadyQueue, repo: ReadySource, older_than_s: float) -> int:
+    """Rebuild the queue if Redis lost it; else re-add Ready tasks that have waited longer than
+    `older_than_s` and are missing (their scheduler died between ZPOPMIN and its CAS)."""
+    if not await queue.is_built():
+        log.warning("the ready queue is gone (Redis lost its data): rebuilding")
+        return await rebuild(queue, repo)
+    stale = await repo.ready_for_queue(older_than_s, 10_000)
+    missing = set(await queue.absent([t.id for t in stale]))
+    n = await queue.push([t for t in stale if t.id in missing])
+    if n:
+        log.warning("re-queued %d Ready tasks the queue had lost", n)
+    return n

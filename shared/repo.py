@@ -58,7 +58,8 @@ _TASK_COLUMNS = (
     "priority, retry_count, max_retries, next_retry_at, timeout_s, heartbeat_timeout_s, "
     "node, idempotency_key, "
     "paused_by, paused_reason, paused_at, result, error, created_at, updated_at, queued_at, "
-    "started_at, finished_at, log_tail, cpu, memory_mb, gpu, traceparent"
+    "started_at, finished_at, log_tail, cpu, memory_mb, gpu, traceparent, hb_at, hb_deadline, "
+    "hb_seq"
 )
 # the same columns by name, for reading back from a CTE that returned _TASK_COLUMNS
 _TASK_FIELDS = ", ".join(c.strip().split(" AS ")[-1] for c in _TASK_COLUMNS.split(","))
@@ -164,6 +165,12 @@ WITH u AS (
                          ELSE t.paused_at END,
         queued_at = CASE WHEN u.to_status = 'ready' THEN now() ELSE t.queued_at END,
         started_at = CASE WHEN u.to_status = 'running' THEN now() ELSE t.started_at END,
+        -- a new Running attempt starts its heartbeat clock from zero
+        hb_at = CASE WHEN u.to_status = 'running' THEN now() ELSE t.hb_at END,
+        hb_deadline = CASE WHEN u.to_status = 'running'
+                           THEN now() + make_interval(secs => t.heartbeat_timeout_s)
+                           ELSE t.hb_deadline END,
+        hb_seq = CASE WHEN u.to_status = 'running' THEN 0 ELSE t.hb_seq END,
         finished_at = CASE WHEN u.to_status IN ('success', 'failed', 'timed_out', 'canceled',
                                                 'skipped')
                            THEN now() ELSE t.finished_at END
@@ -205,6 +212,61 @@ SELECT {_TASK_COLUMNS} FROM tasks
 WHERE id = ANY($1::uuid[])
   AND (status IN ('success', 'canceled', 'skipped')
        OR (status IN ('failed', 'timed_out') AND retry_count >= max_retries))
+"""
+
+# Heartbeats, batched: applied only to the attempt that is Running now and only when newer
+# than the last applied (fencing: a heartbeat of an older attempt, or a replay, changes
+# nothing). Not a state change: no version bump, no event.
+APPLY_HEARTBEATS = """
+UPDATE tasks t SET hb_seq = u.seq, hb_at = now(),
+                   hb_deadline = now() + make_interval(secs => t.heartbeat_timeout_s)
+FROM unnest($1::uuid[], $2::int[], $3::bigint[]) AS u(id, attempt, seq)
+WHERE t.id = u.id AND t.status = 'running' AND t.attempt = u.attempt AND u.seq > t.hb_seq
+RETURNING t.id, t.attempt
+"""
+
+# The heartbeat-monitor's sweep: overdue Running attempts, leased for `$2` seconds (the
+# deadline moves on) so that replicas never work on the same one at once.
+LEASE_OVERDUE = f"""
+WITH due AS (
+    SELECT id FROM tasks
+    WHERE status = 'running' AND hb_deadline < now()
+    ORDER BY hb_deadline
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE tasks t SET hb_deadline = now() + make_interval(secs => $2)
+FROM due WHERE t.id = due.id
+RETURNING {", ".join("t." + c.strip() for c in _TASK_COLUMNS.split(","))}
+"""
+
+# Push an attempt's deadline to a given time (the ladder's grace and restore rungs).
+SET_DEADLINE = """
+UPDATE tasks SET hb_deadline = $3, hb_at = COALESCE($4, hb_at)
+WHERE id = $1 AND attempt = $2 AND status = 'running'
+"""
+
+NEXT_DEADLINE = "SELECT min(hb_deadline) FROM tasks WHERE status = 'running'"
+
+CLAIM_LOST = f"""
+SELECT {_TASK_COLUMNS} FROM tasks
+WHERE status = 'lost'
+ORDER BY updated_at
+LIMIT $1
+FOR UPDATE SKIP LOCKED
+"""
+
+CLAIM_STUCK_SCHEDULING = f"""
+SELECT {_TASK_COLUMNS} FROM tasks
+WHERE status = 'scheduling' AND updated_at < now() - make_interval(secs => $2)
+ORDER BY updated_at
+LIMIT $1
+FOR UPDATE SKIP LOCKED
+"""
+
+RECORD_LATE_RESULTS = """
+INSERT INTO late_results (task_id, attempt, ok, result, error, note)
+SELECT * FROM unnest($1::uuid[], $2::int[], $3::bool[], $4::jsonb[], $5::text[], $6::text[])
 """
 
 NEXT_RETRY_DUE = "SELECT min(next_retry_at) FROM tasks WHERE status = 'retry_wait'"
@@ -456,6 +518,59 @@ class PgTaskRepo:
     async def set_wait_reasons(self, reasons: dict[UUID, str]) -> None:
         if reasons:
             await self.pool.execute(SET_WAIT_REASONS, list(reasons), list(reasons.values()))
+
+    async def apply_heartbeats(
+        self, beats: Sequence[tuple[UUID, int, int]]
+    ) -> set[tuple[UUID, int]]:
+        """Apply (task id, attempt, seq) heartbeats; returns the (task, attempt) applied."""
+        if not beats:
+            return set()
+        ids, attempts, seqs = (list(x) for x in zip(*beats, strict=True))
+        rows = await self.pool.fetch(APPLY_HEARTBEATS, ids, attempts, seqs)
+        return {(r["id"], r["attempt"]) for r in rows}
+
+    async def lease_overdue(self, limit: int, lease_s: float) -> list[Task]:
+        rows = await self.pool.fetch(LEASE_OVERDUE, limit, lease_s)
+        return [_task(row) for row in rows]
+
+    async def set_deadline(
+        self, task_id: UUID, attempt: int, deadline: datetime, beat_at: datetime | None = None
+    ) -> None:
+        await self.pool.execute(SET_DEADLINE, task_id, attempt, deadline, beat_at)
+
+    async def next_deadline(self) -> datetime | None:
+        due: datetime | None = await self.pool.fetchval(NEXT_DEADLINE)
+        return due
+
+    async def recover_lost(self, limit: int, plan: Any) -> list[Task]:
+        """Move Lost tasks on, as `plan(task) -> Move` decides (SKIP LOCKED, shared)."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            rows = await conn.fetch(CLAIM_LOST, limit)
+            return await self.transition_many([plan(_task(r)) for r in rows], conn)
+
+    async def requeue_stuck_scheduling(self, limit: int, older_than_s: float) -> list[Task]:
+        """Attempts dispatched but not started within `older_than_s`: back to Ready."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            rows = await conn.fetch(CLAIM_STUCK_SCHEDULING, limit, older_than_s)
+            moves = [
+                fsm.plan(_task(r), State.READY, f"not started within {older_than_s:g} s")
+                for r in rows
+            ]
+            return await self.transition_many(moves, conn)
+
+    async def record_late_results(
+        self,
+        results: Sequence[tuple[UUID, int, bool, Any, str | None, str]],
+        conn: asyncpg.Connection | None = None,
+    ) -> None:
+        """Keep results of attempts that no longer own their task: recorded, never applied."""
+        if not results:
+            return
+        cols = [list(x) for x in zip(*results, strict=True)]
+        if conn is None:
+            await self.pool.execute(RECORD_LATE_RESULTS, *cols)
+        else:
+            await conn.execute(RECORD_LATE_RESULTS, *cols)
 
     async def next_retry_due(self) -> datetime | None:
         due: datetime | None = await self.pool.fetchval(NEXT_RETRY_DUE)

@@ -67,6 +67,19 @@ class Settings(BaseSettings):
     reconcile_s: float = Field(default=5.0, gt=0, description="queue/Postgres consistency check")
     node_ttl_s: float = Field(default=10.0, gt=0, description="a node silent this long is gone")
 
+    # Heartbeats and recovery.
+    heartbeat_secret: str = Field(
+        default="sked-dev-heartbeat-secret",
+        description="signs per-attempt heartbeat tokens: set your own in production",
+    )
+    heartbeat_url: str = "http://127.0.0.1:8470/heartbeat"  # given to every task process
+    monitor_host: str = "127.0.0.1"
+    monitor_port: int = Field(default=8470, ge=0, le=65535)
+    heartbeat_flush_s: float = Field(default=0.1, gt=0, description="batch window for beats")
+    probe_timeout_s: float = Field(default=2.0, gt=0, description="wait for a backend's answer")
+    recovery_period_s: float = Field(default=2.0, gt=0)
+    stuck_scheduling_s: float = Field(default=30.0, gt=0, description="dispatched, not started")
+
     # Executor (one process = one node).
     node_id: str = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "node")
     slots: int = Field(default=4, ge=1, le=10_000)

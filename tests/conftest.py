@@ -163,3 +163,11 @@ def service_env(settings: Settings) -> dict[str, str]:
         PYTHONUNBUFFERED="1",
     )
     return env
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Keep each phase's report on the test item, so fixtures can tell a failed test."""
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report

@@ -53,6 +53,7 @@ class ServiceProcess:
     def __init__(self, name: str, env: dict[str, str], log_dir: Path, *args: str) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}-{next(_proc_ids)}.log"
+        self.killed = False  # killed on purpose: its exit code says nothing
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
             [SKED, "service", name, *args], env=env, stdout=self._log, stderr=subprocess.STDOUT
@@ -71,6 +72,7 @@ class ServiceProcess:
 
     def kill(self) -> None:
         """SIGKILL: no chance to clean up, like a crashed host."""
+        self.killed = True
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=10)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from uuid import UUID, uuid4
 
 import asyncpg
@@ -26,12 +26,12 @@ from opentelemetry.trace import SpanKind
 from pydantic import ValidationError
 
 from services.executor.backend import Launch, LocalBackend, Outcome
-from shared import fsm, telemetry
-from shared.backoff import retry_delay
-from shared.bus import AmqpBus, node_queue
+from shared import fsm, heartbeat, telemetry
+from shared.bus import HEARTBEATS_EXCHANGE, PROBE_EXCHANGE, AmqpBus, Outgoing, node_queue
 from shared.fsm import State
 from shared.models import Dispatch, Task
 from shared.nodes import PgNodeRepo
+from shared.outcome import Report, end_move, retries
 from shared.queues import ReadyQueue
 from shared.repo import TASK_CHANNEL, PgTaskRepo, parse_notify
 from shared.runtime import next_batch, wait_any
@@ -71,6 +71,9 @@ class Executor:
         self.queue = queue
         self.boot_id = uuid4()
         self.active: dict[tuple[UUID, int], Attempt] = {}
+        # outcomes known here but not yet written: a probe gets the real outcome from these
+        self.unreported: dict[tuple[UUID, int], Outcome] = {}
+        self._beat_seq = 0
         self._inbox: asyncio.Queue[AbstractIncomingMessage | None] = asyncio.Queue()
         self._outcomes: asyncio.Queue[tuple[Attempt, Outcome] | None] = asyncio.Queue()
         self._runs: set[asyncio.Task[None]] = set()
@@ -97,6 +100,9 @@ class Executor:
         )
         listener: asyncpg.Connection = await asyncpg.connect(s.database_url)
         await listener.add_listener(TASK_CHANNEL, self._on_task_notify)
+        probes = await channel.declare_queue(exclusive=True, auto_delete=True)
+        await probes.bind(PROBE_EXCHANGE, self.node_id)
+        await probes.consume(self._on_probe)
         tag = await queue.consume(self._inbox.put)
         log.info(
             "executor %s ready: %d slots, cpu %g, memory %d MB, gpu %d, labels %s",
@@ -207,12 +213,19 @@ class Executor:
             attempt.trace or task.traceparent,
             attributes={"sked.task_id": str(task.id), "sked.node": self.node_id},
         ) as span:
+            env = {
+                "SKED_HEARTBEAT_URL": self.settings.heartbeat_url,
+                "SKED_HEARTBEAT_TOKEN": heartbeat.token(
+                    self.settings.heartbeat_secret, task.id, task.attempt
+                ),
+            }
             outcome = await self.backend.run(
-                Launch(task.id, task.attempt, task.spec.job, task.timeout_s, env={})
+                Launch(task.id, task.attempt, task.spec.job, task.timeout_s, env=env)
             )
             span.set_attribute("sked.ok", outcome.ok)
             if outcome.error:
                 span.set_attribute("sked.error", outcome.error)
+        self.unreported[(task.id, task.attempt)] = outcome
         await self._outcomes.put((attempt, outcome))
 
     async def _hand_back_unstarted(self) -> None:
@@ -241,35 +254,32 @@ class Executor:
             await self.finish(batch)
 
     async def finish(self, batch: list[tuple[Attempt, Outcome]]) -> None:
-        now = datetime.now(UTC)
-        ends = []
-        for attempt, outcome in batch:
-            target, reason, changes = _end(outcome, self.node_id)
-            ends.append(fsm.plan(attempt.task, target, reason, **changes))
+        where = f"on {self.node_id}"
+        ends = [end_move(a.task, _report(o), f"ended {where}") for a, o in batch]
         async with self.repo.pool.acquire() as conn, conn.transaction():
             ended = await self.repo.transition_many(ends, conn)
-            retries = [
-                fsm.plan(
-                    t,
-                    State.RETRY_WAIT,
-                    f"retry {t.retry_count + 1} of {t.max_retries}",
-                    next_retry_at=now + timedelta(seconds=_delay(t)),
-                )
-                for t in ended
-                if t.status in fsm.RETRYABLE and fsm.has_retry_left(t)
-            ]
-            await self.repo.transition_many(retries, conn)
-        won = {t.id for t in ended}
-        for attempt, outcome in batch:
-            task = attempt.task
-            if task.id not in won:
-                log.info(
-                    "outcome of %s attempt %d not applied (the task moved on): ok=%s",
-                    task.id,
-                    task.attempt,
-                    outcome.ok,
-                )
-            self.active.pop((task.id, task.attempt), None)
+            await self.repo.transition_many(retries(ended, datetime.now(UTC)), conn)
+            won = {t.id for t in ended}
+            late = [(a.task, o) for a, o in batch if a.task.id not in won]
+            # the task moved on (canceled, paused, lost and retried): keep, do not apply
+            await self.repo.record_late_results(
+                [
+                    (t.id, t.attempt, o.ok, o.result, o.error, f"attempt superseded {where}")
+                    for t, o in late
+                ],
+                conn,
+            )
+        for task, outcome in late:
+            log.info(
+                "outcome of %s attempt %d recorded, not applied (the task moved on): ok=%s",
+                task.id,
+                task.attempt,
+                outcome.ok,
+                extra={"task_id": str(task.id), "attempt": task.attempt},
+            )
+        for attempt, _ in batch:
+            self.active.pop((attempt.task.id, attempt.task.attempt), None)
+            self.unreported.pop((attempt.task.id, attempt.task.attempt), None)
             await attempt.message.ack()
 
     # -- watching what runs here -------------------------------------------------------------
@@ -329,18 +339,52 @@ class Executor:
             if not await self.nodes.heartbeat(self.node_id, self.boot_id, load):
                 log.error("node %s was taken over by another executor; stopping", self.node_id)
                 self.stop()
+                return
+            await self.beat(load)
+
+    async def beat(self, load: float) -> None:
+        """Heartbeat for this node and every attempt it supervises, in one message."""
+        seq = max(heartbeat.now_seq(), self._beat_seq + 1)  # never repeats, even if the clock
+        self._beat_seq = seq  # steps back
+        message = heartbeat.BeatMessage(
+            node=heartbeat.NodeBeat(id=self.node_id, boot_id=self.boot_id, load=load),
+            beats=[
+                heartbeat.Beat(task_id=task_id, attempt=attempt, seq=seq)
+                for task_id, attempt in self.backend.running()
+            ],
+        )
+        await self.bus.publish(
+            HEARTBEATS_EXCHANGE, [Outgoing("", message.model_dump_json().encode())]
+        )
+
+    # -- answering the heartbeat-monitor -------------------------------------------------------
+
+    async def _on_probe(self, message: AbstractIncomingMessage) -> None:
+        """A monitor asks about one attempt whose heartbeats it lost: is it still running here,
+        did it finish (and how), or does this node not know it?"""
+        async with message.process():
+            try:
+                probe = heartbeat.Probe.model_validate_json(message.body)
+            except ValidationError as exc:
+                log.error("unreadable probe: %s", exc)
+                return
+            key = (probe.task_id, probe.attempt)
+            if key in self.unreported:
+                outcome = self.unreported[key]
+                answer = heartbeat.ProbeAnswer(state="finished", report=_report(outcome))
+            elif key in self.backend.running():
+                answer = heartbeat.ProbeAnswer(state="running")
+            else:
+                answer = heartbeat.ProbeAnswer(state="unknown")
+            if message.reply_to:
+                await self.bus.reply(message, answer.model_dump_json().encode())
 
 
-def _end(outcome: Outcome, node: str) -> tuple[State, str, dict[str, object]]:
-    changes: dict[str, object] = {"log_tail": outcome.log_tail, "result": outcome.result}
-    if outcome.ok:
-        return State.SUCCESS, f"succeeded on {node}", {**changes, "error": None}
-    changes["error"] = outcome.error
-    if outcome.timed_out:
-        return State.TIMED_OUT, outcome.error or "timed out", changes
-    return State.FAILED, outcome.error or "failed", changes
-
-
-def _delay(task: Task) -> float:
-    spec = task.spec
-    return retry_delay(task.retry_count, spec.backoff_base_s, spec.backoff_cap_s)
+def _report(outcome: Outcome) -> Report:
+    return Report(
+        ok=outcome.ok,
+        result=outcome.result,
+        error=outcome.error,
+        timed_out=outcome.timed_out,
+        log_tail=outcome.log_tail,
+    )

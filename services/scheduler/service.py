@@ -30,8 +30,8 @@ from shared.bus import DISPATCH_EXCHANGE, SUBMIT_QUEUE, AmqpBus, Outgoing
 from shared.fsm import State
 from shared.models import Dispatch, Task, TaskSpec
 from shared.nodes import NODE_CHANNEL, PgNodeRepo
-from shared.placement import Need, NodeState, place_many
-from shared.queues import ReadyQueue
+from shared.placement import Choice, Need, NodeState, place_many
+from shared.queues import ReadyQueue, rebuild, reconcile
 from shared.repo import TASK_CHANNEL, PgTaskRepo, parse_notify
 from shared.runtime import next_batch, wait_any
 from shared.settings import Settings
@@ -88,6 +88,7 @@ class Scheduler:
         self._inbox: asyncio.Queue[AbstractIncomingMessage | None] = asyncio.Queue()
         self._wake_dispatch = asyncio.Event()
         self._new_work = asyncio.Event()  # set by intake: dispatch without lingering
+        self._unpark = asyncio.Event()  # nodes changed: parked tasks go back in line
         self._wake_retry = asyncio.Event()
         self._stopping = asyncio.Event()
         self.ready = asyncio.Event()  # set once consuming: tests and `sked dev` wait on it
@@ -193,7 +194,7 @@ class Scheduler:
             fresh = len(ADMISSION) + 1
             ready = [t for t in tasks if t.status is State.READY and t.version == fresh]
             moved: list[Task] = []
-            waiting = {t.id: "" for t in ready}
+            waiting = {t.id: Choice(None, fits_later=True) for t in ready}
             if direct and ready:
                 moved, waiting = await self._place(conn, ready)
         await self._hand_over(moved, ready, waiting)
@@ -208,6 +209,9 @@ class Scheduler:
         while not self._stopping.is_set():
             self._wake_dispatch.clear()
             self._new_work.clear()
+            if self._unpark.is_set():
+                self._unpark.clear()
+                await self.queue.unpark()
             while await self.dispatch_once() >= self.settings.dispatch_batch:
                 pass  # a full batch went out: there may be more to place right away
             await wait_any(self._wake_dispatch, self._stopping, timeout=self.settings.reconcile_s)
@@ -246,7 +250,7 @@ class Scheduler:
         conn: asyncpg.Connection,
         tasks: list[Task],
         nodes: list[NodeState] | None = None,
-    ) -> tuple[list[Task], dict[UUID, str]]:
+    ) -> tuple[list[Task], dict[UUID, Choice]]:
         """Inside a transaction: place `tasks` in order on the locked nodes and CAS the placed
         ones Ready -> Scheduling. Returns them, and {task id: why not} for the rest."""
         if nodes is None:
@@ -261,9 +265,10 @@ class Scheduler:
         return moved, unplaced
 
     async def _hand_over(
-        self, moved: list[Task], tasks: list[Task], waiting: dict[UUID, str]
+        self, moved: list[Task], tasks: list[Task], waiting: dict[UUID, Choice]
     ) -> None:
-        """After COMMIT: dispatch what was placed; queue the rest with the reason they wait.
+        """After COMMIT: dispatch what was placed; queue the rest with the reason they wait —
+        in line if a node could take them once it has room, parked if none can at all.
 
         Dispatches go out only after the commit: an executor whose CAS ran before it would not
         see the Scheduling row (its snapshot predates the commit) and would drop the attempt.
@@ -272,8 +277,13 @@ class Scheduler:
         messages = [_dispatch(t, spans[i] if spans else None) for i, t in enumerate(moved)]
         sent = self.bus.start_publish(DISPATCH_EXCHANGE, messages)
         if waiting:
-            await self.queue.push([t for t in tasks if t.id in waiting])
-            await self.repo.set_wait_reasons({k: v for k, v in waiting.items() if v})
+            await self.queue.push(
+                [t for t in tasks if t.id in waiting and waiting[t.id].fits_later]
+            )
+            await self.queue.park(
+                [t for t in tasks if t.id in waiting and not waiting[t.id].fits_later]
+            )
+            await self.repo.set_wait_reasons({k: c.reason for k, c in waiting.items() if c.reason})
         try:
             await sent
         finally:
@@ -299,20 +309,10 @@ class Scheduler:
     # -- reconciliation -----------------------------------------------------------------------
 
     async def rebuild_queue(self) -> int:
-        ready = await self.repo.ready_for_queue(older_than_s=-1e9, limit=10_000_000)
-        return await self.queue.rebuild(ready)
+        return await rebuild(self.queue, self.repo)
 
     async def reconcile_once(self) -> int:
-        """Rebuild the queue if Redis lost it; re-add Ready tasks it lost track of."""
-        if not await self.queue.is_built():
-            log.warning("the ready queue is gone (Redis lost its data): rebuilding")
-            n = await self.rebuild_queue()
-        else:
-            stale = await self.repo.ready_for_queue(self.settings.reconcile_s, 10_000)
-            missing = set(await self.queue.absent([t.id for t in stale]))
-            n = await self.queue.push([t for t in stale if t.id in missing])
-            if n:
-                log.warning("re-queued %d Ready tasks the queue had lost", n)
+        n = await reconcile(self.queue, self.repo, self.settings.reconcile_s)
         if n:
             self._wake_dispatch.set()
         return n
@@ -334,6 +334,8 @@ class Scheduler:
             self._wake_retry.set()
 
     def _on_node_notify(self, *_: object) -> None:
+        # a node joined or changed: parked tasks may fit now
+        self._unpark.set()
         self._wake_dispatch.set()
 
 

@@ -43,7 +43,11 @@ class Deployment:
         )
 
     def stop_all(self) -> dict[str, int]:
-        return {p.log_path.name: p.stop() for p in self.procs}
+        """Stop every process; the exit codes of those not killed on purpose."""
+        codes = {p.log_path.name: p.stop() for p in self.procs}
+        return {
+            name: c for p, (name, c) in zip(self.procs, codes.items(), strict=True) if not p.killed
+        }
 
     def logs(self) -> str:
         return "\n".join(f"===== {p.log_path.name}\n{p.log()}" for p in self.procs)
@@ -53,6 +57,8 @@ _READY = {
     "scheduler": "scheduler consuming",
     "relay": "relay listening",
     "executor": "ready:",
+    "recovery": "recovery running",
+    "heartbeat-monitor": "listening on",
 }
 
 

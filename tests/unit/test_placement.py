@@ -70,7 +70,18 @@ def test_place_many_sees_earlier_reservations() -> None:
     needs = [(i, Need(gpu=1)) for i in range(3)]
     placed, unplaced = place_many(needs, nodes)
     assert placed == {0: "a"}
-    assert unplaced == {1: "all 1 node(s) that fit are full", 2: "all 1 node(s) that fit are full"}
+    assert {k: c.reason for k, c in unplaced.items()} == {
+        1: "all 1 node(s) that fit are full",
+        2: "all 1 node(s) that fit are full",
+    }
+    assert all(c.fits_later for c in unplaced.values())
+
+
+def test_a_task_no_node_can_take_does_not_wait_for_room() -> None:
+    nodes = [node("a", slots=1, used_slots=1)]
+    assert choose(Need(), nodes).fits_later
+    assert not choose(Need(gpu=1), nodes).fits_later
+    assert not choose(Need(selector={"zone": "eu"}), nodes).fits_later
 
 
 def test_score_counts_only_resources_the_node_has() -> None:

@@ -1,0 +1,1 @@
+"""The heartbeat-monitor: takes heartbeats, and climbs the confirmation ladder before Lost."""

@@ -1,0 +1,39 @@
+"""Wire settings -> HeartbeatMonitor, and run it: `sked service heartbeat-monitor [--port N]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from services.heartbeat_monitor.service import HeartbeatMonitor
+from shared import telemetry
+from shared.runtime import configure_logging, run_main, serve
+from shared.settings import Settings
+from shared.wiring import backends
+
+
+async def main(settings: Settings) -> None:
+    async with backends(settings) as b:
+        await serve(HeartbeatMonitor(settings, b.tasks, b.nodes, b.bus))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="sked service heartbeat-monitor")
+    p.add_argument("--host", help="listen address for POST /heartbeat (SKED_MONITOR_HOST)")
+    p.add_argument("--port", type=int, help="listen port (SKED_MONITOR_PORT; 0: any free)")
+    return p.parse_args(argv)
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    overrides = {
+        k: v for k, v in (("monitor_host", args.host), ("monitor_port", args.port)) if v is not None
+    }
+    settings = Settings(**overrides)
+    configure_logging(settings, "heartbeat-monitor")
+    telemetry.setup("sked-heartbeat-monitor")
+    return run_main(lambda: main(settings))
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))

@@ -1,0 +1,322 @@
+"""The heartbeat-monitor: takes heartbeats, and confirms a loss before anything is marked Lost.
+
+take     beats from executors (queue `sked.heartbeats`) and from task processes (HTTP
+         `POST /heartbeat`, bearer token per attempt); coalesced in memory per attempt and
+         written every SKED_HEARTBEAT_FLUSH_S in one statement, fenced by attempt and sequence.
+sweep    the deadline index (`tasks.hb_deadline`, partial on Running) gives the overdue
+         attempts, leased with SKIP LOCKED so replicas share them; the loop sleeps until the
+         earliest deadline (at most a second), never scanning every Running task.
+ladder   overdue -> node still ready? grace to 2x the timeout -> ask the executor (probe):
+         running -> restore the heartbeat; finished -> reconcile to its real outcome;
+         no answer / unknown -> Running -> Lost. Each rung taken is in the event reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import aio_pika
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
+from aiohttp import web
+from pamqp.commands import Basic
+from pydantic import ValidationError
+
+from shared import fsm, heartbeat
+from shared.bus import HEARTBEATS_QUEUE, JSON, PROBE_EXCHANGE, AmqpBus
+from shared.fsm import State
+from shared.heartbeat import Beat, BeatMessage, Evidence, ProbeAnswer, Rung, next_rung
+from shared.models import Task
+from shared.nodes import NodeRow, PgNodeRepo
+from shared.outcome import end_move, retries
+from shared.repo import PgTaskRepo
+from shared.runtime import wait_any
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class Unreachable:
+    """No executor of the node is connected: its probe queue is gone with its connection."""
+
+
+UNREACHABLE = Unreachable()
+
+# How many distinct attempts one flush may carry; beyond it, heartbeats are shed (counted and
+# logged) rather than let memory grow: the next beat of a shed attempt is as good.
+MAX_PENDING = 100_000
+
+
+class HeartbeatMonitor:
+    def __init__(
+        self, settings: Settings, repo: PgTaskRepo, nodes: PgNodeRepo, bus: AmqpBus
+    ) -> None:
+        self.settings = settings
+        self.repo = repo
+        self.nodes = nodes
+        self.bus = bus
+        self._pending: dict[tuple[uuid.UUID, int], int] = {}  # (task, attempt) -> highest seq
+        self._flushed = asyncio.Event()
+        self._wake_sweep = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._answers: dict[str, asyncio.Future[ProbeAnswer]] = {}
+        self._reply_queue: AbstractQueue | None = None
+        self.rungs: dict[tuple[uuid.UUID, int], list[str]] = {}
+        self.stats = {"received": 0, "applied": 0, "not_applied": 0, "shed": 0, "refused": 0}
+        self.ready = asyncio.Event()
+        self.port = settings.monitor_port
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        channel = await self.bus.consumer_channel(prefetch=1000)
+        beats = await channel.get_queue(HEARTBEATS_QUEUE)
+        beats_tag = await beats.consume(self._on_beats)
+        self._reply_queue = await channel.declare_queue(exclusive=True, auto_delete=True)
+        await self._reply_queue.consume(self._on_answer, no_ack=True)
+        runner = web.AppRunner(self._app(), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.settings.monitor_host, self.settings.monitor_port)
+        await site.start()
+        if runner.addresses:  # the port actually bound, when 0 asked for any free one
+            self.port = runner.addresses[0][1]
+        log.info(
+            "heartbeat-monitor listening on http://%s:%d/heartbeat",
+            self.settings.monitor_host,
+            self.port,
+        )
+        self.ready.set()
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._flush_loop())
+                group.create_task(self._sweep_loop())
+        finally:
+            await beats.cancel(beats_tag)
+            await runner.cleanup()
+            await _close(channel)
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    # -- taking heartbeats --------------------------------------------------------------------
+
+    def take(self, beats: list[Beat]) -> int:
+        """Coalesce beats in memory (highest seq per attempt). Returns how many were shed."""
+        shed = 0
+        for beat in beats:
+            key = (beat.task_id, beat.attempt)
+            known = self._pending.get(key)
+            if known is None and len(self._pending) >= MAX_PENDING:
+                shed += 1
+                continue
+            if known is None or beat.seq > known:
+                self._pending[key] = beat.seq
+        self.stats["received"] += len(beats)
+        self.stats["shed"] += shed
+        return shed
+
+    async def _on_beats(self, message: AbstractIncomingMessage) -> None:
+        async with message.process():
+            try:
+                body = BeatMessage.model_validate_json(message.body)
+            except ValidationError as exc:
+                log.error("unreadable heartbeat message dropped: %s", exc)
+                return
+            self.take(body.beats)
+
+    def _app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024)
+        app.router.add_post("/heartbeat", self._http_beat)
+        app.router.add_get("/healthz", self._healthz)
+        return app
+
+    async def _http_beat(self, request: web.Request) -> web.Response:
+        auth = request.headers.get("Authorization", "")
+        if not auth.startswith("Bearer "):
+            self.stats["refused"] += 1
+            return web.json_response({"error": "missing bearer token"}, status=401)
+        try:
+            beat = Beat.model_validate_json(await request.read())
+        except ValidationError as exc:
+            return web.json_response({"error": str(exc)}, status=422)
+        if not heartbeat.token_ok(
+            self.settings.heartbeat_secret, beat.task_id, beat.attempt, auth[len("Bearer ") :]
+        ):
+            self.stats["refused"] += 1
+            log.warning(
+                "heartbeat for %s attempt %d refused: bad token", beat.task_id, beat.attempt
+            )
+            return web.json_response({"error": "token does not match this attempt"}, status=403)
+        shed = self.take([beat])
+        if shed:
+            return web.json_response({"accepted": False, "error": "overloaded"}, status=503)
+        # accepted; whether it is applied (current attempt, newer sequence) is decided in bulk
+        return web.json_response({"accepted": True}, status=202)
+
+    async def _healthz(self, _: web.Request) -> web.Response:
+        return web.json_response({"ok": True, **self.stats, "pending": len(self._pending)})
+
+    async def flush(self) -> int:
+        """Write the coalesced beats in one statement; returns how many were applied."""
+        if not self._pending:
+            return 0
+        batch, self._pending = self._pending, {}
+        applied = await self.repo.apply_heartbeats([(t, a, s) for (t, a), s in batch.items()])
+        refused = len(batch) - len(applied)
+        self.stats["applied"] += len(applied)
+        self.stats["not_applied"] += refused
+        if refused:
+            # an older attempt, a replayed sequence, or a task that left Running meanwhile
+            log.info("%d heartbeat(s) acknowledged but not applied (stale attempt or seq)", refused)
+        return len(applied)
+
+    async def _flush_loop(self) -> None:
+        while not self._stopping.is_set():
+            await wait_any(self._stopping, timeout=self.settings.heartbeat_flush_s)
+            await self.flush()
+
+    # -- the deadline sweep and the ladder ------------------------------------------------------
+
+    async def _sweep_loop(self) -> None:
+        while not self._stopping.is_set():
+            handled = await self.sweep_once()
+            if handled:
+                continue
+            due = await self.repo.next_deadline()
+            wait = 1.0
+            if due is not None:
+                wait = min(wait, max((due - datetime.now(UTC)).total_seconds(), 0.01))
+            await wait_any(self._wake_sweep, self._stopping, timeout=wait)
+            self._wake_sweep.clear()
+
+    async def sweep_once(self) -> int:
+        # beats that arrived up to now count before anything is judged overdue
+        await self.flush()
+        lease = self.settings.probe_timeout_s + 5.0
+        overdue = await self.repo.lease_overdue(100, lease)
+        if not overdue:
+            return 0
+        nodes = {n.id: n for n in await self.nodes.all()}
+        await asyncio.gather(*(self.climb(task, nodes) for task in overdue))
+        return len(overdue)
+
+    async def climb(self, task: Task, nodes: dict[str, NodeRow]) -> Rung:
+        """One rung of the ladder for one overdue attempt."""
+        now = datetime.now(UTC)
+        timeout = task.heartbeat_timeout_s
+        last = task.hb_at or task.started_at or now
+        node = nodes.get(task.node or "")
+        key = (task.id, task.attempt)
+        overdue = (now - last).total_seconds() - timeout
+        rungs = self.rungs.setdefault(
+            key, [f"heartbeat overdue {overdue:.1f} s (timeout {timeout:g} s)"]
+        )
+        answer: ProbeAnswer | Unreachable | None = UNREACHABLE
+        if node is not None and node.ready and node.live:
+            answer = await self.probe(task)
+            if answer is UNREACHABLE:
+                # its row still looks fresh, but no executor of it is connected: take it out
+                # of placement now rather than when its row goes stale (it re-asserts itself
+                # on its next heartbeat if it was only reconnecting)
+                await self.nodes.set_ready(node.id, node.boot_id, False)
+                log.warning("node %s has no executor connected: marked not ready", node.id)
+        alive = answer is not UNREACHABLE
+        said = answer.state if isinstance(answer, ProbeAnswer) else None
+        if said == "finished" and isinstance(answer, ProbeAnswer) and answer.report is None:
+            said = "unknown"  # "finished" without an outcome reconciles nothing
+        rung = next_rung(Evidence(overdue, timeout, alive, said))
+        if rung is Rung.GRACE:
+            rungs.append(f"node {task.node} ready: grace to {2 * timeout:g} s")
+            await self.repo.set_deadline(
+                task.id, task.attempt, last + timedelta(seconds=2 * timeout)
+            )
+        elif rung is Rung.RESTORE:
+            rungs.append("backend reports it running: heartbeat restored")
+            log.warning("%s attempt %d: %s", task.id, task.attempt, "; ".join(rungs))
+            await self.repo.set_deadline(
+                task.id, task.attempt, now + timedelta(seconds=timeout), now
+            )
+            self.rungs.pop(key, None)
+        elif rung is Rung.RECONCILE:
+            assert isinstance(answer, ProbeAnswer)
+            assert answer.report is not None
+            rungs.append("backend reports it finished: reconciled to its outcome")
+            await self._apply(task, end_move(task, answer.report, "; ".join(rungs)))
+        else:
+            if not alive:
+                rungs.append(f"node {task.node} gone (no executor connected, or not ready)")
+            elif said is None:
+                rungs.append("grace spent; backend: no answer")
+            else:
+                rungs.append(f"backend: attempt {said}")
+            await self._apply(task, fsm.plan(task, State.LOST, "; ".join(rungs)))
+        if rung is not Rung.GRACE:
+            self.rungs.pop(key, None)
+        return rung
+
+    async def _apply(self, task: Task, move: fsm.Move) -> None:
+        """The ladder's verdict, as one transaction; a lost CAS (the task moved on) is fine."""
+        async with self.repo.pool.acquire() as conn, conn.transaction():
+            moved = await self.repo.transition_many([move], conn)
+            await self.repo.transition_many(retries(moved, datetime.now(UTC)), conn)
+        if moved:
+            log.warning(
+                "%s attempt %d -> %s: %s",
+                task.id,
+                task.attempt,
+                move.target.label,
+                move.reason,
+                extra={"task_id": str(task.id), "attempt": task.attempt},
+            )
+
+    # -- asking the backend -------------------------------------------------------------------
+
+    async def probe(self, task: Task) -> ProbeAnswer | Unreachable | None:
+        """Ask the task's executor about the attempt: its answer; UNREACHABLE if no executor
+        of that node is connected (the message comes straight back); None if it is connected
+        but does not answer within SKED_PROBE_TIMEOUT_S."""
+        if self._reply_queue is None or task.node is None:
+            return UNREACHABLE
+        correlation = uuid.uuid4().hex
+        answer: asyncio.Future[ProbeAnswer] = asyncio.get_running_loop().create_future()
+        self._answers[correlation] = answer
+        body = heartbeat.Probe(task_id=task.id, attempt=task.attempt).model_dump_json().encode()
+        try:
+            exchange = await self.bus.channel.get_exchange(PROBE_EXCHANGE)
+            sent = await exchange.publish(
+                aio_pika.Message(
+                    body,
+                    content_type=JSON,
+                    correlation_id=correlation,
+                    reply_to=self._reply_queue.name,
+                ),
+                routing_key=task.node,
+                mandatory=True,  # no executor bound for that node: returned at once
+            )
+            if isinstance(getattr(sent, "delivery", None), Basic.Return):
+                return UNREACHABLE
+            return await asyncio.wait_for(answer, self.settings.probe_timeout_s)
+        except (TimeoutError, aio_pika.exceptions.AMQPError) as exc:
+            log.info(
+                "probe of %s on node %s: no answer (%s)", task.id, task.node, type(exc).__name__
+            )
+            return None
+        finally:
+            self._answers.pop(correlation, None)
+
+    async def _on_answer(self, message: AbstractIncomingMessage) -> None:
+        waiter = self._answers.get(message.correlation_id or "")
+        if waiter is None or waiter.done():
+            return
+        try:
+            waiter.set_result(ProbeAnswer.model_validate_json(message.body))
+        except ValidationError as exc:
+            waiter.set_exception(exc)
+
+
+async def _close(channel: AbstractChannel) -> None:
+    with contextlib.suppress(Exception):
+        await channel.close()

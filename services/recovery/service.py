@@ -1,0 +1,86 @@
+"""Recovery's loops, each a pass every SKED_RECOVERY_PERIOD_S (with jitter), shared by
+replicas through FOR UPDATE SKIP LOCKED:
+
+lost       Lost -> RetryWait (backoff) while retries remain, else Failed. The heartbeat-monitor
+           asked the backend before declaring the loss, so the attempt is known gone.
+stuck      Scheduling for longer than SKED_STUCK_SCHEDULING_S (dispatched, never started: the
+           dispatch was lost, or its node died first) -> Ready, and back into the queue. A late
+           start of the old dispatch loses its CAS, so the attempt can never run twice.
+queue      rebuild the Redis ready queue after a Redis loss; re-add Ready tasks it lost.
+outbox     publish events no relay has sent (every relay dead, or stuck).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from datetime import UTC, datetime
+
+import asyncpg
+
+from services.relay.service import Relay
+from shared.fsm import State
+from shared.models import Task
+from shared.outcome import retry_or_fail
+from shared.queues import ReadyQueue, reconcile
+from shared.repo import TASK_CHANNEL, PgTaskRepo, parse_notify
+from shared.runtime import wait_any
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class Recovery:
+    def __init__(
+        self, settings: Settings, repo: PgTaskRepo, queue: ReadyQueue, relay: Relay
+    ) -> None:
+        self.settings = settings
+        self.repo = repo
+        self.queue = queue
+        self.relay = relay
+        self._stopping = asyncio.Event()
+        self._wake = asyncio.Event()
+        self.ready = asyncio.Event()
+
+    async def run(self) -> None:
+        listener: asyncpg.Connection = await asyncpg.connect(self.settings.database_url)
+        await listener.add_listener(TASK_CHANNEL, self._on_notify)
+        log.info("recovery running every %g s", self.settings.recovery_period_s)
+        self.ready.set()
+        try:
+            while not self._stopping.is_set():
+                self._wake.clear()
+                await self.run_once()
+                period = self.settings.recovery_period_s * random.uniform(0.8, 1.2)
+                await wait_any(self._wake, self._stopping, timeout=period)
+        finally:
+            await listener.close()
+
+    def _on_notify(self, _c: object, _p: int, _ch: str, payload: str) -> None:
+        # a task declared Lost is retried at once, not at the next period
+        if State.LOST.value in parse_notify(payload).states:
+            self._wake.set()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def run_once(self) -> dict[str, int]:
+        done = {
+            "lost": len(await self.recover_lost()),
+            "stuck": len(await self.requeue_stuck()),
+            "queue": await reconcile(self.queue, self.repo, self.settings.reconcile_s),
+            "outbox": await self.relay.drain(),
+        }
+        if done["lost"] or done["stuck"]:
+            log.warning("recovered: %s", done)
+        return done
+
+    async def recover_lost(self) -> list[Task]:
+        now = datetime.now(UTC)
+        return await self.repo.recover_lost(100, lambda t: retry_or_fail(t, now, "lost"))
+
+    async def requeue_stuck(self) -> list[Task]:
+        stuck = await self.repo.requeue_stuck_scheduling(100, self.settings.stuck_scheduling_s)
+        await self.queue.push(stuck)
+        return stuck

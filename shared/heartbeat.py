@@ -1,0 +1,113 @@
+"""Heartbeats: the message, the per-attempt token, and the loss-confirmation ladder (pure).
+
+A heartbeat names a task, an attempt and a sequence number that increases with every beat of
+that attempt (sked's executor uses milliseconds since the epoch; a task that beats itself over
+HTTP should too). Postgres applies one only to the attempt Running now and only if its sequence
+is higher than the last applied, so a beat of an older attempt, or a replay, changes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Literal
+from uuid import UUID
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared.models import SCHEMA_VERSION
+from shared.outcome import Report
+
+
+class Beat(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    task_id: UUID
+    attempt: int = Field(ge=1)
+    seq: int = Field(ge=1)
+
+
+class NodeBeat(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str
+    boot_id: UUID
+    load: float
+
+
+class BeatMessage(BaseModel):
+    """What an executor publishes every heartbeat period: itself, and the attempts it runs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    node: NodeBeat
+    beats: list[Beat]
+
+
+class Probe(BaseModel):
+    """Monitor -> executor: what about this attempt?"""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    task_id: UUID
+    attempt: int
+
+
+class ProbeAnswer(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    state: Literal["running", "finished", "unknown"]
+    report: Report | None = None  # with "finished": the real outcome
+
+
+def now_seq() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def token(secret: str, task_id: UUID, attempt: int) -> str:
+    """The bearer token that lets one attempt's process heartbeat over HTTP, and no other."""
+    message = f"{task_id}:{attempt}".encode()
+    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+
+
+def token_ok(secret: str, task_id: UUID, attempt: int, presented: str) -> bool:
+    return hmac.compare_digest(token(secret, task_id, attempt), presented)
+
+
+class Rung(StrEnum):
+    GRACE = "grace"  # the node is alive: allow up to twice the timeout
+    RESTORE = "restore"  # the backend says the job runs: the heartbeat was lost, not the job
+    RECONCILE = "reconcile"  # the backend says the job ended: record its real outcome
+    LOST = "lost"
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What the monitor knows about an overdue attempt when it decides."""
+
+    overdue_s: float  # now - (last heartbeat + timeout): grace lasts while this < timeout
+    timeout_s: float
+    node_alive: bool
+    backend: str | None  # "running" | "finished" | "unknown" | None (no answer)
+
+
+def next_rung(e: Evidence) -> Rung:
+    """The confirmation ladder of an overdue attempt, one rung at a time.
+
+    The monitor asks the backend first, because its answer settles the question at once:
+    still running -> restore the heartbeat (it was the heartbeat that got lost); finished ->
+    reconcile to the real outcome; the backend does not know the attempt -> Lost. Without an
+    answer, a node that is still ready earns a grace up to twice the timeout (the next rung is
+    taken when it runs out); a node that is gone, or a grace spent, -> Lost.
+    """
+    if e.backend == "running":
+        return Rung.RESTORE
+    if e.backend == "finished":
+        return Rung.RECONCILE
+    if e.backend is None and e.node_alive and e.overdue_s < e.timeout_s:
+        return Rung.GRACE
+    return Rung.LOST
