@@ -32,6 +32,7 @@ from shared.errors import SkedError
 from shared.models import Event, Task, TaskSpec, task_id_for
 from shared.queues import ReadyQueue
 from shared.repo import TASK_CHANNEL, PgTaskRepo, create_pool, parse_notify
+from shared.resilience import TRANSIENT, PgListener
 from shared.settings import Settings
 
 
@@ -190,9 +191,15 @@ class SkedClient:
             if check_all or named:
                 wake.set()
 
-        conn: asyncpg.Connection = await asyncpg.connect(self.settings.database_url)
+        def reconnected() -> None:
+            nonlocal check_all
+            check_all = True  # notifications were missed while LISTEN was down
+            wake.set()
+
+        stop = asyncio.Event()
+        listener = PgListener(self.settings.database_url, [(TASK_CHANNEL, notified)], reconnected)
+        listening = asyncio.create_task(listener.run(stop))
         try:
-            await conn.add_listener(TASK_CHANNEL, notified)
             last_full = time.monotonic()
             while True:
                 wake.clear()
@@ -201,7 +208,12 @@ class SkedClient:
                 else:
                     check = list(named & pending)
                 named.clear()
-                for task in await repo.terminal_among(check):
+                try:
+                    finished = await repo.terminal_among(check)
+                except TRANSIENT:  # Postgres is away: wait and look at everything again
+                    check_all = True
+                    finished = []
+                for task in finished:
                     done[task.id] = task
                     pending.discard(task.id)
                 if not pending:
@@ -212,7 +224,8 @@ class SkedClient:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(wake.wait(), min(1.0, left or 1.0))
         finally:
-            await conn.close()
+            stop.set()
+            await listening
 
 
 class SyncSkedClient:

@@ -13,12 +13,12 @@ beat    refresh this node's row; a node silent for SKED_NODE_TTL_S gets no new w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from uuid import UUID, uuid4
 
-import asyncpg
 from aio_pika.abc import AbstractIncomingMessage
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -34,6 +34,7 @@ from shared.nodes import PgNodeRepo
 from shared.outcome import Report, end_move, retries
 from shared.queues import ReadyQueue
 from shared.repo import TASK_CHANNEL, PgTaskRepo, parse_notify
+from shared.resilience import TRANSIENT, PgListener, retrying, supervise
 from shared.runtime import next_batch, wait_any
 from shared.settings import Settings
 
@@ -98,8 +99,9 @@ class Executor:
             s.node_labels,
             self.boot_id,
         )
-        listener: asyncpg.Connection = await asyncpg.connect(s.database_url)
-        await listener.add_listener(TASK_CHANNEL, self._on_task_notify)
+        listener = PgListener(
+            s.database_url, [(TASK_CHANNEL, self._on_task_notify)], on_reconnect=self._look.set
+        )
         probes = await channel.declare_queue(exclusive=True, auto_delete=True)
         await probes.bind(PROBE_EXCHANGE, self.node_id)
         await probes.consume(self._on_probe)
@@ -115,20 +117,25 @@ class Executor:
         )
         self.ready.set()
         try:
+            stop = self._stopping
             async with asyncio.TaskGroup() as group:
+                group.create_task(listener.run(stop))
+                # start and finish never give up on a batch (they retry it), so they need no
+                # supervisor: a batch is never dropped by a restart
                 group.create_task(self._start_loop())
                 group.create_task(self._finish_loop())
-                group.create_task(self._beat_loop())
-                group.create_task(self._watch_loop())
-                await self._stopping.wait()
+                group.create_task(supervise("node heartbeat", self._beat_loop, stop))
+                group.create_task(supervise("watch", self._watch_loop, stop))
+                await stop.wait()
                 # stop taking work, let what runs finish (bounded), then stop the rest
-                await self.nodes.set_ready(self.node_id, self.boot_id, False)
-                await queue.cancel(tag)
+                with contextlib.suppress(*TRANSIENT):
+                    await self.nodes.set_ready(self.node_id, self.boot_id, False)
+                    await queue.cancel(tag)
                 await self._drain_runs()
                 self._outcomes.put_nowait(None)
         finally:
-            await listener.close()
-            await channel.close()
+            with contextlib.suppress(*TRANSIENT):
+                await channel.close()
             await self.backend.close()
 
     def stop(self) -> None:
@@ -174,7 +181,14 @@ class Executor:
         moves = [
             fsm.plan(d, State.RUNNING, f"started on {self.node_id}") for d, _ in fresh.values()
         ]
-        started = await self.repo.transition_many(moves)
+        claimed: list[Task] = []
+
+        async def claim() -> None:
+            claimed[:] = await self.repo.transition_many(moves)
+
+        if not await retrying("start", claim, self._stopping):
+            return 0  # shutting down with Postgres away: the dispatches are redelivered
+        started = claimed
         won = {t.id for t in started}
         for dispatch, message in fresh.values():
             if dispatch.task_id not in won:
@@ -254,6 +268,32 @@ class Executor:
             await self.finish(batch)
 
     async def finish(self, batch: list[tuple[Attempt, Outcome]]) -> None:
+        """Write a batch of outcomes; retried until Postgres takes it (an outcome is never
+        dropped: the dispatch stays unacknowledged until it is written)."""
+        late: list[tuple[Task, Outcome]] = []
+
+        async def write() -> None:
+            late[:] = await self._write_outcomes(batch)
+
+        if not await retrying("finish", write, self._stopping):
+            return  # shutting down with Postgres away: the heartbeat-monitor will find them
+        for task, outcome in late:
+            log.info(
+                "outcome of %s attempt %d recorded, not applied (the task moved on): ok=%s",
+                task.id,
+                task.attempt,
+                outcome.ok,
+                extra={"task_id": str(task.id), "attempt": task.attempt},
+            )
+        for attempt, _ in batch:
+            self.active.pop((attempt.task.id, attempt.task.attempt), None)
+            self.unreported.pop((attempt.task.id, attempt.task.attempt), None)
+            with contextlib.suppress(*TRANSIENT):  # a lost channel requeues it: start drops it
+                await attempt.message.ack()
+
+    async def _write_outcomes(
+        self, batch: list[tuple[Attempt, Outcome]]
+    ) -> list[tuple[Task, Outcome]]:
         where = f"on {self.node_id}"
         ends = [end_move(a.task, _report(o), f"ended {where}") for a, o in batch]
         async with self.repo.pool.acquire() as conn, conn.transaction():
@@ -269,18 +309,7 @@ class Executor:
                 ],
                 conn,
             )
-        for task, outcome in late:
-            log.info(
-                "outcome of %s attempt %d recorded, not applied (the task moved on): ok=%s",
-                task.id,
-                task.attempt,
-                outcome.ok,
-                extra={"task_id": str(task.id), "attempt": task.attempt},
-            )
-        for attempt, _ in batch:
-            self.active.pop((attempt.task.id, attempt.task.attempt), None)
-            self.unreported.pop((attempt.task.id, attempt.task.attempt), None)
-            await attempt.message.ack()
+        return late
 
     # -- watching what runs here -------------------------------------------------------------
 

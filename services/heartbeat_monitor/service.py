@@ -33,6 +33,7 @@ from shared.models import Task
 from shared.nodes import NodeRow, PgNodeRepo
 from shared.outcome import end_move, retries
 from shared.repo import PgTaskRepo
+from shared.resilience import TRANSIENT, supervise
 from shared.runtime import wait_any
 from shared.settings import Settings
 
@@ -90,11 +91,13 @@ class HeartbeatMonitor:
         )
         self.ready.set()
         try:
+            stop = self._stopping
             async with asyncio.TaskGroup() as group:
-                group.create_task(self._flush_loop())
-                group.create_task(self._sweep_loop())
+                group.create_task(supervise("heartbeat flush", self._flush_loop, stop))
+                group.create_task(supervise("deadline sweep", self._sweep_loop, stop))
         finally:
-            await beats.cancel(beats_tag)
+            with contextlib.suppress(*TRANSIENT):
+                await beats.cancel(beats_tag)
             await runner.cleanup()
             await _close(channel)
 
@@ -164,7 +167,13 @@ class HeartbeatMonitor:
         if not self._pending:
             return 0
         batch, self._pending = self._pending, {}
-        applied = await self.repo.apply_heartbeats([(t, a, s) for (t, a), s in batch.items()])
+        try:
+            applied = await self.repo.apply_heartbeats([(t, a, s) for (t, a), s in batch.items()])
+        except TRANSIENT:
+            for key, seq in batch.items():  # keep them for the next flush
+                if seq > self._pending.get(key, 0):
+                    self._pending[key] = seq
+            raise
         refused = len(batch) - len(applied)
         self.stats["applied"] += len(applied)
         self.stats["not_applied"] += refused

@@ -17,14 +17,13 @@ import logging
 import random
 from datetime import UTC, datetime
 
-import asyncpg
-
 from services.relay.service import Relay
 from shared.fsm import State
 from shared.models import Task
 from shared.outcome import retry_or_fail
 from shared.queues import ReadyQueue, reconcile
 from shared.repo import TASK_CHANNEL, PgTaskRepo, parse_notify
+from shared.resilience import PgListener, supervise
 from shared.runtime import wait_any
 from shared.settings import Settings
 
@@ -44,18 +43,21 @@ class Recovery:
         self.ready = asyncio.Event()
 
     async def run(self) -> None:
-        listener: asyncpg.Connection = await asyncpg.connect(self.settings.database_url)
-        await listener.add_listener(TASK_CHANNEL, self._on_notify)
+        listener = PgListener(
+            self.settings.database_url, [(TASK_CHANNEL, self._on_notify)], self._wake.set
+        )
         log.info("recovery running every %g s", self.settings.recovery_period_s)
         self.ready.set()
-        try:
-            while not self._stopping.is_set():
-                self._wake.clear()
-                await self.run_once()
-                period = self.settings.recovery_period_s * random.uniform(0.8, 1.2)
-                await wait_any(self._wake, self._stopping, timeout=period)
-        finally:
-            await listener.close()
+        async with asyncio.TaskGroup() as group:
+            group.create_task(listener.run(self._stopping))
+            group.create_task(supervise("recovery", self._loop, self._stopping))
+
+    async def _loop(self) -> None:
+        while not self._stopping.is_set():
+            self._wake.clear()
+            await self.run_once()
+            period = self.settings.recovery_period_s * random.uniform(0.8, 1.2)
+            await wait_any(self._wake, self._stopping, timeout=period)
 
     def _on_notify(self, _c: object, _p: int, _ch: str, payload: str) -> None:
         # a task declared Lost is retried at once, not at the next period

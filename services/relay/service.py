@@ -20,6 +20,7 @@ from shared.bus import EVENTS_EXCHANGE, SCHEMA_HEADER, AmqpBus, Outgoing, event_
 from shared.fsm import State
 from shared.models import SCHEMA_VERSION
 from shared.repo import TASK_CHANNEL
+from shared.resilience import PgListener, supervise
 from shared.runtime import wait_any
 from shared.settings import Settings
 
@@ -104,21 +105,25 @@ class Relay:
 
     async def run(self) -> None:
         """Drain at start (nothing stranded), then on every NOTIFY and every sweep period."""
-        listener: asyncpg.Connection = await asyncpg.connect(self.settings.database_url)
-        try:
-            await listener.add_listener(TASK_CHANNEL, self._notified)
+        listener = PgListener(
+            self.settings.database_url, [(TASK_CHANNEL, self._notified)], self._wake.set
+        )
+        async with asyncio.TaskGroup() as group:
+            group.create_task(listener.run(self._stopping))
+            group.create_task(supervise("relay", self._loop, self._stopping))
+            await asyncio.wait_for(listener.connected.wait(), None)
             log.info("relay listening on %s", TASK_CHANNEL)
-            while not self._stopping.is_set():
-                self._wake.clear()  # before draining: a NOTIFY during the drain means go again
-                n = await self.drain()
-                if n:
-                    log.debug("relayed %d events", n)
-                await wait_any(self._wake, self._stopping, timeout=self.settings.relay_sweep_s)
-                # Linger a moment after a wake-up so that one pass carries the events of many
-                # transitions: a pass per NOTIFY would cost Postgres a transaction per event.
-                await wait_any(self._stopping, timeout=self.settings.relay_linger_s)
-        finally:
-            await listener.close()
+
+    async def _loop(self) -> None:
+        while not self._stopping.is_set():
+            self._wake.clear()  # before draining: a NOTIFY during the drain means go again
+            n = await self.drain()
+            if n:
+                log.debug("relayed %d events", n)
+            await wait_any(self._wake, self._stopping, timeout=self.settings.relay_sweep_s)
+            # Linger a moment after a wake-up so that one pass carries the events of many
+            # transitions: a pass per NOTIFY would cost Postgres a transaction per event.
+            await wait_any(self._stopping, timeout=self.settings.relay_linger_s)
 
     def stop(self) -> None:
         self._stopping.set()

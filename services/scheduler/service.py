@@ -14,6 +14,7 @@ reconcile rebuild the ready queue after a Redis loss; re-queue Ready tasks Redis
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ from shared.nodes import NODE_CHANNEL, PgNodeRepo
 from shared.placement import Choice, Need, NodeState, place_many
 from shared.queues import ReadyQueue, rebuild, reconcile
 from shared.repo import TASK_CHANNEL, PgTaskRepo, parse_notify
+from shared.resilience import TRANSIENT, PgListener, supervise
 from shared.runtime import next_batch, wait_any
 from shared.settings import Settings
 
@@ -96,10 +98,13 @@ class Scheduler:
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def run(self) -> None:
-        await self.rebuild_queue()
-        listener: asyncpg.Connection = await asyncpg.connect(self.settings.database_url)
-        await listener.add_listener(TASK_CHANNEL, self._on_task_notify)
-        await listener.add_listener(NODE_CHANNEL, self._on_node_notify)
+        stop = self._stopping
+        await supervise("rebuild the ready queue", self._rebuild_once, stop)
+        listener = PgListener(
+            self.settings.database_url,
+            [(TASK_CHANNEL, self._on_task_notify), (NODE_CHANNEL, self._on_node_notify)],
+            on_reconnect=self._missed_notifications,
+        )
         channel = await self.bus.consumer_channel(prefetch=self.settings.submit_batch * 2)
         submit = await channel.get_queue(SUBMIT_QUEUE)
         tag = await submit.consume(self._inbox.put)
@@ -107,14 +112,24 @@ class Scheduler:
         self.ready.set()
         try:
             async with asyncio.TaskGroup() as group:
-                group.create_task(self._intake_loop())
-                group.create_task(self._dispatch_loop())
-                group.create_task(self._retry_loop())
-                group.create_task(self._reconcile_loop())
+                group.create_task(listener.run(stop))
+                group.create_task(supervise("intake", self._intake_loop, stop))
+                group.create_task(supervise("dispatch", self._dispatch_loop, stop))
+                group.create_task(supervise("retry sweep", self._retry_loop, stop))
+                group.create_task(supervise("reconcile", self._reconcile_loop, stop))
         finally:
-            await submit.cancel(tag)
-            await channel.close()
-            await listener.close()
+            with contextlib.suppress(*TRANSIENT):
+                await submit.cancel(tag)
+                await channel.close()
+
+    async def _rebuild_once(self) -> None:
+        await self.rebuild_queue()
+
+    def _missed_notifications(self) -> None:
+        """After LISTEN came back: anything may have happened meanwhile — look at all of it."""
+        self._unpark.set()
+        self._wake_retry.set()
+        self._wake_dispatch.set()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -128,6 +143,16 @@ class Scheduler:
             await self.accept(batch)
 
     async def accept(self, batch: Sequence[AbstractIncomingMessage]) -> list[Task]:
+        try:
+            return await self._accept(batch)
+        except TRANSIENT:
+            # Postgres or Redis is away: hand the batch back to RabbitMQ to deliver again
+            # (if the channel itself is gone, RabbitMQ requeues it anyway)
+            with contextlib.suppress(*TRANSIENT):
+                await batch[-1].nack(multiple=True, requeue=True)
+            raise
+
+    async def _accept(self, batch: Sequence[AbstractIncomingMessage]) -> list[Task]:
         accepted: list[Accepted] = []
         traceparents: list[str | None] = []
         spans: list[Span] = []
@@ -275,7 +300,27 @@ class Scheduler:
         """
         spans = [_dispatch_span(t) for t in moved] if telemetry.enabled() else []
         messages = [_dispatch(t, spans[i] if spans else None) for i, t in enumerate(moved)]
-        sent = self.bus.start_publish(DISPATCH_EXCHANGE, messages)
+        try:
+            await self.bus.publish(DISPATCH_EXCHANGE, messages)
+        except TRANSIENT:
+            await self._take_back(moved)
+            raise
+        finally:
+            for span in spans:
+                span.end()
+        await self._queue_waiting(tasks, waiting)
+
+    async def _take_back(self, moved: list[Task]) -> None:
+        """The dispatches may not have gone out (RabbitMQ away): put the attempts back in line
+        rather than leave them to the stuck-in-Scheduling sweep. A dispatch that did arrive
+        then loses its start CAS, so nothing runs twice."""
+        with contextlib.suppress(*TRANSIENT):
+            back = await self.repo.transition_many(
+                [fsm.plan(t, State.READY, "dispatch not confirmed") for t in moved]
+            )
+            await self.queue.push(back)
+
+    async def _queue_waiting(self, tasks: list[Task], waiting: dict[UUID, Choice]) -> None:
         if waiting:
             await self.queue.push(
                 [t for t in tasks if t.id in waiting and waiting[t.id].fits_later]
@@ -284,11 +329,6 @@ class Scheduler:
                 [t for t in tasks if t.id in waiting and not waiting[t.id].fits_later]
             )
             await self.repo.set_wait_reasons({k: c.reason for k, c in waiting.items() if c.reason})
-        try:
-            await sent
-        finally:
-            for span in spans:
-                span.end()
 
     # -- retries ------------------------------------------------------------------------------
 
