@@ -31,6 +31,8 @@ class Deployment:
     async def executor(
         self, node_id: str, slots: int = 4, *args: str, env: dict[str, str] | None = None
     ) -> ServiceProcess:
+        # a state directory of its own: the default (<tmp>/sked/<node>) is shared per machine
+        state = self.log_dir / f"state-{node_id}-{len(self.procs)}"
         return await self.start(
             "executor",
             "--node-id",
@@ -38,7 +40,7 @@ class Deployment:
             "--slots",
             str(slots),
             *args,
-            env=env,
+            env={"SKED_STATE_DIR": str(state), **(env or {})},
             ready=f"executor {node_id} ready",
         )
 

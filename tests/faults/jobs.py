@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 
 def stamp(dir: str, ms: float = 0) -> int:
@@ -27,3 +28,40 @@ def shell_stamp(path: Path, seconds: float) -> list[str]:
         f'sleep {seconds}; echo "$SKED_ATTEMPT end $(date +%s.%N)" >> {path}/$SKED_TASK_ID'
     )
     return ["sh", "-c", script]
+
+
+FAST = {
+    "SKED_NODE_HEARTBEAT_S": "0.5",  # executors beat twice a second
+    "SKED_RECOVERY_PERIOD_S": "1",
+    "SKED_PROBE_TIMEOUT_S": "1",
+    "SKED_STUCK_SCHEDULING_S": "10",
+}
+
+
+def stamp_specs(d: Path, n: int, ms: float, **spec: Any) -> list[dict[str, Any]]:
+    """`n` handler tasks that stamp into `d` and take `ms` milliseconds each."""
+    return [
+        {
+            "name": f"t{i}",
+            "job": {
+                "kind": "handler",
+                "handler": "tests.faults.jobs:stamp",
+                "args": {"dir": str(d), "ms": ms},
+            },
+            **spec,
+        }
+        for i in range(n)
+    ]
+
+
+async def start_all(deployment: Any, nodes: list[str], slots: int) -> dict[str, Any]:
+    """Scheduler, relay, recovery, a heartbeat-monitor on a free port, and executors."""
+    procs = {
+        name: await deployment.start(name, env=FAST) for name in ("scheduler", "relay", "recovery")
+    }
+    procs["heartbeat-monitor"] = await deployment.start(
+        "heartbeat-monitor", "--port", "0", env=FAST, ready="listening on"
+    )
+    for node in nodes:
+        procs[node] = await deployment.executor(node, slots, env=FAST)
+    return procs

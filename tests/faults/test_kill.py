@@ -15,14 +15,8 @@ from shared.fsm import State
 from tests.e2e.checks import check_all_histories
 from tests.faults.checks import duplicated, read_stamps
 from tests.faults.conftest import Deployment, Row
-from tests.faults.jobs import shell_stamp
+from tests.faults.jobs import FAST, shell_stamp, stamp_specs, start_all
 from tests.helpers import eventually
-
-FAST = {
-    "SKED_NODE_HEARTBEAT_S": "0.5",  # executors beat twice a second
-    "SKED_RECOVERY_PERIOD_S": "1",
-    "SKED_PROBE_TIMEOUT_S": "1",
-}
 
 
 async def running_on(pool: asyncpg.Pool, node: str, attempt: int) -> int:
@@ -101,28 +95,10 @@ async def test_sigkill_each_service_at_random_moments(
     record: list[Row],
 ) -> None:
     rnd = random.Random()
-    procs = {}
-    for name in ("scheduler", "relay", "recovery"):
-        procs[name] = await deployment.start(name, env=FAST)
-    procs["heartbeat-monitor"] = await deployment.start(
-        "heartbeat-monitor", "--port", "0", env=FAST, ready="listening on"
+    procs = await start_all(deployment, ["k1", "k2"], 8)
+    specs = stamp_specs(
+        stamps, 1000, 30, heartbeat_timeout_s=3.0, max_retries=2, backoff_base_s=0.05
     )
-    for node in ("k1", "k2"):
-        await deployment.executor(node, 8, env=FAST)
-    specs = [
-        {
-            "name": f"t{i}",
-            "job": {
-                "kind": "handler",
-                "handler": "tests.faults.jobs:stamp",
-                "args": {"dir": str(stamps), "ms": 30},
-            },
-            "heartbeat_timeout_s": 3.0,
-            "max_retries": 2,
-            "backoff_base_s": 0.05,
-        }
-        for i in range(1000)
-    ]
     ids = await client.submit_many(specs)
     kills = []
     for name in ("scheduler", "relay", "heartbeat-monitor", "recovery"):

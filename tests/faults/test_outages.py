@@ -24,14 +24,8 @@ from shared.fsm import State
 from tests.e2e.checks import check_all_histories
 from tests.faults.checks import duplicated, read_stamps
 from tests.faults.conftest import Deployment, Row
+from tests.faults.jobs import stamp_specs, start_all
 from tests.helpers import eventually
-
-FAST = {
-    "SKED_NODE_HEARTBEAT_S": "0.5",
-    "SKED_RECOVERY_PERIOD_S": "1",
-    "SKED_PROBE_TIMEOUT_S": "1",
-    "SKED_STUCK_SCHEDULING_S": "10",
-}
 
 
 def port_open(port: int) -> bool:
@@ -132,26 +126,11 @@ async def outage_case(
     name: str,
     restart: Callable[[], Awaitable[None]],
 ) -> None:
-    for service in ("scheduler", "relay", "recovery"):
-        await deployment.start(service, env=FAST)
-    await deployment.start("heartbeat-monitor", "--port", "0", env=FAST)
-    for node in ("o1", "o2"):
-        await deployment.executor(node, 6, env=FAST)
-    specs = [
-        {
-            "name": f"t{i}",
-            "job": {
-                "kind": "handler",
-                "handler": "tests.faults.jobs:stamp",
-                "args": {"dir": str(stamps), "ms": 40},
-            },
-            # long enough to ride out the outage without being declared lost
-            "heartbeat_timeout_s": 30.0,
-            "max_retries": 3,
-            "backoff_base_s": 0.1,
-        }
-        for i in range(300)
-    ]
+    await start_all(deployment, ["o1", "o2"], 6)
+    # a heartbeat timeout long enough to ride out the outage without being declared lost
+    specs = stamp_specs(
+        stamps, 300, 40, heartbeat_timeout_s=30.0, max_retries=3, backoff_base_s=0.1
+    )
     ids = await client.submit_many(specs)
 
     async def some_done() -> bool:
