@@ -1,0 +1,181 @@
+"""Workflows (DAGs): the file format, validation, priority inheritance, edge conditions (pure).
+
+A workflow is tasks plus edges (`needs`), accepted or rejected whole: names are unique, every
+edge names a task of the workflow, every `uses` names a declared resource, and there is no
+cycle — the standard library's graphlib finds one, and the error names it (`a -> b -> a`).
+This module decides; the scheduler (a later step) stores and drives.
+"""
+
+from __future__ import annotations
+
+import graphlib
+from collections.abc import Iterable, Mapping
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, model_validator
+
+from shared.errors import InvalidSpec
+from shared.fsm import State
+from shared.models import TaskSpec, describe
+
+
+class Condition(StrEnum):
+    ON_SUCCESS = "on_success"
+    ON_FAILURE = "on_failure"
+    ALWAYS = "always"
+
+
+class Edge(BaseModel):
+    """One dependency: this task needs `task`, under `condition`, waiting at most
+    `timeout_s`, then `on_timeout`: skip it, go on with `default` as its input, or fail."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    task: str
+    condition: Condition = Condition.ON_SUCCESS
+    timeout_s: float | None = Field(default=None, gt=0)
+    on_timeout: Literal["skip", "default", "fail"] = "fail"
+    default: JsonValue = None
+
+
+class WorkflowTask(BaseModel):
+    """A task as written in a workflow file: `command` or `handler`, plus `needs` and `uses`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, max_length=200)
+    command: list[str] | None = None
+    handler: str | None = None
+    args: JsonValue = None
+    needs: list[Edge] = Field(default_factory=list)
+    uses: list[str] = Field(default_factory=list)
+    # everything else a task spec takes (priority, max_retries, timeout_s, resources, ...)
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shape(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = {"name", "command", "handler", "args", "needs", "uses"}
+        out = {k: v for k, v in data.items() if k in known}
+        out["options"] = {k: v for k, v in data.items() if k not in known}
+        # `needs: [extract]` is short for `needs: [{task: extract}]`
+        out["needs"] = [{"task": n} if isinstance(n, str) else n for n in data.get("needs", [])]
+        return out
+
+    def spec(self) -> TaskSpec:
+        """The task spec this workflow task runs with (InvalidSpec names the task)."""
+        if (self.command is None) == (self.handler is None):
+            raise InvalidSpec(f"task {self.name!r}: give exactly one of command or handler")
+        job: dict[str, Any] = (
+            {"kind": "command", "argv": self.command}
+            if self.command is not None
+            else {"kind": "handler", "handler": self.handler, "args": self.args}
+        )
+        try:
+            return TaskSpec.model_validate({"name": self.name, "job": job, **self.options})
+        except ValidationError as exc:
+            raise InvalidSpec(f"task {self.name!r}: {describe(exc)}") from None
+
+
+class WorkflowSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, max_length=200)
+    resources: dict[str, int] = Field(default_factory=dict)
+    tasks: list[WorkflowTask] = Field(min_length=1, max_length=100_000)
+
+    @classmethod
+    def parse(cls, data: object) -> WorkflowSpec:
+        """Validate shape and graph; raise InvalidSpec naming what is wrong."""
+        try:
+            spec = cls.model_validate(data)
+        except ValidationError as exc:
+            raise InvalidSpec(describe(exc).replace("task spec", "workflow")) from None
+        spec.check()
+        return spec
+
+    def check(self) -> list[str]:
+        """The whole workflow's consistency; returns the names in a topological order."""
+        seen: set[str] = set()
+        for task in self.tasks:
+            if task.name in seen:
+                raise InvalidSpec(f"workflow {self.name!r}: two tasks are named {task.name!r}")
+            seen.add(task.name)
+        for name, capacity in self.resources.items():
+            if capacity < 1:
+                raise InvalidSpec(f"resource {name!r}: capacity must be at least 1")
+        for task in self.tasks:
+            for edge in task.needs:
+                if edge.task not in seen:
+                    raise InvalidSpec(f"task {task.name!r} needs unknown task {edge.task!r}")
+            for resource in task.uses:
+                if resource not in self.resources:
+                    raise InvalidSpec(f"task {task.name!r} uses undeclared resource {resource!r}")
+            task.spec()
+        return topological_order({t.name: [e.task for e in t.needs] for t in self.tasks})
+
+
+def topological_order(needs: Mapping[str, Iterable[str]]) -> list[str]:
+    """Upstream before downstream; a cycle raises InvalidSpec naming it: `a -> b -> c -> a`."""
+    sorter = graphlib.TopologicalSorter({k: list(v) for k, v in needs.items()})
+    try:
+        return list(sorter.static_order())
+    except graphlib.CycleError as exc:
+        # graphlib gives the cycle as [n1, n2, ..., n1], each an upstream of the next: the
+        # direction work flows
+        cycle = list(exc.args[1])
+        raise InvalidSpec(f"the workflow has a cycle: {' -> '.join(cycle)}") from None
+
+
+def effective_priorities(
+    own: Mapping[str, int], needs: Mapping[str, Iterable[str]]
+) -> dict[str, int]:
+    """Priority inheritance: a task runs at the highest priority of itself and of every task
+    that (transitively) depends on it, so a low upstream never holds back a high downstream."""
+    order = topological_order(needs)
+    effective = dict(own)
+    for name in reversed(order):  # downstream first: each passes its priority upstream
+        for upstream in needs.get(name, ()):
+            effective[upstream] = max(effective[upstream], effective[name])
+    return effective
+
+
+class Verdict(StrEnum):
+    WAIT = "wait"
+    READY = "ready"
+    SKIP = "skip"
+
+
+FINISHED = {State.SUCCESS, State.FAILED, State.TIMED_OUT, State.CANCELED, State.SKIPPED}
+
+
+def edge_holds(condition: Condition, upstream: State) -> bool | None:
+    """True: satisfied; False: can never be; None: not decided yet (upstream not finished)."""
+    if upstream not in FINISHED:
+        return None
+    if condition is Condition.ALWAYS:
+        return True
+    if condition is Condition.ON_SUCCESS:
+        return upstream is State.SUCCESS
+    return upstream in (State.FAILED, State.TIMED_OUT)
+
+
+def decide(edges: Iterable[tuple[Condition, State]]) -> tuple[Verdict, str]:
+    """Given each edge's condition and its upstream's (terminal or not) state: run, skip
+    (with the reason; a skip then propagates through the edges that need success), or wait."""
+    waiting = False
+    for condition, upstream in edges:
+        holds = edge_holds(condition, upstream)
+        if holds is False:
+            return (
+                Verdict.SKIP,
+                f"condition {condition.value} cannot hold: upstream {upstream.label}",
+            )
+        if holds is None:
+            waiting = True
+    return (
+        (Verdict.WAIT, "waiting for upstream") if waiting else (Verdict.READY, "dependencies met")
+    )
