@@ -120,10 +120,10 @@ class Executor:
             stop = self._stopping
             async with asyncio.TaskGroup() as group:
                 group.create_task(listener.run(stop))
-                # start and finish never give up on a batch (they retry it), so they need no
-                # supervisor: a batch is never dropped by a restart
-                group.create_task(self._start_loop())
-                group.create_task(self._finish_loop())
+                # start and finish retry their Postgres writes until they land, so a batch is
+                # not dropped by an outage; the supervisor covers the rest (a lost channel)
+                group.create_task(supervise("start", self._start_loop, stop))
+                group.create_task(supervise("finish", self._finish_loop, stop))
                 group.create_task(supervise("node heartbeat", self._beat_loop, stop))
                 group.create_task(supervise("watch", self._watch_loop, stop))
                 await stop.wait()
@@ -167,7 +167,7 @@ class Executor:
                 dispatch = Dispatch.model_validate_json(message.body)
             except ValidationError as exc:  # only a bug or a foreign publisher does this
                 log.error("dropping an unreadable dispatch: %s", exc)
-                await message.ack()
+                await _ack(message)
                 continue
             key = (dispatch.task_id, dispatch.attempt)
             if key in self.active:
@@ -175,7 +175,7 @@ class Executor:
                 self.active[key].message = message
                 continue
             if dispatch.task_id in fresh:
-                await message.ack()  # the same dispatch twice in one batch
+                await _ack(message)  # the same dispatch twice in one batch
                 continue
             fresh[dispatch.task_id] = (dispatch, message)
         moves = [
@@ -197,7 +197,7 @@ class Executor:
                     dispatch.task_id,
                     dispatch.attempt,
                 )
-                await message.ack()
+                await _ack(message)
         for task in started:
             message = fresh[task.id][1]
             attempt = Attempt(task, message, self._received(task, message))
@@ -251,14 +251,16 @@ class Executor:
             try:
                 dispatch = Dispatch.model_validate_json(message.body)
             except ValidationError:
-                await message.ack()
+                await _ack(message)
                 continue
-            moved = await self.repo.transition(
-                fsm.plan(dispatch, State.READY, f"node {self.node_id} shut down before start")
-            )
-            if moved is not None:
-                await self.queue.push([moved])
-            await message.ack()
+            # best effort: if a server is away, recovery's stuck-in-Scheduling sweep does it
+            with contextlib.suppress(*TRANSIENT):
+                moved = await self.repo.transition(
+                    fsm.plan(dispatch, State.READY, f"node {self.node_id} shut down before start")
+                )
+                if moved is not None:
+                    await self.queue.push([moved])
+            await _ack(message)
 
     # -- finish -------------------------------------------------------------------------------
 
@@ -288,8 +290,7 @@ class Executor:
         for attempt, _ in batch:
             self.active.pop((attempt.task.id, attempt.task.attempt), None)
             self.unreported.pop((attempt.task.id, attempt.task.attempt), None)
-            with contextlib.suppress(*TRANSIENT):  # a lost channel requeues it: start drops it
-                await attempt.message.ack()
+            await _ack(attempt.message)
 
     async def _write_outcomes(
         self, batch: list[tuple[Attempt, Outcome]]
@@ -407,6 +408,13 @@ class Executor:
                 answer = heartbeat.ProbeAnswer(state="unknown")
             if message.reply_to:
                 await self.bus.reply(message, answer.model_dump_json().encode())
+
+
+async def _ack(message: AbstractIncomingMessage) -> None:
+    """Acknowledge; if the channel is gone, RabbitMQ requeues the message, and its second
+    delivery finds the task moved on and is dropped — so a failed ack loses nothing."""
+    with contextlib.suppress(*TRANSIENT):
+        await message.ack()
 
 
 def _report(outcome: Outcome) -> Report:
