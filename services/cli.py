@@ -19,8 +19,9 @@ from typing import Any
 from uuid import UUID
 
 from shared import fsm
-from shared.client import SkedClient, WaitTimeout
+from shared.client import SkedClient, WaitTimeout, WorkflowView
 from shared.control import NotAllowed
+from shared.dag import WorkflowSpec
 from shared.errors import SkedError
 from shared.fsm import State
 from shared.migrate import migrate
@@ -168,6 +169,8 @@ def _status_lines(task: Task) -> list[str]:
         f"result:    {json.dumps(task.result)}",
         f"error:     {task.error or '-'}",
     ]
+    if task.workflow_id is not None:
+        lines.append(f"workflow:  {task.workflow_id} (task {task.wf_task})")
     if task.next_retry_at is not None and task.status is State.RETRY_WAIT:
         lines.append(f"retry at:  {task.next_retry_at.isoformat()}")
     if task.paused_at is not None:
@@ -262,6 +265,65 @@ async def _control(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_workflow(path: str) -> Any:
+    import yaml  # YAML is a superset of JSON: one loader reads both
+
+    try:
+        text = Path(path).read_text("utf-8")
+    except OSError as exc:
+        raise SkedError(f"cannot read {path}: {exc}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SkedError(f"{path} is not YAML or JSON: {exc}") from None
+
+
+def _workflow_json(view: WorkflowView) -> dict[str, Any]:
+    return {
+        "id": str(view.id),
+        "name": view.name,
+        "status": view.status(),
+        "counts": view.counts(),
+        "tasks": [
+            {"id": str(t.id), "name": t.wf_task, "status": t.status.value, "attempt": t.attempt}
+            for t in view.tasks
+        ],
+    }
+
+
+async def _submit_workflow(args: argparse.Namespace) -> int:
+    spec = WorkflowSpec.parse(_load_workflow(args.file))
+    async with SkedClient() as client:
+        workflow_id = await client.submit_workflow(spec)
+        if not args.wait:
+            if args.json:
+                _print_json({"id": str(workflow_id)})
+            else:
+                print(workflow_id)
+            return 0
+        view = await client.wait_workflow(workflow_id, args.wait_timeout)
+    if args.json:
+        _print_json(_workflow_json(view))
+    else:
+        print(workflow_id)
+        print(f"{view.status()}: {view.counts()}")
+    return 0 if view.status() == "succeeded" else 1
+
+
+async def _workflow(args: argparse.Namespace) -> int:
+    async with SkedClient() as client:
+        view = await client.workflow(_task_id(args.id))
+    if args.dot:
+        sys.stdout.write(view.dot())
+    elif args.json:
+        _print_json(_workflow_json(view))
+    else:
+        print(f"workflow {view.id}  {view.name}  {view.status()}  {view.counts()}")
+        for t in view.tasks:
+            print(f"  {t.id}  {t.status.label:<10}  {t.wf_task}")
+    return 0
+
+
 async def _nodes(args: argparse.Namespace) -> int:
     settings = Settings()
     pool = await create_pool(settings.database_url, 2)
@@ -328,6 +390,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait-timeout", type=float, help="with --wait: give up after SECONDS")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=lambda a: _run(_submit(a)))
+
+    p = sub.add_parser("submit-workflow", help="submit a workflow file (YAML or JSON)")
+    p.add_argument("file")
+    p.add_argument("--wait", action="store_true", help="wait until every task is terminal")
+    p.add_argument("--wait-timeout", type=float)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=lambda a: _run(_submit_workflow(a)))
+
+    p = sub.add_parser("workflow", help="a workflow's status, its tasks, or its DAG (--dot)")
+    p.add_argument("id")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--dot", action="store_true", help="the DAG in Graphviz DOT, with states")
+    p.set_defaults(func=lambda a: _run(_workflow(a)))
 
     p = sub.add_parser("status", help="one task: status, attempt, node, result, error, reason")
     p.add_argument("id")

@@ -30,6 +30,7 @@ EVENTS_EXCHANGE = "sked.events"
 # Producers publish task specs here (routing key `submit`); the scheduler consumes SUBMIT_QUEUE.
 TASKS_EXCHANGE = "sked.tasks"
 SUBMIT_KEY = "submit"
+WORKFLOW_KEY = "submit.workflow"  # a whole workflow (shared.dag.WorkflowSpec) in one message
 SUBMIT_QUEUE = "sked.submit"
 # Messages that cannot be accepted go to DEAD_QUEUE through DLX, the reason in REASON_HEADER.
 DLX = "sked.dlx"
@@ -92,6 +93,7 @@ class AmqpBus:
             SUBMIT_QUEUE, durable=True, arguments={"x-dead-letter-exchange": DLX}
         )
         await submit.bind(self._exchanges[TASKS_EXCHANGE], SUBMIT_KEY)
+        await submit.bind(self._exchanges[TASKS_EXCHANGE], WORKFLOW_KEY)
         # a heartbeat is worth nothing after a few seconds: expire rather than pile up
         beats = await channel.declare_queue(
             HEARTBEATS_QUEUE, durable=True, arguments={"x-message-ttl": 10_000}

@@ -16,10 +16,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
-from uuid import UUID
+from uuid import UUID, uuid4
 
 import aio_pika
 import asyncpg
@@ -27,8 +29,10 @@ from opentelemetry.trace import SpanKind
 from redis.asyncio import Redis
 
 from shared import control, fsm, telemetry
-from shared.bus import JSON, SCHEMA_HEADER, SUBMIT_KEY, TASKS_EXCHANGE, AmqpBus
-from shared.errors import SkedError
+from shared.bus import JSON, SCHEMA_HEADER, SUBMIT_KEY, TASKS_EXCHANGE, WORKFLOW_KEY, AmqpBus
+from shared.dag import WorkflowSpec
+from shared.errors import NotFound, SkedError
+from shared.fsm import State
 from shared.models import Event, Task, TaskSpec, task_id_for
 from shared.queues import ReadyQueue
 from shared.repo import TASK_CHANNEL, PgTaskRepo, create_pool, parse_notify
@@ -44,6 +48,55 @@ class WaitTimeout(SkedError, TimeoutError):
 
 def is_done(task: Task) -> bool:
     return fsm.is_terminal(task.status, fsm.has_retry_left(task))
+
+
+@dataclass(frozen=True)
+class WorkflowView:
+    """A workflow as stored: its tasks and edges (upstream, downstream, condition)."""
+
+    id: UUID
+    name: str
+    tasks: list[Task]
+    edges: list[tuple[UUID, UUID, str]]
+
+    def counts(self) -> dict[str, int]:
+        return dict(Counter(t.status.value for t in self.tasks))
+
+    def status(self) -> str:
+        """The aggregate: running until every task is terminal; then failed if any task
+        failed or timed out, canceled if any was canceled, else succeeded."""
+        if not all(is_done(t) for t in self.tasks):
+            return "paused" if any(t.status is State.PAUSED for t in self.tasks) else "running"
+        states = {t.status for t in self.tasks}
+        if states & {State.FAILED, State.TIMED_OUT}:
+            return "failed"
+        if State.CANCELED in states:
+            return "canceled"
+        return "succeeded"
+
+    def dot(self) -> str:
+        """The DAG in Graphviz DOT, each node labelled with its name and state."""
+        colours = {
+            "success": "palegreen",
+            "failed": "salmon",
+            "timed_out": "salmon",
+            "running": "lightblue",
+            "skipped": "lightgrey",
+            "canceled": "lightgrey",
+            "paused": "khaki",
+        }
+        names = {t.id: t.wf_task or t.name for t in self.tasks}
+        lines = [f'digraph "{self.name}" {{', "  rankdir=LR;", "  node [style=filled];"]
+        for t in self.tasks:
+            colour = colours.get(t.status.value, "white")
+            lines.append(
+                f'  "{names[t.id]}" [label="{names[t.id]}\\n{t.status.label}", fillcolor={colour}];'
+            )
+        for upstream, downstream, condition in self.edges:
+            label = "" if condition == "on_success" else f' [label="{condition}"]'
+            lines.append(f'  "{names[upstream]}" -> "{names[downstream]}"{label};')
+        lines.append("}")
+        return "\n".join(lines) + "\n"
 
 
 class SkedClient:
@@ -135,6 +188,64 @@ class SkedClient:
             for span in spans:
                 span.end()
         return ids
+
+    async def submit_workflow(self, spec: WorkflowSpec | dict[str, Any]) -> UUID:
+        """Publish a whole workflow (validated here first: a cycle raises InvalidSpec naming
+        it, and nothing is sent); returns its id once RabbitMQ confirmed the message."""
+        parsed = spec if isinstance(spec, WorkflowSpec) else WorkflowSpec.parse(spec)
+        workflow_id = uuid4()
+        bus = await self._publisher()
+        exchange = await bus.channel.get_exchange(TASKS_EXCHANGE)
+        span = telemetry.start(
+            f"{TASKS_EXCHANGE} publish",
+            kind=SpanKind.PRODUCER,
+            attributes=telemetry.messaging(TASKS_EXCHANGE, "publish", workflow_id),
+        )
+        try:
+            await exchange.publish(
+                aio_pika.Message(
+                    parsed.model_dump_json().encode(),
+                    content_type=JSON,
+                    message_id=str(workflow_id),
+                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                    headers=telemetry.headers_for(span, {SCHEMA_HEADER: 1}),
+                ),
+                routing_key=WORKFLOW_KEY,
+            )
+        finally:
+            span.end()
+        return workflow_id
+
+    async def workflow(self, workflow_id: UUID | str) -> WorkflowView:
+        row, tasks, edges = await (await self._repo()).workflow(UUID(str(workflow_id)))
+        return WorkflowView(
+            row["id"],
+            row["name"],
+            tasks,
+            [(e["upstream_id"], e["task_id"], e["condition"]) for e in edges],
+        )
+
+    async def wait_workflow(
+        self, workflow_id: UUID | str, timeout: float | None = None
+    ) -> WorkflowView:
+        """Wait until every task of the workflow is terminal."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        view = await self._workflow_when_admitted(UUID(str(workflow_id)), timeout)
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        await self.wait_all([t.id for t in view.tasks], left)
+        return await self.workflow(workflow_id)
+
+    async def _workflow_when_admitted(
+        self, workflow_id: UUID, timeout: float | None
+    ) -> WorkflowView:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                return await self.workflow(workflow_id)
+            except NotFound:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise WaitTimeout([workflow_id], timeout or 0) from None
+                await asyncio.sleep(0.05)  # its submission is still on its way
 
     # -- control ------------------------------------------------------------------------------
 

@@ -99,6 +99,12 @@ async def resume(repo: PgTaskRepo, queue: ReadyQueue, task_id: UUID) -> Task:
         if task.status is not State.PAUSED:
             _refuse("resume", task)
             raise NotAllowed(f"task {task_id} is {task.status.label}, not paused")
+        if await repo.has_deps(task_id):
+            # a workflow task: back to Pending; the scheduler re-evaluates its dependencies
+            moved = await repo.transition(fsm.plan(task, State.PENDING, "resumed"))
+            if moved is None:
+                continue
+            return moved
         async with repo.pool.acquire() as conn, conn.transaction():
             pending = await repo.transition_many([fsm.plan(task, State.PENDING, "resumed")], conn)
             if not pending:

@@ -58,9 +58,13 @@ class WorkflowTask(BaseModel):
     def _shape(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        known = {"name", "command", "handler", "args", "needs", "uses"}
+        known = {"name", "command", "handler", "args", "needs", "uses", "options"}
         out = {k: v for k, v in data.items() if k in known}
-        out["options"] = {k: v for k, v in data.items() if k not in known}
+        # the file form puts options at the task's top level; the dumped form, under "options"
+        out["options"] = {
+            **(data.get("options") or {}),
+            **{k: v for k, v in data.items() if k not in known},
+        }
         # `needs: [extract]` is short for `needs: [{task: extract}]`
         out["needs"] = [{"task": n} if isinstance(n, str) else n for n in data.get("needs", [])]
         return out

@@ -106,6 +106,16 @@ def task_id_for(spec: TaskSpec, message_id: str | None = None) -> UUID:
         return uuid5(NAMESPACE_URL, f"sked:message-id:{message_id}")
 
 
+def task_id_for_workflow(message_id: str | None) -> UUID:
+    """A workflow's id: its submission's message id (the SDK's), stable across deliveries."""
+    if not message_id:
+        return uuid4()
+    try:
+        return UUID(message_id)
+    except ValueError:
+        return uuid5(NAMESPACE_URL, f"sked:workflow-message:{message_id}")
+
+
 def describe(exc: ValidationError) -> str:
     """One line per problem: `job.argv: List should have at least 1 item`."""
     parts = []
@@ -158,6 +168,8 @@ class Task:
     hb_at: datetime | None
     hb_deadline: datetime | None
     hb_seq: int
+    workflow_id: UUID | None
+    wf_task: str | None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Task:

@@ -59,7 +59,7 @@ _TASK_COLUMNS = (
     "node, idempotency_key, "
     "paused_by, paused_reason, paused_at, result, error, created_at, updated_at, queued_at, "
     "started_at, finished_at, log_tail, cpu, memory_mb, gpu, traceparent, hb_at, hb_deadline, "
-    "hb_seq"
+    "hb_seq, workflow_id, wf_task"
 )
 # the same columns by name, for reading back from a CTE that returned _TASK_COLUMNS
 _TASK_FIELDS = ", ".join(c.strip().split(" AS ")[-1] for c in _TASK_COLUMNS.split(","))
@@ -111,10 +111,11 @@ WITH w AS (
 ), ins AS (
     INSERT INTO tasks (id, name, kind, spec, status, status_reason, version, priority,
                        max_retries, timeout_s, heartbeat_timeout_s, idempotency_key, cpu,
-                       memory_mb, gpu, traceparent, queued_at)
+                       memory_mb, gpu, traceparent, queued_at, workflow_id, wf_task)
     SELECT u.id, u.name, u.kind, u.spec::jsonb, last.to_status, last.reason, last.version,
            u.priority, u.max_retries, u.timeout_s, u.hb, u.ikey, u.cpu, u.memory_mb, u.gpu,
-           u.traceparent, CASE WHEN last.to_status = 'ready' THEN now() END
+           u.traceparent, CASE WHEN last.to_status = 'ready' THEN now() END, $17::uuid,
+           CASE WHEN $17::uuid IS NULL THEN NULL ELSE u.name END
     FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int[], $6::int[],
                 $7::float8[], $8::float8[], $9::text[], $10::float8[], $11::bigint[],
                 $12::int[], $16::text[])
@@ -269,6 +270,45 @@ INSERT INTO late_results (task_id, attempt, ok, result, error, note)
 SELECT * FROM unnest($1::uuid[], $2::int[], $3::bool[], $4::jsonb[], $5::text[], $6::text[])
 """
 
+# -- workflows -------------------------------------------------------------------------------
+
+INSERT_WORKFLOW = """
+INSERT INTO workflows (id, name, spec) VALUES ($1, $2, $3::jsonb)
+ON CONFLICT (id) DO NOTHING
+RETURNING id
+"""
+INSERT_DEPS = """
+INSERT INTO task_deps (task_id, upstream_id, condition)
+SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[])
+ON CONFLICT DO NOTHING
+"""
+DOWNSTREAM_OF = "SELECT DISTINCT task_id FROM task_deps WHERE upstream_id = ANY($1::uuid[])"
+# the downstream tasks to decide, locked: a second decider waits here, then sees the first's
+LOCK_PENDING = f"""
+SELECT {_TASK_COLUMNS} FROM tasks
+WHERE id = ANY($1::uuid[]) AND status = 'pending'
+ORDER BY id
+FOR UPDATE
+"""
+EDGES_OF = """
+SELECT d.task_id, d.condition, u.status, u.retry_count, u.max_retries
+FROM task_deps d JOIN tasks u ON u.id = d.upstream_id
+WHERE d.task_id = ANY($1::uuid[])
+"""
+PENDING_WITH_DEPS = """
+SELECT DISTINCT d.task_id FROM task_deps d JOIN tasks t ON t.id = d.task_id
+WHERE t.status = 'pending'
+LIMIT $1
+"""
+GET_WORKFLOW = "SELECT id, name, spec::text AS spec, created_at FROM workflows WHERE id = $1"
+WORKFLOW_TASKS = f"SELECT {_TASK_COLUMNS} FROM tasks WHERE workflow_id = $1 ORDER BY wf_task"
+WORKFLOW_EDGES = """
+SELECT d.task_id, d.upstream_id, d.condition
+FROM task_deps d JOIN tasks t ON t.id = d.task_id
+WHERE t.workflow_id = $1
+"""
+HAS_DEPS = "SELECT EXISTS (SELECT 1 FROM task_deps WHERE task_id = $1)"
+
 NEXT_RETRY_DUE = "SELECT min(next_retry_at) FROM tasks WHERE status = 'retry_wait'"
 
 LIST_TASKS = f"""
@@ -358,6 +398,7 @@ class PgTaskRepo:
         conn: asyncpg.Connection | None = None,
         walk: Sequence[State] = (),
         traceparents: Sequence[str | None] | None = None,
+        workflow_id: UUID | None = None,
     ) -> list[Task]:
         """Insert tasks in Created with their first event; one round trip for the batch.
 
@@ -384,6 +425,7 @@ class PgTaskRepo:
             [s.resources.gpu for s in specs],
             *steps,
             list(traceparents) if traceparents is not None else [None] * len(specs),
+            workflow_id,
         )
         started = time.time_ns()
         if conn is None:
@@ -409,7 +451,7 @@ class PgTaskRepo:
         conn: asyncpg.Connection,
         ids: list[UUID],
         specs: Sequence[TaskSpec],
-        args: tuple[list[Any], ...],
+        args: tuple[Any, ...],
     ) -> tuple[list[Task], list[Task]]:
         """All the tasks asked for, in order, and those this statement created."""
         rows = await conn.fetch(INSERT_TASKS, *args)
@@ -571,6 +613,46 @@ class PgTaskRepo:
             await self.pool.execute(RECORD_LATE_RESULTS, *cols)
         else:
             await conn.execute(RECORD_LATE_RESULTS, *cols)
+
+    # -- workflows ------------------------------------------------------------------------------
+
+    async def insert_workflow(
+        self, conn: asyncpg.Connection, workflow_id: UUID, name: str, spec_json: str
+    ) -> bool:
+        """Record a workflow; False if it exists already (a redelivered submission)."""
+        return await conn.fetchval(INSERT_WORKFLOW, workflow_id, name, spec_json) is not None
+
+    async def insert_deps(
+        self, conn: asyncpg.Connection, deps: Sequence[tuple[UUID, UUID, str]]
+    ) -> None:
+        if deps:
+            await conn.execute(INSERT_DEPS, *(list(x) for x in zip(*deps, strict=True)))
+
+    async def downstream_of(self, upstream_ids: Sequence[UUID]) -> list[UUID]:
+        rows = await self.pool.fetch(DOWNSTREAM_OF, list(upstream_ids))
+        return [r["task_id"] for r in rows]
+
+    async def pending_with_deps(self, limit: int) -> list[UUID]:
+        return [r["task_id"] for r in await self.pool.fetch(PENDING_WITH_DEPS, limit)]
+
+    async def lock_pending(self, conn: asyncpg.Connection, ids: Sequence[UUID]) -> list[Task]:
+        return [_task(r) for r in await conn.fetch(LOCK_PENDING, list(ids))]
+
+    async def edges_of(self, conn: asyncpg.Connection, ids: Sequence[UUID]) -> list[asyncpg.Record]:
+        return list(await conn.fetch(EDGES_OF, list(ids)))
+
+    async def has_deps(self, task_id: UUID) -> bool:
+        return bool(await self.pool.fetchval(HAS_DEPS, task_id))
+
+    async def workflow(
+        self, workflow_id: UUID
+    ) -> tuple[asyncpg.Record, list[Task], list[asyncpg.Record]]:
+        row = await self.pool.fetchrow(GET_WORKFLOW, workflow_id)
+        if row is None:
+            raise NotFound(f"no workflow {workflow_id}")
+        tasks = [_task(r) for r in await self.pool.fetch(WORKFLOW_TASKS, workflow_id)]
+        edges = list(await self.pool.fetch(WORKFLOW_EDGES, workflow_id))
+        return row, tasks, edges
 
     async def next_retry_due(self) -> datetime | None:
         due: datetime | None = await self.pool.fetchval(NEXT_RETRY_DUE)

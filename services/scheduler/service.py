@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
 from collections.abc import Sequence
@@ -26,10 +27,12 @@ from aio_pika.abc import AbstractIncomingMessage
 from opentelemetry.trace import Span, SpanKind
 
 from services.scheduler.intake import Accepted, judge
-from shared import fsm, telemetry
-from shared.bus import DISPATCH_EXCHANGE, SUBMIT_QUEUE, AmqpBus, Outgoing
+from shared import fsm, telemetry, workflows
+from shared.bus import DISPATCH_EXCHANGE, SUBMIT_QUEUE, WORKFLOW_KEY, AmqpBus, Outgoing
+from shared.dag import WorkflowSpec
+from shared.errors import InvalidSpec
 from shared.fsm import State
-from shared.models import Dispatch, Task, TaskSpec
+from shared.models import Dispatch, Task, TaskSpec, task_id_for_workflow
 from shared.nodes import NODE_CHANNEL, PgNodeRepo
 from shared.placement import Choice, Need, NodeState, place_many
 from shared.queues import ReadyQueue, rebuild, reconcile
@@ -55,6 +58,11 @@ FREES_CAPACITY = {
     )
 }
 
+
+# A NOTIFY naming one of these may decide workflow tasks downstream.
+DECIDES_DOWNSTREAM = {
+    s.value for s in (State.SUCCESS, State.FAILED, State.TIMED_OUT, State.CANCELED, State.SKIPPED)
+}
 
 # A task with no dependencies is ready as soon as it is accepted.
 ADMISSION = (State.PENDING, State.READY)
@@ -91,6 +99,9 @@ class Scheduler:
         self._wake_dispatch = asyncio.Event()
         self._new_work = asyncio.Event()  # set by intake: dispatch without lingering
         self._unpark = asyncio.Event()  # nodes changed: parked tasks go back in line
+        self._wake_resolve = asyncio.Event()
+        self._finished: set[UUID] = set()  # tasks that finished (or were resumed) lately
+        self._resolve_all = True
         self._wake_retry = asyncio.Event()
         self._stopping = asyncio.Event()
         self.ready = asyncio.Event()  # set once consuming: tests and `sked dev` wait on it
@@ -117,6 +128,7 @@ class Scheduler:
                 group.create_task(supervise("dispatch", self._dispatch_loop, stop))
                 group.create_task(supervise("retry sweep", self._retry_loop, stop))
                 group.create_task(supervise("reconcile", self._reconcile_loop, stop))
+                group.create_task(supervise("workflows", self._resolve_loop, stop))
         finally:
             with contextlib.suppress(*TRANSIENT):
                 await submit.cancel(tag)
@@ -157,6 +169,9 @@ class Scheduler:
         traceparents: list[str | None] = []
         spans: list[Span] = []
         for message in batch:
+            if message.routing_key == WORKFLOW_KEY:
+                await self.accept_workflow(message)
+                continue
             verdict = judge(
                 message.body,
                 message.content_type,
@@ -198,6 +213,24 @@ class Scheduler:
                 span.end()
         await batch[-1].ack(multiple=True)
         return ready
+
+    async def accept_workflow(self, message: AbstractIncomingMessage) -> None:
+        """A whole workflow: accepted or dead-lettered whole (a cycle, an unknown edge, ...)."""
+        try:
+            if len(message.body) > self.settings.max_message_bytes:
+                raise InvalidSpec(f"message of {len(message.body)} bytes exceeds the limit")
+            spec = WorkflowSpec.parse(json.loads(message.body))
+        except (InvalidSpec, ValueError) as exc:
+            reason = str(exc) if isinstance(exc, InvalidSpec) else f"malformed JSON: {exc}"
+            log.warning("dead-lettering a workflow: %s", reason)
+            await self.bus.dead_letter(message.body, reason, message.routing_key or "")
+            return
+        workflow_id = task_id_for_workflow(message.message_id)
+        ready = await workflows.admit(self.repo, workflow_id, spec, _header(message, "traceparent"))
+        await self.queue.push(ready)
+        self._new_work.set()
+        self._wake_dispatch.set()
+        log.info("workflow %s (%s): %d tasks", workflow_id, spec.name, len(spec.tasks))
 
     async def admit(
         self,
@@ -364,10 +397,44 @@ class Scheduler:
             if not self._stopping.is_set():
                 await self.reconcile_once()
 
+    # -- workflows ----------------------------------------------------------------------------
+
+    async def _resolve_loop(self) -> None:
+        """Release or skip Pending workflow tasks when their upstreams finish: woken by the
+        NOTIFY of a finish (or of a resume to Pending), with a sweep every reconcile period."""
+        while not self._stopping.is_set():
+            self._wake_resolve.clear()
+            if self._resolve_all:
+                self._resolve_all = False
+                candidates = await self.repo.pending_with_deps(10_000)
+            else:
+                named, self._finished = self._finished, set()
+                candidates = [*await self.repo.downstream_of(list(named)), *named]
+            if candidates:
+                ready, skipped = await workflows.resolve(self.repo, candidates)
+                if ready:
+                    await self.queue.push(ready)
+                    self._new_work.set()
+                    self._wake_dispatch.set()
+                if ready or skipped:
+                    continue  # skips and releases may decide more downstream right away
+            woke = await wait_any(
+                self._wake_resolve, self._stopping, timeout=self.settings.reconcile_s
+            )
+            if not woke:
+                self._resolve_all = True
+
     # -- notifications ------------------------------------------------------------------------
 
     def _on_task_notify(self, _conn: object, _pid: int, _channel: str, payload: str) -> None:
-        states = parse_notify(payload).states
+        notice = parse_notify(payload)
+        states = notice.states
+        if states & DECIDES_DOWNSTREAM or State.PENDING.value in states:
+            if notice.ids is None:
+                self._resolve_all = True
+            else:
+                self._finished.update(notice.ids)
+            self._wake_resolve.set()
         if states & FREES_CAPACITY:
             self._wake_dispatch.set()
         if State.RETRY_WAIT.value in states:

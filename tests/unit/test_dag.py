@@ -149,3 +149,10 @@ def test_random_dags_order_upstream_first(data: st.DataObject) -> None:
     for task, ups in needs.items():
         assert eff[task] >= own[task]
         assert all(eff[u] >= eff[task] for u in ups)
+
+
+def test_a_dumped_workflow_parses_back_the_same() -> None:
+    spec = WorkflowSpec.parse(wf(cmd("a", priority=3, max_retries=2), cmd("b", "a")))
+    again = WorkflowSpec.parse(spec.model_dump(mode="json"))
+    assert again == spec
+    assert again.tasks[0].spec().priority == 3

@@ -1,0 +1,94 @@
+"""Running workflows on the repository: admit a whole DAG at once, and release or skip a task
+when its upstreams finish (the decisions are shared.dag's; the writes go through the FSM).
+
+Release is decided under the downstream task's row lock (`repo.LOCK_PENDING`), in the same
+transaction as its CAS: of two deciders woken by two upstreams finishing at once, the second
+waits for the first and then finds the task no longer Pending — it is released exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from uuid import NAMESPACE_URL, UUID, uuid5
+
+from shared import fsm
+from shared.dag import Condition, Verdict, WorkflowSpec, decide, effective_priorities
+from shared.fsm import State
+from shared.models import Task
+from shared.repo import PgTaskRepo
+
+log = logging.getLogger(__name__)
+
+ROOT_WALK = (State.PENDING, State.READY)  # no dependencies: ready at once
+DEPENDENT_WALK = (State.PENDING,)  # waits for its upstreams
+
+
+def task_id(workflow_id: UUID, name: str) -> UUID:
+    """A workflow task's id: the same for every delivery of the submission."""
+    return uuid5(NAMESPACE_URL, f"sked:workflow:{workflow_id}:{name}")
+
+
+async def admit(
+    repo: PgTaskRepo, workflow_id: UUID, spec: WorkflowSpec, traceparent: str | None = None
+) -> list[Task]:
+    """Write the whole workflow in one transaction (or nothing, if it exists already): tasks
+    without dependencies go to Ready, the others wait in Pending. Returns the Ready ones."""
+    needs = {t.name: [e.task for e in t.needs] for t in spec.tasks}
+    priority = effective_priorities({t.name: t.spec().priority for t in spec.tasks}, needs)
+    ids = {t.name: task_id(workflow_id, t.name) for t in spec.tasks}
+    roots = [t for t in spec.tasks if not t.needs]
+    dependents = [t for t in spec.tasks if t.needs]
+    async with repo.pool.acquire() as conn, conn.transaction():
+        if not await repo.insert_workflow(conn, workflow_id, spec.name, spec.model_dump_json()):
+            return []
+        ready: list[Task] = []
+        for group, walk in ((roots, ROOT_WALK), (dependents, DEPENDENT_WALK)):
+            if not group:
+                continue
+            specs = [t.spec().model_copy(update={"priority": priority[t.name]}) for t in group]
+            tasks = await repo.create_many(
+                specs,
+                [ids[t.name] for t in group],
+                conn,
+                walk,
+                [traceparent] * len(group),
+                workflow_id,
+            )
+            if walk is ROOT_WALK:
+                ready = tasks
+        await repo.insert_deps(
+            conn,
+            [(ids[t.name], ids[e.task], e.condition.value) for t in dependents for e in t.needs],
+        )
+    return ready
+
+
+async def resolve(repo: PgTaskRepo, candidates: Sequence[UUID]) -> tuple[list[Task], list[Task]]:
+    """Decide Pending workflow tasks: Pending -> Ready when every edge holds, Pending ->
+    Skipped when one can no longer hold; the rest keep waiting. Returns (ready, skipped)."""
+    if not candidates:
+        return [], []
+    async with repo.pool.acquire() as conn, conn.transaction():
+        pending = await repo.lock_pending(conn, candidates)
+        if not pending:
+            return [], []
+        edges: dict[UUID, list[tuple[Condition, State]]] = {t.id: [] for t in pending}
+        for row in await repo.edges_of(conn, [t.id for t in pending]):
+            upstream = State(row["status"])
+            # an upstream that will still move (Failed with a retry left) has not finished
+            finished = fsm.is_terminal(upstream, row["retry_count"] < row["max_retries"])
+            edges[row["task_id"]].append(
+                (Condition(row["condition"]), upstream if finished else State.RUNNING)
+            )
+        moves = []
+        for task in pending:
+            verdict, why = decide(edges[task.id])
+            if verdict is Verdict.READY:
+                moves.append(fsm.plan(task, State.READY, why))
+            elif verdict is Verdict.SKIP:
+                moves.append(fsm.plan(task, State.SKIPPED, why))
+        moved = await repo.transition_many(moves, conn)
+    ready = [t for t in moved if t.status is State.READY]
+    skipped = [t for t in moved if t.status is State.SKIPPED]
+    return ready, skipped

@@ -1,0 +1,208 @@
+"""Workflows end to end: order and parallelism from the tasks' own stamps, conditions and
+skip propagation, cycles rejected whole, a 1,000-way fan-in released exactly once."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import asyncpg
+import yaml
+
+from shared.bus import DEAD_QUEUE, REASON_HEADER, TASKS_EXCHANGE, WORKFLOW_KEY
+from shared.client import SkedClient
+from shared.fsm import State
+from shared.settings import Settings
+from tests.e2e.checks import check_all_histories
+from tests.e2e.conftest import Deployment
+from tests.faults.checks import read_stamps
+from tests.helpers import SKED
+
+
+def stamp(name: str, d: Path, ms: float, *needs: Any, **kw: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "handler": "tests.faults.jobs:stamp",
+        "args": {"dir": str(d), "ms": ms},
+        "needs": list(needs),
+        **kw,
+    }
+
+
+def command(name: str, argv: list[str], *needs: Any, **kw: Any) -> dict[str, Any]:
+    return {"name": name, "command": argv, "needs": list(needs), **kw}
+
+
+async def test_the_diamond_runs_in_order_with_b_and_c_in_parallel(
+    deployment: Deployment, client: SkedClient, tmp_path: Path, pool: asyncpg.Pool
+) -> None:
+    await deployment.start("scheduler")
+    await deployment.executor("w", 2)
+    stamps = tmp_path / "stamps"
+    stamps.mkdir()
+    workflow_id = await client.submit_workflow(
+        {
+            "name": "diamond",
+            "tasks": [
+                stamp("A", stamps, 200),
+                stamp("B", stamps, 500, "A"),
+                stamp("C", stamps, 500, "A"),
+                stamp("D", stamps, 200, "B", "C"),
+                stamp("E", stamps, 200, "D"),
+            ],
+        }
+    )
+    view = await client.wait_workflow(workflow_id, timeout=60)
+    assert view.status() == "succeeded", view.counts()
+    runs = read_stamps(stamps)
+    by_name = {t.wf_task: runs[str(t.id)][0] for t in view.tasks}
+    a, b, c, d, e = (by_name[n] for n in "ABCDE")
+    assert all(r.end is not None for r in by_name.values())
+    assert a.end <= b.start  # type: ignore[operator]
+    assert a.end <= c.start  # type: ignore[operator]
+    assert b.start < c.end, "B and C did not overlap"  # type: ignore[operator]
+    assert c.start < b.end, "B and C did not overlap"  # type: ignore[operator]
+    assert max(b.end, c.end) <= d.start  # type: ignore[type-var, operator]
+    assert d.end <= e.start  # type: ignore[operator]
+    await check_all_histories(pool)
+
+
+async def test_conditions_and_skip_propagation(
+    deployment: Deployment, client: SkedClient, pool: asyncpg.Pool
+) -> None:
+    await deployment.start("scheduler")
+    await deployment.executor("w", 2)
+    workflow_id = await client.submit_workflow(
+        {
+            "name": "conditional",
+            "tasks": [
+                command("A", ["false"]),
+                command("on-failure", ["true"], {"task": "A", "condition": "on_failure"}),
+                command("on-success", ["true"], "A"),
+                command(
+                    "after-skip-always", ["true"], {"task": "on-success", "condition": "always"}
+                ),
+                command("after-skip", ["true"], "on-success"),
+            ],
+        }
+    )
+    view = await client.wait_workflow(workflow_id, timeout=60)
+    states = {t.wf_task: t.status for t in view.tasks}
+    assert states == {
+        "A": State.FAILED,
+        "on-failure": State.SUCCESS,
+        "on-success": State.SKIPPED,
+        "after-skip-always": State.SUCCESS,
+        "after-skip": State.SKIPPED,
+    }
+    skipped = next(t for t in view.tasks if t.wf_task == "on-success")
+    assert "on_success cannot hold: upstream Failed" in skipped.status_reason
+    assert view.status() == "failed"
+    await check_all_histories(pool)
+
+
+def cycle(length: int) -> dict[str, Any]:
+    names = [f"t{i}" for i in range(length)]
+    return {
+        "name": f"cycle-{length}",
+        "tasks": [command(n, ["true"], names[(i + 1) % length]) for i, n in enumerate(names)],
+    }
+
+
+async def test_cycles_are_rejected_whole_with_the_cycle_named(
+    deployment: Deployment,
+    service_env: dict[str, str],
+    settings: Settings,
+    tmp_path: Path,
+    pool: asyncpg.Pool,
+) -> None:
+    await deployment.start("scheduler")
+    for length in (1, 2, 50):
+        path = tmp_path / f"cycle-{length}.yaml"
+        path.write_text(yaml.safe_dump(cycle(length)))
+        out = subprocess.run(
+            [SKED, "submit-workflow", str(path)],
+            env=service_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 2, out
+        assert "cycle: " in out.stderr
+        named = out.stderr.strip().split("cycle: ", 1)[1].split(" -> ")
+        assert named[0] == named[-1]
+        assert len(named) == length + 1
+    # a producer that skips the SDK: the scheduler dead-letters it, and writes nothing
+    connection = await aio_pika.connect_robust(settings.rabbitmq_url)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        exchange = await channel.get_exchange(TASKS_EXCHANGE)
+        await exchange.publish(
+            aio_pika.Message(json.dumps(cycle(3)).encode(), content_type="application/json"),
+            routing_key=WORKFLOW_KEY,
+        )
+        dead = await channel.get_queue(DEAD_QUEUE)
+        message = None
+        for _ in range(100):
+            message = await dead.get(timeout=10, fail=False)
+            if message is not None:
+                break
+            await __import__("asyncio").sleep(0.1)
+        assert message is not None, "the cyclic workflow was not dead-lettered"
+        assert "cycle: " in str(message.headers[REASON_HEADER])
+        await message.ack()
+    assert await pool.fetchval("SELECT count(*) FROM workflows") == 0
+    assert await pool.fetchval("SELECT count(*) FROM tasks") == 0
+
+
+async def test_a_fan_in_of_a_thousand_releases_the_downstream_once(
+    deployment: Deployment, client: SkedClient, pool: asyncpg.Pool
+) -> None:
+    await deployment.start("scheduler")
+    for node in ("f1", "f2"):
+        await deployment.executor(node, 8)
+    ups = [{"name": f"u{i}", "handler": "tests.e2e.jobs:noop"} for i in range(1000)]
+    join = {"name": "join", "handler": "tests.e2e.jobs:noop", "needs": [u["name"] for u in ups]}
+    workflow_id = await client.submit_workflow({"name": "fan-in", "tasks": [*ups, join]})
+    view = await client.wait_workflow(workflow_id, timeout=180)
+    assert view.status() == "succeeded", view.counts()
+    downstream = next(t for t in view.tasks if t.wf_task == "join")
+    released = await pool.fetchval(
+        "SELECT count(*) FROM task_events WHERE task_id = $1 AND to_status = 'ready'",
+        downstream.id,
+    )
+    assert released == 1
+    last_up = max(t.finished_at for t in view.tasks if t.wf_task != "join")
+    assert downstream.started_at > last_up  # type: ignore[operator]
+
+
+async def test_workflow_status_json_and_dot(
+    deployment: Deployment, client: SkedClient, service_env: dict[str, str]
+) -> None:
+    await deployment.start("scheduler")
+    await deployment.executor("w", 2)
+    workflow_id = await client.submit_workflow(
+        {"name": "small", "tasks": [command("a", ["true"]), command("b", ["true"], "a")]}
+    )
+    await client.wait_workflow(workflow_id, timeout=60)
+
+    def sked(*args: str) -> str:
+        out = subprocess.run(
+            [SKED, *args], env=service_env, capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 0, out
+        return out.stdout
+
+    status = json.loads(sked("workflow", str(workflow_id), "--json"))
+    assert status["status"] == "succeeded"
+    assert status["counts"] == {"success": 2}
+    assert {t["name"] for t in status["tasks"]} == {"a", "b"}
+    dot = sked("workflow", str(workflow_id), "--dot")
+    assert dot.startswith('digraph "small"')
+    assert '"a" -> "b";' in dot
+    assert "Success" in dot
+    task_b = next(t for t in status["tasks"] if t["name"] == "b")
+    assert f"workflow:  {workflow_id} (task b)" in sked("status", task_b["id"])
