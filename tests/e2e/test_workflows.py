@@ -19,7 +19,7 @@ from shared.settings import Settings
 from tests.e2e.checks import check_all_histories
 from tests.e2e.conftest import Deployment
 from tests.faults.checks import read_stamps
-from tests.helpers import SKED
+from tests.helpers import SKED, eventually
 
 
 def stamp(name: str, d: Path, ms: float, *needs: Any, **kw: Any) -> dict[str, Any]:
@@ -206,3 +206,36 @@ async def test_workflow_status_json_and_dot(
     assert "Success" in dot
     task_b = next(t for t in status["tasks"] if t["name"] == "b")
     assert f"workflow:  {workflow_id} (task b)" in sked("status", task_b["id"])
+
+
+async def test_a_low_upstream_of_a_high_task_runs_before_unrelated_mid_tasks(
+    deployment: Deployment, client: SkedClient, pool: asyncpg.Pool
+) -> None:
+    await deployment.start("scheduler")
+    mids = await client.submit_many(
+        [
+            {"name": f"mid-{i}", "job": {"kind": "command", "argv": ["true"]}, "priority": 5}
+            for i in range(5)
+        ]
+    )
+    workflow_id = await client.submit_workflow(
+        {
+            "name": "inherit",
+            "tasks": [
+                command("low", ["true"], priority=0),
+                command("high", ["true"], "low", priority=10),
+            ],
+        }
+    )
+
+    async def all_waiting() -> bool:
+        n = await pool.fetchval("SELECT count(*) FROM tasks WHERE status IN ('ready', 'pending')")
+        return n == 7
+
+    await eventually(all_waiting, timeout=30, what="everything submitted and waiting")
+    await deployment.executor("one", 1)  # one slot: the order is the queue's order
+    view = await client.wait_workflow(workflow_id, timeout=60)
+    done = await client.wait_all(mids, timeout=60)
+    low = next(t for t in view.tasks if t.wf_task == "low")
+    assert low.priority == 10  # inherited from its high downstream
+    assert all(low.started_at < t.started_at for t in done.values())  # type: ignore[operator]
