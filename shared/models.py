@@ -170,6 +170,7 @@ class Task:
     hb_seq: int
     workflow_id: UUID | None
     wf_task: str | None
+    uses: list[str]
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Task:

@@ -59,7 +59,7 @@ _TASK_COLUMNS = (
     "node, idempotency_key, "
     "paused_by, paused_reason, paused_at, result, error, created_at, updated_at, queued_at, "
     "started_at, finished_at, log_tail, cpu, memory_mb, gpu, traceparent, hb_at, hb_deadline, "
-    "hb_seq, workflow_id, wf_task"
+    "hb_seq, workflow_id, wf_task, uses"
 )
 # the same columns by name, for reading back from a CTE that returned _TASK_COLUMNS
 _TASK_FIELDS = ", ".join(c.strip().split(" AS ")[-1] for c in _TASK_COLUMNS.split(","))
@@ -111,16 +111,17 @@ WITH w AS (
 ), ins AS (
     INSERT INTO tasks (id, name, kind, spec, status, status_reason, version, priority,
                        max_retries, timeout_s, heartbeat_timeout_s, idempotency_key, cpu,
-                       memory_mb, gpu, traceparent, queued_at, workflow_id, wf_task)
+                       memory_mb, gpu, traceparent, queued_at, workflow_id, wf_task, uses)
     SELECT u.id, u.name, u.kind, u.spec::jsonb, last.to_status, last.reason, last.version,
            u.priority, u.max_retries, u.timeout_s, u.hb, u.ikey, u.cpu, u.memory_mb, u.gpu,
            u.traceparent, CASE WHEN last.to_status = 'ready' THEN now() END, $17::uuid,
-           CASE WHEN $17::uuid IS NULL THEN NULL ELSE u.name END
+           CASE WHEN $17::uuid IS NULL THEN NULL ELSE u.name END,
+           ARRAY(SELECT jsonb_array_elements_text(u.uses::jsonb))
     FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int[], $6::int[],
                 $7::float8[], $8::float8[], $9::text[], $10::float8[], $11::bigint[],
-                $12::int[], $16::text[])
+                $12::int[], $16::text[], $18::text[])
          AS u(id, name, kind, spec, priority, max_retries, timeout_s, hb, ikey, cpu, memory_mb,
-              gpu, traceparent)
+              gpu, traceparent, uses)
     CROSS JOIN last
     -- a redelivered submission (same id) or a reused idempotency key creates nothing
     ON CONFLICT DO NOTHING
@@ -309,6 +310,17 @@ WHERE t.workflow_id = $1
 """
 HAS_DEPS = "SELECT EXISTS (SELECT 1 FROM task_deps WHERE task_id = $1)"
 
+# Workflow resources: capacity (from the workflow) and how many units are held now, by
+# tasks Scheduling or Running. Read under the placement locks, so it is current.
+RESOURCES_HELD = """
+SELECT w.id AS workflow_id, r.name, r.capacity::int AS capacity,
+       (SELECT count(*) FROM tasks t
+        WHERE t.workflow_id = w.id AND t.status IN ('scheduling', 'running')
+          AND r.name = ANY(t.uses)) AS held
+FROM workflows w, jsonb_each_text(w.spec -> 'resources') AS r(name, capacity)
+WHERE w.id = ANY($1::uuid[])
+"""
+
 NEXT_RETRY_DUE = "SELECT min(next_retry_at) FROM tasks WHERE status = 'retry_wait'"
 
 LIST_TASKS = f"""
@@ -399,6 +411,7 @@ class PgTaskRepo:
         walk: Sequence[State] = (),
         traceparents: Sequence[str | None] | None = None,
         workflow_id: UUID | None = None,
+        uses: Sequence[Sequence[str]] | None = None,
     ) -> list[Task]:
         """Insert tasks in Created with their first event; one round trip for the batch.
 
@@ -426,6 +439,7 @@ class PgTaskRepo:
             *steps,
             list(traceparents) if traceparents is not None else [None] * len(specs),
             workflow_id,
+            [json.dumps(list(u)) for u in uses] if uses is not None else ["[]"] * len(specs),
         )
         started = time.time_ns()
         if conn is None:
@@ -617,10 +631,10 @@ class PgTaskRepo:
     # -- workflows ------------------------------------------------------------------------------
 
     async def insert_workflow(
-        self, conn: asyncpg.Connection, workflow_id: UUID, name: str, spec_json: str
+        self, conn: asyncpg.Connection, workflow_id: UUID, name: str, spec: dict[str, Any]
     ) -> bool:
         """Record a workflow; False if it exists already (a redelivered submission)."""
-        return await conn.fetchval(INSERT_WORKFLOW, workflow_id, name, spec_json) is not None
+        return await conn.fetchval(INSERT_WORKFLOW, workflow_id, name, spec) is not None
 
     async def insert_deps(
         self, conn: asyncpg.Connection, deps: Sequence[tuple[UUID, UUID, str]]
@@ -640,6 +654,15 @@ class PgTaskRepo:
 
     async def edges_of(self, conn: asyncpg.Connection, ids: Sequence[UUID]) -> list[asyncpg.Record]:
         return list(await conn.fetch(EDGES_OF, list(ids)))
+
+    async def resources_held(
+        self, conn: asyncpg.Connection, workflow_ids: Sequence[UUID]
+    ) -> dict[tuple[UUID, str], tuple[int, int]]:
+        """{(workflow, resource): (held, capacity)} for these workflows."""
+        if not workflow_ids:
+            return {}
+        rows = await conn.fetch(RESOURCES_HELD, list(workflow_ids))
+        return {(r["workflow_id"], r["name"]): (r["held"], r["capacity"]) for r in rows}
 
     async def has_deps(self, task_id: UUID) -> bool:
         return bool(await self.pool.fetchval(HAS_DEPS, task_id))

@@ -40,7 +40,9 @@ async def admit(
     roots = [t for t in spec.tasks if not t.needs]
     dependents = [t for t in spec.tasks if t.needs]
     async with repo.pool.acquire() as conn, conn.transaction():
-        if not await repo.insert_workflow(conn, workflow_id, spec.name, spec.model_dump_json()):
+        if not await repo.insert_workflow(
+            conn, workflow_id, spec.name, spec.model_dump(mode="json")
+        ):
             return []
         ready: list[Task] = []
         for group, walk in ((roots, ROOT_WALK), (dependents, DEPENDENT_WALK)):
@@ -54,6 +56,7 @@ async def admit(
                 walk,
                 [traceparent] * len(group),
                 workflow_id,
+                [t.uses for t in group],
             )
             if walk is ROOT_WALK:
                 ready = tasks

@@ -313,7 +313,9 @@ class Scheduler:
         ones Ready -> Scheduling. Returns them, and {task id: why not} for the rest."""
         if nodes is None:
             nodes = [n.state() for n in await self.nodes.lock_and_read(conn)]
+        tasks, blocked = await self._within_resources(conn, tasks)
         placed, unplaced = place_many([(t.id, need_of(t)) for t in tasks], nodes)
+        unplaced.update(blocked)
         moves = [
             fsm.plan(t, State.SCHEDULING, "placed", node=placed[t.id])
             for t in tasks
@@ -321,6 +323,34 @@ class Scheduler:
         ]
         moved = await self.repo.transition_many(moves, conn)
         return moved, unplaced
+
+    async def _within_resources(
+        self, conn: asyncpg.Connection, tasks: list[Task]
+    ) -> tuple[list[Task], dict[UUID, Choice]]:
+        """Hold back the workflow tasks whose named resources are all taken: they wait in line
+        (a holder's end frees a unit and wakes dispatch). Counted under the placement locks,
+        so two passes never hand out the same unit."""
+        users = [t for t in tasks if t.uses and t.workflow_id is not None]
+        if not users:
+            return tasks, {}
+        held = await self.repo.resources_held(conn, list({t.workflow_id for t in users}))  # type: ignore[misc]
+        allowed: list[Task] = []
+        blocked: dict[UUID, Choice] = {}
+        for task in tasks:
+            keys = [(task.workflow_id, r) for r in task.uses] if task.workflow_id else []
+            full = [k for k in keys if k in held and held[k][0] >= held[k][1]]
+            if full:
+                name = full[0][1]
+                taken, capacity = held[full[0]]
+                blocked[task.id] = Choice(
+                    None, f"waiting for resource {name} ({taken}/{capacity} held)", True
+                )
+                continue
+            for k in keys:
+                if k in held:
+                    held[k] = (held[k][0] + 1, held[k][1])
+            allowed.append(task)
+        return allowed, blocked
 
     async def _hand_over(
         self, moved: list[Task], tasks: list[Task], waiting: dict[UUID, Choice]

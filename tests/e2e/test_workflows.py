@@ -14,6 +14,7 @@ import yaml
 
 from shared.bus import DEAD_QUEUE, REASON_HEADER, TASKS_EXCHANGE, WORKFLOW_KEY
 from shared.client import SkedClient
+from shared.errors import NotFound
 from shared.fsm import State
 from shared.settings import Settings
 from tests.e2e.checks import check_all_histories
@@ -239,3 +240,68 @@ async def test_a_low_upstream_of_a_high_task_runs_before_unrelated_mid_tasks(
     low = next(t for t in view.tasks if t.wf_task == "low")
     assert low.priority == 10  # inherited from its high downstream
     assert all(low.started_at < t.started_at for t in done.values())  # type: ignore[operator]
+
+
+async def test_a_resource_of_capacity_two_is_never_held_by_more(
+    deployment: Deployment, client: SkedClient, tmp_path: Path, pool: asyncpg.Pool
+) -> None:
+    await deployment.start("scheduler")
+    await deployment.executor("w", 8)
+    stamps = tmp_path / "stamps"
+    stamps.mkdir()
+    holders = [stamp(f"r{i}", stamps, 300, uses=["gpu-slot"]) for i in range(6)]
+    failing = command("r-fails", ["sh", "-c", "sleep 0.3; exit 1"], uses=["gpu-slot"])
+    canceled = command("r-canceled", ["sleep", "30"], uses=["gpu-slot"])
+    free = stamp("free", stamps, 100)  # needs no resource: never held back
+    workflow_id = await client.submit_workflow(
+        {
+            "name": "resources",
+            "resources": {"gpu-slot": 2},
+            "tasks": [canceled, failing, *holders, free],
+        }
+    )
+
+    async def canceled_running() -> Any:
+        try:
+            view = await client.workflow(workflow_id)
+        except NotFound:  # its submission is still on its way
+            return None
+        task = next(t for t in view.tasks if t.wf_task == "r-canceled")
+        return task if task.status is State.RUNNING else None
+
+    running = await eventually(canceled_running, timeout=60, what="r-canceled holding a unit")
+    await client.cancel(running.id, "release the unit")
+    view = await client.wait_workflow(workflow_id, timeout=120)
+    states = {t.wf_task: t.status for t in view.tasks}
+    assert states["r-canceled"] is State.CANCELED
+    assert states["r-fails"] is State.FAILED
+    assert all(states[f"r{i}"] is State.SUCCESS for i in range(6))
+    # from the holders' own stamps: never more than 2 at once
+    runs = read_stamps(stamps)
+    names = {str(t.id): t.wf_task for t in view.tasks}
+    intervals = [(r.start, r.end) for tid, rs in runs.items() if names[tid] != "free" for r in rs]
+    points = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    level = peak = 0
+    for _, delta in points:
+        level += delta
+        peak = max(peak, level)
+    assert peak <= 2, f"{peak} holders at once"
+    # and from our records: the reservations (Scheduling .. terminal) of the units
+    held = await pool.fetch(
+        """
+        SELECT e.task_id, min(e.at) FILTER (WHERE e.to_status = 'scheduling') AS s,
+               max(e.at) AS f
+        FROM task_events e JOIN tasks t ON t.id = e.task_id
+        WHERE t.workflow_id = $1 AND t.uses <> '{}'
+        GROUP BY e.task_id
+        """,
+        workflow_id,
+    )
+    spans = [(r["s"], r["f"]) for r in held if r["s"] is not None]
+    points2 = sorted([(s, 1) for s, _ in spans] + [(f, -1) for _, f in spans])
+    level = peak = 0
+    for _, delta in points2:
+        level += delta
+        peak = max(peak, level)
+    assert peak <= 2, f"{peak} units reserved at once"
+    await check_all_histories(pool)
