@@ -151,6 +151,7 @@ class Verdict(StrEnum):
     WAIT = "wait"
     READY = "ready"
     SKIP = "skip"
+    FAIL = "fail"  # a dependency timed out with policy "fail"
 
 
 FINISHED = {State.SUCCESS, State.FAILED, State.TIMED_OUT, State.CANCELED, State.SKIPPED}
@@ -167,11 +168,22 @@ def edge_holds(condition: Condition, upstream: State) -> bool | None:
     return upstream in (State.FAILED, State.TIMED_OUT)
 
 
-def decide(edges: Iterable[tuple[Condition, State]]) -> tuple[Verdict, str]:
-    """Given each edge's condition and its upstream's (terminal or not) state: run, skip
-    (with the reason; a skip then propagates through the edges that need success), or wait."""
+def decide(
+    edges: Iterable[tuple[Condition, State] | tuple[Condition, State, str | None]],
+) -> tuple[Verdict, str]:
+    """Given each edge's condition, its upstream's (terminal or not) state, and — for an edge
+    whose wait timed out — its policy: run, skip (with the reason; a skip then propagates
+    through the edges that need success), fail, or wait."""
     waiting = False
-    for condition, upstream in edges:
+    notes = []
+    for edge in edges:
+        condition, upstream = edge[0], edge[1]
+        timed_out = edge[2] if len(edge) > 2 else None
+        if timed_out == "fail":
+            return Verdict.FAIL, "a dependency timed out (policy fail)"
+        if timed_out in ("skip", "default"):
+            notes.append(f"a dependency timed out (policy {timed_out})")
+            continue  # go on without it (or with its default)
         holds = edge_holds(condition, upstream)
         if holds is False:
             return (
@@ -180,6 +192,6 @@ def decide(edges: Iterable[tuple[Condition, State]]) -> tuple[Verdict, str]:
             )
         if holds is None:
             waiting = True
-    return (
-        (Verdict.WAIT, "waiting for upstream") if waiting else (Verdict.READY, "dependencies met")
-    )
+    if waiting:
+        return Verdict.WAIT, "waiting for upstream"
+    return Verdict.READY, "; ".join(["dependencies met", *notes])

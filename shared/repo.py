@@ -279,8 +279,10 @@ ON CONFLICT (id) DO NOTHING
 RETURNING id
 """
 INSERT_DEPS = """
-INSERT INTO task_deps (task_id, upstream_id, condition)
-SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[])
+INSERT INTO task_deps (task_id, upstream_id, condition, timeout_s, on_timeout, default_value)
+SELECT u.task_id, u.upstream_id, u.condition, u.timeout_s, u.on_timeout, u.dflt::jsonb
+FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::float8[], $5::text[], $6::text[])
+     AS u(task_id, upstream_id, condition, timeout_s, on_timeout, dflt)
 ON CONFLICT DO NOTHING
 """
 DOWNSTREAM_OF = "SELECT DISTINCT task_id FROM task_deps WHERE upstream_id = ANY($1::uuid[])"
@@ -292,9 +294,17 @@ ORDER BY id
 FOR UPDATE
 """
 EDGES_OF = """
-SELECT d.task_id, d.condition, u.status, u.retry_count, u.max_retries
-FROM task_deps d JOIN tasks u ON u.id = d.upstream_id
+SELECT d.task_id, d.upstream_id, d.condition, u.status, u.retry_count, u.max_retries,
+       d.timeout_s, d.on_timeout, d.timed_out_at,
+       t.updated_at + make_interval(secs => d.timeout_s) <= now() AS overdue
+FROM task_deps d JOIN tasks u ON u.id = d.upstream_id JOIN tasks t ON t.id = d.task_id
 WHERE d.task_id = ANY($1::uuid[])
+"""
+MARK_TIMED_OUT = """
+UPDATE task_deps SET timed_out_at = now()
+FROM unnest($1::uuid[], $2::uuid[]) AS u(task_id, upstream_id)
+WHERE task_deps.task_id = u.task_id AND task_deps.upstream_id = u.upstream_id
+  AND task_deps.timed_out_at IS NULL
 """
 PENDING_WITH_DEPS = """
 SELECT DISTINCT d.task_id FROM task_deps d JOIN tasks t ON t.id = d.task_id
@@ -637,10 +647,19 @@ class PgTaskRepo:
         return await conn.fetchval(INSERT_WORKFLOW, workflow_id, name, spec) is not None
 
     async def insert_deps(
-        self, conn: asyncpg.Connection, deps: Sequence[tuple[UUID, UUID, str]]
+        self,
+        conn: asyncpg.Connection,
+        deps: Sequence[tuple[UUID, UUID, str, float | None, str, str | None]],
     ) -> None:
+        """(task, upstream, condition, timeout_s, on_timeout, default as JSON text) rows."""
         if deps:
             await conn.execute(INSERT_DEPS, *(list(x) for x in zip(*deps, strict=True)))
+
+    async def mark_timed_out(
+        self, conn: asyncpg.Connection, edges: Sequence[tuple[UUID, UUID]]
+    ) -> None:
+        if edges:
+            await conn.execute(MARK_TIMED_OUT, *(list(x) for x in zip(*edges, strict=True)))
 
     async def downstream_of(self, upstream_ids: Sequence[UUID]) -> list[UUID]:
         rows = await self.pool.fetch(DOWNSTREAM_OF, list(upstream_ids))

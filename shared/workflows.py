@@ -8,6 +8,7 @@ waits for the first and then finds the task no longer Pending — it is released
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from uuid import NAMESPACE_URL, UUID, uuid5
@@ -62,7 +63,18 @@ async def admit(
                 ready = tasks
         await repo.insert_deps(
             conn,
-            [(ids[t.name], ids[e.task], e.condition.value) for t in dependents for e in t.needs],
+            [
+                (
+                    ids[t.name],
+                    ids[e.task],
+                    e.condition.value,
+                    e.timeout_s,
+                    e.on_timeout,
+                    json.dumps(e.default),
+                )
+                for t in dependents
+                for e in t.needs
+            ],
         )
     return ready
 
@@ -76,14 +88,24 @@ async def resolve(repo: PgTaskRepo, candidates: Sequence[UUID]) -> tuple[list[Ta
         pending = await repo.lock_pending(conn, candidates)
         if not pending:
             return [], []
-        edges: dict[UUID, list[tuple[Condition, State]]] = {t.id: [] for t in pending}
+        edges: dict[UUID, list[tuple[Condition, State, str | None]]] = {t.id: [] for t in pending}
+        timed_out: list[tuple[UUID, UUID]] = []
         for row in await repo.edges_of(conn, [t.id for t in pending]):
             upstream = State(row["status"])
             # an upstream that will still move (Failed with a retry left) has not finished
             finished = fsm.is_terminal(upstream, row["retry_count"] < row["max_retries"])
+            policy = None
+            if not finished and (row["timed_out_at"] is not None or row["overdue"]):
+                # waited its maximum (measured from when the task last entered Pending)
+                policy = row["on_timeout"]
+                if row["timed_out_at"] is None:
+                    timed_out.append((row["task_id"], row["upstream_id"]))
             edges[row["task_id"]].append(
-                (Condition(row["condition"]), upstream if finished else State.RUNNING)
+                (Condition(row["condition"]), upstream if finished else State.RUNNING, policy)
             )
+        await repo.mark_timed_out(conn, timed_out)
+        for task_id, upstream_id in timed_out:
+            log.warning("task %s: its dependency on %s timed out", task_id, upstream_id)
         moves = []
         for task in pending:
             verdict, why = decide(edges[task.id])
@@ -91,7 +113,12 @@ async def resolve(repo: PgTaskRepo, candidates: Sequence[UUID]) -> tuple[list[Ta
                 moves.append(fsm.plan(task, State.READY, why))
             elif verdict is Verdict.SKIP:
                 moves.append(fsm.plan(task, State.SKIPPED, why))
+            elif verdict is Verdict.FAIL:
+                # terminal at once: a dependency that timed out is not retried
+                moves.append(
+                    fsm.plan(task, State.FAILED, why, error=why, retry_count=task.max_retries)
+                )
         moved = await repo.transition_many(moves, conn)
     ready = [t for t in moved if t.status is State.READY]
-    skipped = [t for t in moved if t.status is State.SKIPPED]
-    return ready, skipped
+    ended = [t for t in moved if t.status in (State.SKIPPED, State.FAILED)]
+    return ready, ended

@@ -305,3 +305,67 @@ async def test_a_resource_of_capacity_two_is_never_held_by_more(
         peak = max(peak, level)
     assert peak <= 2, f"{peak} units reserved at once"
     await check_all_histories(pool)
+
+
+async def test_dependency_timeouts_follow_their_policy_on_a_paused_upstream(
+    deployment: Deployment, client: SkedClient, pool: asyncpg.Pool
+) -> None:
+    await deployment.start("scheduler", env={"SKED_RECONCILE_S": "0.3"})
+    await deployment.executor("w", 4)
+    stuck = command("stuck", ["sleep", "60"], selector={"zone": "nowhere"})  # never placed
+
+    def after(name: str, **edge: Any) -> dict[str, Any]:
+        return command(name, ["true"], {"task": "stuck", "timeout_s": 1.0, **edge})
+
+    workflow_id = await client.submit_workflow(
+        {
+            "name": "timeouts",
+            "tasks": [
+                stuck,
+                after("skips", on_timeout="skip"),
+                after("defaults", on_timeout="default", default={"x": 1}),
+                after("fails", on_timeout="fail"),
+                command("waits", ["true"], "stuck"),  # no timeout: waits, does not fail
+            ],
+        }
+    )
+
+    async def stuck_task() -> Any:
+        try:
+            view = await client.workflow(workflow_id)
+        except NotFound:
+            return None
+        return next((t for t in view.tasks if t.wf_task == "stuck"), None)
+
+    upstream = await eventually(stuck_task, timeout=30, what="the workflow admitted")
+    await client.pause(upstream.id, "hold the upstream")
+
+    async def decided() -> Any:
+        view = await client.workflow(workflow_id)
+        states = {t.wf_task: t.status for t in view.tasks}
+        done = all(
+            states[n] in (State.SUCCESS, State.FAILED) for n in ("skips", "defaults", "fails")
+        )
+        return view if done else None
+
+    view = await eventually(decided, timeout=30, what="the three timeouts to act")
+    states = {t.wf_task: t for t in view.tasks}
+    assert states["skips"].status is State.SUCCESS
+    assert states["defaults"].status is State.SUCCESS
+    assert states["fails"].status is State.FAILED
+    assert "timed out (policy fail)" in (states["fails"].error or "")
+    assert states["waits"].status is State.PENDING  # a paused upstream: it waits
+    assert states["stuck"].status is State.PAUSED
+    # each timeout is recorded, and named in the task's next event
+    recorded = await pool.fetchval(
+        "SELECT count(*) FROM task_deps WHERE timed_out_at IS NOT NULL AND upstream_id = $1",
+        upstream.id,
+    )
+    assert recorded == 3
+    for name, policy in (("skips", "skip"), ("defaults", "default"), ("fails", "fail")):
+        reasons = [e.reason for e in await client.history(states[name].id)]
+        assert any(f"timed out (policy {policy})" in r for r in reasons), reasons
+    await client.cancel(upstream.id)
+    final = await client.wait_workflow(workflow_id, timeout=30)
+    assert {t.wf_task: t.status for t in final.tasks}["waits"] is State.SKIPPED
+    await check_all_histories(pool)

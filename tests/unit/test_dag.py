@@ -156,3 +156,14 @@ def test_a_dumped_workflow_parses_back_the_same() -> None:
     again = WorkflowSpec.parse(spec.model_dump(mode="json"))
     assert again == spec
     assert again.tasks[0].spec().priority == 3
+
+
+@pytest.mark.parametrize(
+    ("policy", "verdict"),
+    [("skip", Verdict.READY), ("default", Verdict.READY), ("fail", Verdict.FAIL)],
+)
+def test_a_timed_out_dependency_follows_its_policy(policy: str, verdict: Verdict) -> None:
+    edges = [(Condition.ON_SUCCESS, State.SUCCESS), (Condition.ON_SUCCESS, State.PAUSED, policy)]
+    got, why = decide(edges)
+    assert got is verdict
+    assert f"policy {policy}" in why
