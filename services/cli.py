@@ -43,6 +43,14 @@ def _print_json(value: Any) -> None:
     print(json.dumps(value, indent=2, default=str))
 
 
+def _print_id(ident: UUID, as_json: bool) -> int:
+    if as_json:
+        _print_json({"id": str(ident)})
+    else:
+        print(ident)
+    return 0
+
+
 def _task_id(text: str) -> UUID:
     try:
         return UUID(text)
@@ -139,11 +147,7 @@ async def _submit(args: argparse.Namespace) -> int:
     async with SkedClient() as client:
         task_id = await client.submit(spec)
         if not args.wait:
-            if args.json:
-                _print_json({"id": str(task_id)})
-            else:
-                print(task_id)
-            return 0
+            return _print_id(task_id, args.json)
         task = await client.wait(task_id, args.wait_timeout)
     if args.json:
         _print_json(task.as_json())
@@ -296,11 +300,7 @@ async def _submit_workflow(args: argparse.Namespace) -> int:
     async with SkedClient() as client:
         workflow_id = await client.submit_workflow(spec)
         if not args.wait:
-            if args.json:
-                _print_json({"id": str(workflow_id)})
-            else:
-                print(workflow_id)
-            return 0
+            return _print_id(workflow_id, args.json)
         view = await client.wait_workflow(workflow_id, args.wait_timeout)
     if args.json:
         _print_json(_workflow_json(view))

@@ -63,6 +63,7 @@ class Outgoing:
     routing_key: str
     body: bytes
     headers: dict[str, Any] = field(default_factory=dict)
+    message_id: str | None = None
 
 
 class AmqpBus:
@@ -128,10 +129,6 @@ class AmqpBus:
         about 1,500 messages/s here). Raises if any is refused; the caller then retries all of
         them, which is why consumers must drop duplicates.
         """
-        await self.start_publish(exchange, messages)
-
-    def start_publish(self, exchange: str, messages: Sequence[Outgoing]) -> asyncio.Future[Any]:
-        """Start publishing now; the returned future resolves when every confirm is in."""
         target = self._exchanges[exchange]
         confirms = [
             target.publish(
@@ -140,12 +137,13 @@ class AmqpBus:
                     content_type=JSON,
                     delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
                     headers=m.headers,
+                    message_id=m.message_id,
                 ),
                 routing_key=m.routing_key,
             )
             for m in messages
         ]
-        return asyncio.gather(*confirms)
+        await asyncio.gather(*confirms)
 
     async def reply(self, request: AbstractIncomingMessage, body: bytes) -> None:
         """Answer a request on its reply_to queue (default exchange), with its correlation id."""

@@ -23,13 +23,12 @@ from types import TracebackType
 from typing import Any
 from uuid import UUID, uuid4
 
-import aio_pika
 import asyncpg
 from opentelemetry.trace import SpanKind
 from redis.asyncio import Redis
 
 from shared import control, fsm, telemetry
-from shared.bus import JSON, SCHEMA_HEADER, SUBMIT_KEY, TASKS_EXCHANGE, WORKFLOW_KEY, AmqpBus
+from shared.bus import SCHEMA_HEADER, SUBMIT_KEY, TASKS_EXCHANGE, WORKFLOW_KEY, AmqpBus, Outgoing
 from shared.dag import WorkflowSpec
 from shared.errors import NotFound, SkedError
 from shared.fsm import State
@@ -142,6 +141,35 @@ class SkedClient:
             self._bus = bus
         return self._bus
 
+    async def _publish(self, routing_key: str, bodies: Sequence[tuple[bytes, UUID, str]]) -> None:
+        """Publish (body, id, name) submissions to sked.tasks, each under a PRODUCER span that
+        becomes the root of its trace; the id is the message id, so a redelivery is one task."""
+        bus = await self._publisher()
+        spans = [
+            telemetry.start(
+                f"{TASKS_EXCHANGE} publish",
+                kind=SpanKind.PRODUCER,
+                attributes=telemetry.messaging(TASKS_EXCHANGE, "publish", ident, task_name=name),
+            )
+            for _, ident, name in bodies
+        ]
+        try:
+            await bus.publish(
+                TASKS_EXCHANGE,
+                [
+                    Outgoing(
+                        routing_key,
+                        body,
+                        telemetry.headers_for(span, {SCHEMA_HEADER: 1}),
+                        str(ident),
+                    )
+                    for (body, ident, _), span in zip(bodies, spans, strict=True)
+                ],
+            )
+        finally:
+            for span in spans:
+                span.end()
+
     # -- submit -------------------------------------------------------------------------------
 
     async def submit(self, spec: TaskSpec | dict[str, Any]) -> UUID:
@@ -155,38 +183,10 @@ class SkedClient:
         """
         parsed = [s if isinstance(s, TaskSpec) else TaskSpec.parse(s) for s in specs]
         ids = [task_id_for(s) for s in parsed]
-        bus = await self._publisher()
-        exchange = await bus.channel.get_exchange(TASKS_EXCHANGE)
-        # each task's trace starts here: this span is the root of everything sked does for it
-        spans = [
-            telemetry.start(
-                f"{TASKS_EXCHANGE} publish",
-                kind=SpanKind.PRODUCER,
-                attributes=telemetry.messaging(
-                    TASKS_EXCHANGE, "publish", task_id, task_name=spec.name
-                ),
-            )
-            for spec, task_id in zip(parsed, ids, strict=True)
+        bodies = [
+            (s.model_dump_json().encode(), i, s.name) for s, i in zip(parsed, ids, strict=True)
         ]
-        try:
-            await asyncio.gather(
-                *(
-                    exchange.publish(
-                        aio_pika.Message(
-                            spec.model_dump_json().encode(),
-                            content_type=JSON,
-                            message_id=str(task_id),
-                            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                            headers=telemetry.headers_for(span, {SCHEMA_HEADER: 1}),
-                        ),
-                        routing_key=SUBMIT_KEY,
-                    )
-                    for spec, task_id, span in zip(parsed, ids, spans, strict=True)
-                )
-            )
-        finally:
-            for span in spans:
-                span.end()
+        await self._publish(SUBMIT_KEY, bodies)
         return ids
 
     async def submit_workflow(self, spec: WorkflowSpec | dict[str, Any]) -> UUID:
@@ -194,26 +194,9 @@ class SkedClient:
         it, and nothing is sent); returns its id once RabbitMQ confirmed the message."""
         parsed = spec if isinstance(spec, WorkflowSpec) else WorkflowSpec.parse(spec)
         workflow_id = uuid4()
-        bus = await self._publisher()
-        exchange = await bus.channel.get_exchange(TASKS_EXCHANGE)
-        span = telemetry.start(
-            f"{TASKS_EXCHANGE} publish",
-            kind=SpanKind.PRODUCER,
-            attributes=telemetry.messaging(TASKS_EXCHANGE, "publish", workflow_id),
+        await self._publish(
+            WORKFLOW_KEY, [(parsed.model_dump_json().encode(), workflow_id, parsed.name)]
         )
-        try:
-            await exchange.publish(
-                aio_pika.Message(
-                    parsed.model_dump_json().encode(),
-                    content_type=JSON,
-                    message_id=str(workflow_id),
-                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                    headers=telemetry.headers_for(span, {SCHEMA_HEADER: 1}),
-                ),
-                routing_key=WORKFLOW_KEY,
-            )
-        finally:
-            span.end()
         return workflow_id
 
     async def workflow(self, workflow_id: UUID | str) -> WorkflowView:

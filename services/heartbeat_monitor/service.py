@@ -60,7 +60,6 @@ class HeartbeatMonitor:
         self.nodes = nodes
         self.bus = bus
         self._pending: dict[tuple[uuid.UUID, int], int] = {}  # (task, attempt) -> highest seq
-        self._flushed = asyncio.Event()
         self._wake_sweep = asyncio.Event()
         self._stopping = asyncio.Event()
         self._answers: dict[str, asyncio.Future[ProbeAnswer]] = {}
