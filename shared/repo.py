@@ -145,6 +145,15 @@ WITH u AS (
     SELECT id, version, from_status, to_status, reason, patch::jsonb AS p
     FROM unnest($1::uuid[], $2::int[], $3::text[], $4::text[], $5::text[], $6::text[])
          AS u(id, version, from_status, to_status, reason, patch)
+), locked AS (
+    -- Lock the rows the CAS will win in id order, whatever order the caller gave: two batches
+    -- over overlapping rows then queue behind each other instead of deadlocking (an UPDATE
+    -- locks rows in the order its join happens to visit them). After a wait, FOR UPDATE
+    -- re-checks version and status on the newest row, so a lost CAS locks nothing new.
+    SELECT t.id FROM tasks t JOIN u ON u.id = t.id
+    WHERE t.version = u.version AND t.status = u.from_status
+    ORDER BY t.id
+    FOR UPDATE OF t
 ), moved AS (
     UPDATE tasks t SET
         status = u.to_status,
@@ -176,7 +185,7 @@ WITH u AS (
         finished_at = CASE WHEN u.to_status IN ('success', 'failed', 'timed_out', 'canceled',
                                                 'skipped')
                            THEN now() ELSE t.finished_at END
-    FROM u
+    FROM u JOIN locked USING (id)
     WHERE t.id = u.id AND t.version = u.version AND t.status = u.from_status
     RETURNING {", ".join("t." + c.strip() for c in _TASK_COLUMNS.split(","))},
               u.from_status AS _from, u.reason AS _reason
@@ -201,10 +210,19 @@ LIMIT $2
 """
 
 # A Ready task that cannot be placed says why (only written when the reason changes).
+# A row another statement holds is skipped: its reason is cosmetic and the holder is most likely
+# placing it right now (and waiting for it here could deadlock with that holder's batch).
 SET_WAIT_REASONS = """
+WITH u AS (SELECT * FROM unnest($1::uuid[], $2::text[]) AS u(id, reason)),
+free AS (
+    SELECT t.id FROM tasks t JOIN u ON u.id = t.id
+    WHERE t.status = 'ready' AND t.status_reason IS DISTINCT FROM u.reason
+    ORDER BY t.id
+    FOR UPDATE OF t SKIP LOCKED
+)
 UPDATE tasks t SET status_reason = u.reason
-FROM unnest($1::uuid[], $2::text[]) AS u(id, reason)
-WHERE t.id = u.id AND t.status = 'ready' AND t.status_reason IS DISTINCT FROM u.reason
+FROM u JOIN free USING (id)
+WHERE t.id = u.id
 """
 
 # Which of these tasks are terminal: Success/Canceled/Skipped, or Failed/TimedOut with no
@@ -219,10 +237,19 @@ WHERE id = ANY($1::uuid[])
 # Heartbeats, batched: applied only to the attempt that is Running now and only when newer
 # than the last applied (fencing: a heartbeat of an older attempt, or a replay, changes
 # nothing). Not a state change: no version bump, no event.
+# Rows are locked in id order, like TRANSITION's, so a batch of heartbeats and an executor's
+# batch of finishes over the same tasks never deadlock.
 APPLY_HEARTBEATS = """
+WITH u AS (SELECT * FROM unnest($1::uuid[], $2::int[], $3::bigint[]) AS u(id, attempt, seq)),
+locked AS (
+    SELECT t.id FROM tasks t JOIN u ON u.id = t.id
+    WHERE t.status = 'running' AND t.attempt = u.attempt AND u.seq > t.hb_seq
+    ORDER BY t.id
+    FOR UPDATE OF t
+)
 UPDATE tasks t SET hb_seq = u.seq, hb_at = now(),
                    hb_deadline = now() + make_interval(secs => t.heartbeat_timeout_s)
-FROM unnest($1::uuid[], $2::int[], $3::bigint[]) AS u(id, attempt, seq)
+FROM u JOIN locked USING (id)
 WHERE t.id = u.id AND t.status = 'running' AND t.attempt = u.attempt AND u.seq > t.hb_seq
 RETURNING t.id, t.attempt
 """

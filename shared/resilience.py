@@ -32,6 +32,11 @@ TRANSIENT: tuple[type[BaseException], ...] = (
     asyncpg.InternalClientError,  # a connection broken in the middle of an operation
     asyncpg.AdminShutdownError,
     asyncpg.exceptions.ConnectionFailureError,
+    # Postgres aborted our transaction to break a lock cycle or a serialisation conflict: the
+    # pass is safe to run again (every write is a CAS). Batches lock rows in id order, so this
+    # is a last line of defence, not a path we expect.
+    asyncpg.exceptions.DeadlockDetectedError,
+    asyncpg.exceptions.SerializationError,
     redis.exceptions.ConnectionError,
     redis.exceptions.TimeoutError,
     redis.exceptions.BusyLoadingError,

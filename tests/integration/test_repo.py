@@ -14,7 +14,7 @@ from shared.client import is_done
 from shared.errors import IllegalTransition, InvalidSpec, NotFound, StaleWrite, UnknownState
 from shared.fsm import State
 from shared.models import TaskSpec
-from shared.repo import PgTaskRepo, parse_notify
+from shared.repo import APPLY_HEARTBEATS, PgTaskRepo, parse_notify
 from tests.helpers import spec
 
 
@@ -262,3 +262,60 @@ def test_notify_payloads_parse() -> None:
     big = parse_notify("*:500:success,failed")
     assert big.ids is None
     assert big.states == {"success", "failed"}
+
+
+async def _blocked_on(pool: asyncpg.Pool, pid: int) -> bool:
+    waiting = await pool.fetchval(
+        "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1", pid
+    )
+    return bool(waiting)
+
+
+@pytest.mark.parametrize("statement", ["transition", "heartbeat"])
+async def test_batches_lock_rows_in_id_order(
+    repo: PgTaskRepo, pool: asyncpg.Pool, statement: str
+) -> None:
+    """A batch locks its rows in id order whatever order it lists them: while it waits for a
+    row another transaction holds, it holds none of the rows above it. So that holder can take
+    one of those next and both go on: two batches over the same rows never deadlock (two
+    schedulers' batches did, in CI, before this)."""
+    # created high id first, so the table's physical order and the batch's order below both
+    # visit the highest row first: whatever plan Postgres picks, only id order avoids it
+    created = [await repo.create(spec(f"t{i}"), UUID(int=i)) for i in (3, 2, 1)]
+    running = []
+    for task in created:
+        for target in (State.PENDING, State.READY, State.SCHEDULING, State.RUNNING):
+            task = await fsm.apply(repo, task, target)
+        running.append(task)
+    low, mid, high = sorted(running, key=lambda t: t.id)
+    async with pool.acquire() as holder, pool.acquire() as batcher:
+        hold = holder.transaction()
+        await hold.start()
+        await holder.execute("SELECT 1 FROM tasks WHERE id = $1 FOR UPDATE", mid.id)
+        order = [high, mid, low]  # the reverse of id order
+        if statement == "transition":
+            batch = asyncio.ensure_future(
+                repo.transition_many([fsm.plan(t, State.SUCCESS, "done") for t in order], batcher)
+            )
+        else:
+            batch = asyncio.ensure_future(
+                batcher.fetch(
+                    APPLY_HEARTBEATS, [t.id for t in order], [t.attempt for t in order], [1] * 3
+                )
+            )
+        pid = batcher.get_server_pid()
+        for _ in range(200):
+            if await _blocked_on(pool, pid):
+                break
+            await asyncio.sleep(0.01)
+        assert await _blocked_on(pool, pid), "the batch never reached the held row"
+        # the row above the held one is free: the holder takes it without waiting
+        try:
+            await holder.execute("SELECT 1 FROM tasks WHERE id = $1 FOR UPDATE NOWAIT", high.id)
+            free = True
+        except asyncpg.LockNotAvailableError:
+            free = False
+        await (hold.commit() if free else hold.rollback())
+        rows = await asyncio.wait_for(batch, 10)
+    assert free, "the batch held a row above the one it waits for: lock order is not id order"
+    assert len(rows) == 3
