@@ -160,6 +160,10 @@ async def _submit(args: argparse.Namespace) -> int:
 # -- read ------------------------------------------------------------------------------------
 
 
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _status_lines(task: Task) -> list[str]:
     lines = [
         f"id:        {task.id}",
@@ -168,13 +172,18 @@ def _status_lines(task: Task) -> list[str]:
         f"reason:    {task.status_reason}",
         f"attempt:   {task.attempt} (retries {task.retry_count}/{task.max_retries})",
         f"version:   {task.version}",
-        f"priority:  {task.priority}",
+        f"priority:  {task.priority}"
+        + (
+            "" if task.spec.priority == task.priority else f" (own {task.spec.priority}, inherited)"
+        ),
         f"node:      {task.node or '-'}",
         f"result:    {json.dumps(task.result)}",
         f"error:     {task.error or '-'}",
     ]
     if task.workflow_id is not None:
         lines.append(f"workflow:  {task.workflow_id} (task {task.wf_task})")
+        if task.inputs is not None:
+            lines.append(f"inputs:    {_clip(json.dumps(task.inputs), 500)}")
     if task.next_retry_at is not None and task.status is State.RETRY_WAIT:
         lines.append(f"retry at:  {task.next_retry_at.isoformat()}")
     if task.paused_at is not None:
@@ -266,6 +275,19 @@ async def _control(args: argparse.Namespace) -> int:
         _print_json(task.as_json())
     else:
         print(f"{task.id} {task.status.label}: {task.status_reason}")
+    return 0
+
+
+async def _priority(args: argparse.Namespace) -> int:
+    async with SkedClient() as client:
+        changed = await client.set_priority(_task_id(args.id), args.priority)
+    if args.json:
+        _print_json([t.as_json() for t in changed])
+        return 0
+    for task in changed:
+        own = task.spec.priority
+        note = "" if own == task.priority else f" (own {own}, inherited from downstream)"
+        print(f"{task.id} {task.wf_task or task.name}: priority {task.priority}{note}")
     return 0
 
 
@@ -441,6 +463,14 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--by", help="who is acting (default: user@host)")
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=lambda a: _run(_control(a)), action=action)
+
+    p = sub.add_parser(
+        "priority", help="change a task's priority (a workflow task's upstreams inherit it)"
+    )
+    p.add_argument("id")
+    p.add_argument("priority", type=int)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=lambda a: _run(_priority(a)))
 
     p = sub.add_parser("nodes", help="registered executors, their capacity and usage")
     p.add_argument("--json", action="store_true")

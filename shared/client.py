@@ -245,6 +245,12 @@ class SkedClient:
         repo = await self._repo()
         return await control.cancel(repo, self._queue(), UUID(str(task_id)), reason, by)
 
+    async def set_priority(self, task_id: UUID | str, priority: int) -> list[Task]:
+        """Change a non-terminal task's priority (a workflow task's upstreams inherit it).
+        Returns the tasks whose priority changed, this one first. Raises NotAllowed."""
+        repo = await self._repo()
+        return await control.set_priority(repo, self._queue(), UUID(str(task_id)), priority)
+
     # -- read ---------------------------------------------------------------------------------
 
     async def get(self, task_id: UUID | str) -> Task:
@@ -352,6 +358,9 @@ class SyncSkedClient:
 
     def cancel(self, task_id: UUID | str, reason: str = "", by: str | None = None) -> Task:
         return self._loop.run_until_complete(self._client.cancel(task_id, reason, by))
+
+    def set_priority(self, task_id: UUID | str, priority: int) -> list[Task]:
+        return self._loop.run_until_complete(self._client.set_priority(task_id, priority))
 
     def wait_all(
         self, task_ids: Iterable[UUID | str], timeout: float | None = None

@@ -14,9 +14,9 @@ from datetime import UTC, datetime
 from uuid import UUID
 
 from shared import fsm
-from shared.errors import SkedError, StaleWrite
+from shared.errors import InvalidSpec, SkedError, StaleWrite
 from shared.fsm import State
-from shared.models import Task
+from shared.models import MAX_PRIORITY, MIN_PRIORITY, Task
 from shared.queues import ReadyQueue
 from shared.repo import PgTaskRepo
 
@@ -116,3 +116,23 @@ async def resume(repo: PgTaskRepo, queue: ReadyQueue, task_id: UUID) -> Task:
         await queue.push(ready)
         return ready[0]
     raise StaleWrite(f"task {task_id} kept changing; resume not applied")
+
+
+async def set_priority(
+    repo: PgTaskRepo, queue: ReadyQueue | None, task_id: UUID, priority: int
+) -> list[Task]:
+    """Change a non-terminal task's own priority. For a workflow task the effective priorities
+    are recomputed (its upstreams inherit it, brief §7); the Ready tasks among those that moved
+    are re-scored in the ready queue at once. Returns the tasks whose priority was written, the
+    task itself first."""
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise InvalidSpec(f"priority must be within [{MIN_PRIORITY}, {MAX_PRIORITY}]: {priority}")
+    task = await repo.get(task_id)
+    _refuse("reprioritise", task)
+    changed = await repo.reprioritise(task, priority)
+    if queue is not None:
+        # re-scored in place (ZADD); one popped meanwhile is gone from the queue already and
+        # comes back, if at all, only as a stale entry that dispatch drops
+        await queue.push([t for t in changed if t.status is State.READY])
+    changed.sort(key=lambda t: t.id != task_id)
+    return changed

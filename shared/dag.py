@@ -195,3 +195,26 @@ def decide(
     if waiting:
         return Verdict.WAIT, "waiting for upstream"
     return Verdict.READY, "; ".join(["dependencies met", *notes])
+
+
+def output_of(kind: str, result: Any) -> Any:
+    """What a finished task hands downstream: a handler's return value; a command's declared
+    output (the JSON it wrote to the file named by $SKED_OUTPUT), or None if it declared none."""
+    if kind == "command":
+        return result.get("output") if isinstance(result, dict) else None
+    return result
+
+
+def inputs_of(edges: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """A released task's inputs, from its edges (each: the upstream's name, kind, state and
+    result, the edge's timeout policy and default): {upstream name: output} for every upstream
+    that succeeded; the edge's default where its wait timed out under policy `default`. An
+    upstream that was skipped, failed, or timed out under `skip` is absent."""
+    inputs: dict[str, Any] = {}
+    for edge in edges:
+        name = edge["upstream_name"]
+        if edge["status"] == State.SUCCESS.value:
+            inputs[name] = output_of(edge["upstream_kind"], edge["upstream_result"])
+        elif edge["policy"] == "default":
+            inputs[name] = edge["default_value"]
+    return inputs

@@ -160,6 +160,7 @@ PATCHABLE = frozenset(
         "result",
         "error",
         "log_tail",
+        "inputs",
         "paused_by",
         "paused_reason",
         "paused_at",

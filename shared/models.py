@@ -30,6 +30,9 @@ class _Input(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
+
+
 class CommandJob(_Input):
     kind: Literal["command"] = "command"
     argv: list[str] = Field(min_length=1, max_length=4096)
@@ -67,7 +70,9 @@ class TaskSpec(_Input):
     schema_version: Literal[1] = SCHEMA_VERSION
     name: str = Field(min_length=1, max_length=200)
     job: Job
-    priority: int = Field(default=0, ge=-1000, le=1000, description="higher runs first")
+    priority: int = Field(
+        default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY, description="higher runs first"
+    )
     max_retries: int = Field(default=0, ge=0, le=100)
     backoff_base_s: float = Field(default=1.0, gt=0, le=3600)
     backoff_cap_s: float = Field(default=300.0, gt=0, le=86_400)
@@ -171,6 +176,8 @@ class Task:
     workflow_id: UUID | None
     wf_task: str | None
     uses: list[str]
+    # a workflow task's inputs from its upstreams, fixed at release; None outside workflows
+    inputs: Any = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Task:

@@ -20,6 +20,7 @@ from uuid import UUID, uuid4
 import asyncpg
 
 from shared import fsm, telemetry
+from shared.dag import effective_priorities
 from shared.errors import NotFound
 from shared.fsm import Move, State
 from shared.models import Event, Task, TaskSpec
@@ -59,7 +60,7 @@ _TASK_COLUMNS = (
     "node, idempotency_key, "
     "paused_by, paused_reason, paused_at, result, error, created_at, updated_at, queued_at, "
     "started_at, finished_at, log_tail, cpu, memory_mb, gpu, traceparent, hb_at, hb_deadline, "
-    "hb_seq, workflow_id, wf_task, uses"
+    "hb_seq, workflow_id, wf_task, uses, inputs"
 )
 # the same columns by name, for reading back from a CTE that returned _TASK_COLUMNS
 _TASK_FIELDS = ", ".join(c.strip().split(" AS ")[-1] for c in _TASK_COLUMNS.split(","))
@@ -169,6 +170,7 @@ WITH u AS (
                       ELSE t.result END,
         error = CASE WHEN u.p ? 'error' THEN u.p ->> 'error' ELSE t.error END,
         log_tail = CASE WHEN u.p ? 'log_tail' THEN u.p ->> 'log_tail' ELSE t.log_tail END,
+        inputs = CASE WHEN u.p ? 'inputs' THEN u.p -> 'inputs' ELSE t.inputs END,
         paused_by = CASE WHEN u.p ? 'paused_by' THEN u.p ->> 'paused_by' ELSE t.paused_by END,
         paused_reason = CASE WHEN u.p ? 'paused_reason' THEN u.p ->> 'paused_reason'
                              ELSE t.paused_reason END,
@@ -322,7 +324,8 @@ FOR UPDATE
 """
 EDGES_OF = """
 SELECT d.task_id, d.upstream_id, d.condition, u.status, u.retry_count, u.max_retries,
-       d.timeout_s, d.on_timeout, d.timed_out_at,
+       d.timeout_s, d.on_timeout, d.timed_out_at, d.default_value, u.wf_task AS upstream_name,
+       u.kind AS upstream_kind, u.result AS upstream_result,
        t.updated_at + make_interval(secs => d.timeout_s) <= now() AS overdue
 FROM task_deps d JOIN tasks u ON u.id = d.upstream_id JOIN tasks t ON t.id = d.task_id
 WHERE d.task_id = ANY($1::uuid[])
@@ -366,6 +369,26 @@ WHERE ($1::text[] IS NULL OR status = ANY($1))
   AND ($2::text IS NULL OR name = $2)
 ORDER BY created_at DESC, id
 LIMIT $3
+"""
+
+# Priority changes (not a state change: no version bump, no event). A workflow's recomputation
+# is serialised per workflow by an advisory lock, so two changes never mix stale own priorities.
+LOCK_WORKFLOW_PRIORITIES = "SELECT pg_advisory_xact_lock(hashtextextended($1::text, 7))"
+WORKFLOW_PRIORITIES = """
+SELECT id, wf_task, priority, (spec ->> 'priority')::int AS own FROM tasks WHERE workflow_id = $1
+"""
+# One statement, rows locked in id order like TRANSITION's: the task's own priority goes into
+# its spec, and every effective priority that changed into the priority column.
+SET_PRIORITIES = f"""
+WITH u AS (SELECT * FROM unnest($1::uuid[], $2::int[]) AS u(id, priority)),
+locked AS (SELECT t.id FROM tasks t JOIN u USING (id) ORDER BY t.id FOR UPDATE OF t)
+UPDATE tasks t SET
+    priority = u.priority,
+    spec = CASE WHEN t.id = $3 THEN jsonb_set(t.spec, '{{priority}}', to_jsonb($4::int))
+                ELSE t.spec END
+FROM u JOIN locked USING (id)
+WHERE t.id = u.id
+RETURNING {", ".join("t." + c.strip() for c in _TASK_COLUMNS.split(","))}
 """
 
 HISTORY = f"SELECT {_EVENT_COLUMNS} FROM task_events WHERE task_id = $1 ORDER BY version"
@@ -449,12 +472,15 @@ class PgTaskRepo:
         traceparents: Sequence[str | None] | None = None,
         workflow_id: UUID | None = None,
         uses: Sequence[Sequence[str]] | None = None,
+        priorities: Sequence[int] | None = None,
     ) -> list[Task]:
         """Insert tasks in Created with their first event; one round trip for the batch.
 
         `ids` (optional) are producer-chosen task ids: a submission delivered twice creates one
         task. A spec whose idempotency key is already taken yields the existing task.
         `traceparents` (optional) are the tasks' trace contexts (see shared.telemetry).
+        `priorities` (optional) are the effective priorities the tasks are queued by (a
+        workflow's inherited ones); the spec keeps the priority its producer asked for.
         """
         if not specs:
             return []
@@ -465,7 +491,7 @@ class PgTaskRepo:
             [s.name for s in specs],
             [s.job.kind for s in specs],
             [s.model_dump_json() for s in specs],
-            [s.priority for s in specs],
+            list(priorities) if priorities is not None else [s.priority for s in specs],
             [s.max_retries for s in specs],
             [s.timeout_s for s in specs],
             [s.heartbeat_timeout_s for s in specs],
@@ -681,6 +707,34 @@ class PgTaskRepo:
         """(task, upstream, condition, timeout_s, on_timeout, default as JSON text) rows."""
         if deps:
             await conn.execute(INSERT_DEPS, *(list(x) for x in zip(*deps, strict=True)))
+
+    async def reprioritise(self, task: Task, priority: int) -> list[Task]:
+        """Set `task`'s own priority and recompute the effective priorities it changes (for a
+        workflow task: every task upstream of it inherits the highest downstream priority).
+        Returns the tasks written: the task itself and each whose effective priority moved."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            if task.workflow_id is None:
+                effective = {task.id: priority}
+            else:
+                await conn.execute(LOCK_WORKFLOW_PRIORITIES, str(task.workflow_id))
+                rows = await conn.fetch(WORKFLOW_PRIORITIES, task.workflow_id)
+                ids = {r["wf_task"]: r["id"] for r in rows}
+                names = {r["id"]: r["wf_task"] for r in rows}
+                current = {r["id"]: r["priority"] for r in rows}
+                own = {r["wf_task"]: r["own"] for r in rows}
+                own[task.wf_task] = priority
+                needs: dict[str, list[str]] = {name: [] for name in own}
+                for edge in await conn.fetch(WORKFLOW_EDGES, task.workflow_id):
+                    needs[names[edge["task_id"]]].append(names[edge["upstream_id"]])
+                effective = {
+                    ids[name]: p
+                    for name, p in effective_priorities(own, needs).items()
+                    if p != current[ids[name]] or ids[name] == task.id
+                }
+            rows = await conn.fetch(
+                SET_PRIORITIES, list(effective), list(effective.values()), task.id, priority
+            )
+        return [_task(r) for r in rows]
 
     async def mark_timed_out(
         self, conn: asyncpg.Connection, edges: Sequence[tuple[UUID, UUID]]

@@ -89,6 +89,8 @@ class Settings(BaseSettings):
     node_labels: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
     node_heartbeat_s: float = Field(default=2.0, gt=0)
     state_dir: Path | None = None  # default: <tmp>/sked/<node_id>
+    # handler workers started with the executor (the rest start on their slot's first handler)
+    warm_workers: int = Field(default=2, ge=0, le=10_000)
     shutdown_grace_s: float = Field(default=10.0, ge=0)
     # Outcomes wait this long to share one transaction: results land a few ms later, and
     # Postgres does one statement where it would do one per task.

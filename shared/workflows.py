@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
+from typing import Any
 from uuid import NAMESPACE_URL, UUID, uuid5
 
 from shared import fsm
-from shared.dag import Condition, Verdict, WorkflowSpec, decide, effective_priorities
+from shared.dag import Condition, Verdict, WorkflowSpec, decide, effective_priorities, inputs_of
 from shared.fsm import State
 from shared.models import Task
 from shared.repo import PgTaskRepo
@@ -49,15 +50,15 @@ async def admit(
         for group, walk in ((roots, ROOT_WALK), (dependents, DEPENDENT_WALK)):
             if not group:
                 continue
-            specs = [t.spec().model_copy(update={"priority": priority[t.name]}) for t in group]
             tasks = await repo.create_many(
-                specs,
+                [t.spec() for t in group],
                 [ids[t.name] for t in group],
                 conn,
                 walk,
                 [traceparent] * len(group),
                 workflow_id,
                 [t.uses for t in group],
+                [priority[t.name] for t in group],
             )
             if walk is ROOT_WALK:
                 ready = tasks
@@ -89,6 +90,7 @@ async def resolve(repo: PgTaskRepo, candidates: Sequence[UUID]) -> tuple[list[Ta
         if not pending:
             return [], []
         edges: dict[UUID, list[tuple[Condition, State, str | None]]] = {t.id: [] for t in pending}
+        upstreams: dict[UUID, list[dict[str, Any]]] = {t.id: [] for t in pending}
         timed_out: list[tuple[UUID, UUID]] = []
         for row in await repo.edges_of(conn, [t.id for t in pending]):
             upstream = State(row["status"])
@@ -103,6 +105,7 @@ async def resolve(repo: PgTaskRepo, candidates: Sequence[UUID]) -> tuple[list[Ta
             edges[row["task_id"]].append(
                 (Condition(row["condition"]), upstream if finished else State.RUNNING, policy)
             )
+            upstreams[row["task_id"]].append({**row, "policy": policy})
         await repo.mark_timed_out(conn, timed_out)
         for task_id, upstream_id in timed_out:
             log.warning("task %s: its dependency on %s timed out", task_id, upstream_id)
@@ -110,7 +113,8 @@ async def resolve(repo: PgTaskRepo, candidates: Sequence[UUID]) -> tuple[list[Ta
         for task in pending:
             verdict, why = decide(edges[task.id])
             if verdict is Verdict.READY:
-                moves.append(fsm.plan(task, State.READY, why))
+                # the upstreams' outputs travel with the task: fixed now, in the same CAS
+                moves.append(fsm.plan(task, State.READY, why, inputs=inputs_of(upstreams[task.id])))
             elif verdict is Verdict.SKIP:
                 moves.append(fsm.plan(task, State.SKIPPED, why))
             elif verdict is Verdict.FAIL:

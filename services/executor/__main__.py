@@ -51,7 +51,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
 async def main(settings: Settings) -> None:
     state_dir = settings.state_dir or Path(tempfile.gettempdir()) / "sked" / settings.node_id
     async with backends(settings) as b:
-        backend = LocalBackend(settings.slots, state_dir)
+        backend = LocalBackend(settings.slots, state_dir, warm_workers=settings.warm_workers)
         await serve(Executor(settings, b.tasks, b.nodes, b.bus, backend, b.ready_queue))
 
 

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 from uuid import UUID, uuid4
@@ -41,12 +41,13 @@ class Launch:
     job: CommandJob | HandlerJob
     timeout_s: float | None  # run timeout; None = no limit
     env: Mapping[str, str] = field(default_factory=dict)  # extra environment for the task
+    inputs: Any = None  # a workflow task's inputs from its upstreams (None: none)
 
 
 @dataclass(frozen=True)
 class Outcome:
     ok: bool  # exit code 0, or the handler returned normally
-    result: Any  # handler: its JSON value; command: {"exit_code": n}; None if it never ended
+    result: Any  # handler: its JSON value; command: {"exit_code": n[, "output": declared]}
     error: str | None  # one line
     timed_out: bool
     stopped: bool  # ended by stop_task() or close()
@@ -81,6 +82,28 @@ def _tail(path: Path, size: int) -> str:
     except OSError:
         return ""
     return data.decode("utf-8", errors="replace")
+
+
+def _with_output(outcome: Outcome, path: Path) -> Outcome:
+    """A command that exited 0 and wrote JSON to $SKED_OUTPUT declared that as its output: it
+    joins the result (and goes downstream). Output that is not JSON fails the attempt."""
+    if not outcome.ok:
+        return outcome
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return outcome  # declared nothing
+    if size == 0:
+        return outcome
+    if size > MAX_REPLY_BYTES:
+        error = f"declared output too large: {size} bytes in $SKED_OUTPUT"
+        return Outcome.failed(error, outcome.log_tail)
+    try:
+        output = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as exc:
+        error = f"declared output in $SKED_OUTPUT is not JSON: {describe(exc)}"
+        return Outcome.failed(error, outcome.log_tail)
+    return replace(outcome, result={**outcome.result, "output": output})
 
 
 def _task_env(launch: Launch) -> dict[str, str]:
@@ -410,13 +433,20 @@ class LocalBackend:
     job that timed out or was stopped: here that worker's group is killed and a fresh one started.
     """
 
-    def __init__(self, slots: int, state_dir: Path, log_tail_bytes: int = 8192) -> None:
+    def __init__(
+        self, slots: int, state_dir: Path, log_tail_bytes: int = 8192, warm_workers: int = 2
+    ) -> None:
         self.slots = slots
+        # Handler workers started with the executor; the other slots start theirs on their
+        # first handler job and keep it. A command-only node with 50 slots does not pay for 50
+        # Python processes (seconds of CPU at start), and a handler node pays once per slot.
+        self.warm_workers = min(warm_workers, slots)
         self.state_dir = state_dir.absolute()
         self.log_tail_bytes = log_tail_bytes
         self.reaped: list[Key] = []  # attempts a previous executor left running, reaped at start
         self._logs = self.state_dir / "logs"
         self._worker_out = self.state_dir / "workers"
+        self._io = self.state_dir / "io"  # per-attempt inputs and declared-output files
         self._records = _Records(self.state_dir / "running")
         self._runs: dict[Key, _Run] = {}
         # One item per slot: its live worker, or None until one is started for it.
@@ -429,15 +459,15 @@ class LocalBackend:
         self._closed = False
 
     async def start(self) -> None:
-        """Reap what a previous executor left running, then start the handler workers."""
-        for path in (self._logs, self._worker_out, self._records.root):
+        """Reap what a previous executor left running, then start the warm handler workers."""
+        for path in (self._logs, self._worker_out, self._io, self._records.root):
             path.mkdir(parents=True, exist_ok=True)
         self._lock = self._take_lock()
         self.reaped = self._records.reap()
-        for stale in self._worker_out.iterdir():
+        for stale in [*self._worker_out.iterdir(), *self._io.iterdir()]:
             stale.unlink(missing_ok=True)
         self._started = True
-        empty = [self._idle.get_nowait() for _ in range(self._idle.qsize())]
+        empty = [self._idle.get_nowait() for _ in range(self.warm_workers)]
         spawned = await asyncio.gather(*(self._spawn() for _ in empty), return_exceptions=True)
         for worker in spawned:
             self._idle.put_nowait(worker if isinstance(worker, _Worker) else None)
@@ -502,10 +532,22 @@ class LocalBackend:
     async def _attempt(self, run: _Run, launch: Launch) -> Outcome:
         key = (launch.task_id, launch.attempt)
         log_path = self._logs / f"{key[0]}-{key[1]}.log"
+        inputs_path = self._io / f"{key[0]}-{key[1]}.inputs.json"
+        output_path = self._io / f"{key[0]}-{key[1]}.output.json"
         try:
-            if isinstance(launch.job, CommandJob):
-                return await self._command(run, launch, launch.job, log_path)
-            return await self._handler(run, launch, launch.job, log_path)
+            job = launch.job
+            io_env = {}
+            if launch.inputs is not None:
+                inputs_path.write_text(json.dumps(launch.inputs))
+                io_env["SKED_INPUTS"] = str(inputs_path)
+            if isinstance(job, CommandJob):
+                output_path.unlink(missing_ok=True)
+                io_env["SKED_OUTPUT"] = str(output_path)
+                launch = replace(launch, env={**launch.env, **io_env})
+                outcome = await self._command(run, launch, job, log_path)
+                return _with_output(outcome, output_path)
+            launch = replace(launch, env={**launch.env, **io_env})
+            return await self._handler(run, launch, job, log_path)
         except Exception as exc:
             log.exception(
                 "attempt %s/%s: backend failure",
@@ -515,6 +557,8 @@ class LocalBackend:
             return Outcome.failed(f"executor error: {describe(exc)}", self._tail(log_path))
         finally:
             del self._runs[key]
+            inputs_path.unlink(missing_ok=True)
+            output_path.unlink(missing_ok=True)
 
     def _tail(self, log_path: Path) -> str:
         return _tail(log_path, self.log_tail_bytes)
@@ -572,6 +616,8 @@ class LocalBackend:
             "args": job.args,
             "env": {**launch.env, **_task_env(launch)},
         }
+        if launch.inputs is not None:
+            message["inputs"] = launch.inputs
         line = json.dumps(message).encode() + b"\n"
         answer, gone, stopped, tail = None, True, False, ""
         try:

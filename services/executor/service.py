@@ -234,7 +234,7 @@ class Executor:
                 ),
             }
             outcome = await self.backend.run(
-                Launch(task.id, task.attempt, task.spec.job, task.timeout_s, env=env)
+                Launch(task.id, task.attempt, task.spec.job, task.timeout_s, env, task.inputs)
             )
             span.set_attribute("sked.ok", outcome.ok)
             if outcome.error:

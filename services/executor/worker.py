@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib
 import inspect
 import json
@@ -75,7 +76,7 @@ class Worker:
         os.dup2(self.out, 1)
         os.dup2(self.out, 2)
         try:
-            return self._call(job["handler"], job.get("args"))
+            return self._call(job["handler"], job.get("args"), job.get("inputs"))
         finally:
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(OSError, ValueError):  # the handler closed it
@@ -89,20 +90,22 @@ class Worker:
                 else:
                     os.environ[key] = value
 
-    def _call(self, path: str, args: Any) -> bytes:
+    def _call(self, path: str, args: Any, inputs: Any = None) -> bytes:
         try:
             handler = self.resolve(path)
         except BaseException as exc:
             return _failure(f"could not import {path!r}: {describe(exc)}")
         try:
+            # a workflow task's upstream outputs, for a handler that asks for them by name
+            extra = {"inputs": inputs} if inputs is not None and _takes_inputs(handler) else {}
             if isinstance(args, dict):
-                result = handler(**args)
+                result = handler(**args, **extra)
             elif isinstance(args, list):
-                result = handler(*args)
+                result = handler(*args, **extra)
             elif args is None:
-                result = handler()
+                result = handler(**extra)
             else:
-                result = handler(args)
+                result = handler(args, **extra)
             if inspect.iscoroutine(result):
                 result = asyncio.run(result)
         except BaseException as exc:  # SystemExit too: a handler must not end its worker
@@ -114,6 +117,19 @@ class Worker:
         if len(reply) >= MAX_REPLY_BYTES:
             return _failure(f"result too large: {len(reply)} bytes of JSON", show=False)
         return reply + b"\n"
+
+
+@functools.cache
+def _takes_inputs(handler: Callable[..., Any]) -> bool:
+    """Whether `handler` has a parameter named `inputs` (asked by name: a **kwargs catch-all
+    does not count, so a handler never gets an argument it did not name)."""
+    try:
+        params = inspect.signature(handler).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return any(
+        p.name == "inputs" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params
+    )
 
 
 def _failure(error: str, *, show: bool = True) -> bytes:

@@ -315,7 +315,9 @@ async def test_dependency_timeouts_follow_their_policy_on_a_paused_upstream(
     stuck = command("stuck", ["sleep", "60"], selector={"zone": "nowhere"})  # never placed
 
     def after(name: str, **edge: Any) -> dict[str, Any]:
-        return command(name, ["true"], {"task": "stuck", "timeout_s": 1.0, **edge})
+        # hands its inputs on as its output, so the test sees what it was given
+        echo = ["sh", "-c", 'cp "$SKED_INPUTS" "$SKED_OUTPUT"']
+        return command(name, echo, {"task": "stuck", "timeout_s": 1.0, **edge})
 
     workflow_id = await client.submit_workflow(
         {
@@ -352,6 +354,9 @@ async def test_dependency_timeouts_follow_their_policy_on_a_paused_upstream(
     states = {t.wf_task: t for t in view.tasks}
     assert states["skips"].status is State.SUCCESS
     assert states["defaults"].status is State.SUCCESS
+    assert states["defaults"].inputs == {"stuck": {"x": 1}}  # went on with the default
+    assert states["defaults"].result == {"exit_code": 0, "output": {"stuck": {"x": 1}}}
+    assert states["skips"].inputs == {}  # went on without it
     assert states["fails"].status is State.FAILED
     assert "timed out (policy fail)" in (states["fails"].error or "")
     assert states["waits"].status is State.PENDING  # a paused upstream: it waits
@@ -368,4 +373,43 @@ async def test_dependency_timeouts_follow_their_policy_on_a_paused_upstream(
     await client.cancel(upstream.id)
     final = await client.wait_workflow(workflow_id, timeout=30)
     assert {t.wf_task: t.status for t in final.tasks}["waits"] is State.SKIPPED
+    await check_all_histories(pool)
+
+
+async def test_results_flow_downstream(
+    deployment: Deployment, client: SkedClient, pool: asyncpg.Pool
+) -> None:
+    """A handler's return value and a command's declared output reach the tasks after them,
+    through a fan-in; a skipped or failed upstream hands nothing down."""
+    await deployment.start("scheduler")
+    await deployment.executor("w", 2)
+    workflow_id = await client.submit_workflow(
+        {
+            "name": "results",
+            "tasks": [
+                {"name": "three", "handler": "tests.handlers:emit", "args": {"value": 3}},
+                command("four", ["sh", "-c", 'echo 4 > "$SKED_OUTPUT"']),
+                command("broken", ["false"]),
+                command("never", ["true"], "broken"),  # skipped: on_success cannot hold
+                {
+                    "name": "sum",
+                    "handler": "tests.handlers:total",
+                    "args": {"base": 100},
+                    "needs": [
+                        "three",
+                        "four",
+                        {"task": "broken", "condition": "always"},
+                        {"task": "never", "condition": "always"},
+                    ],
+                },
+                command("report", ["sh", "-c", 'cp "$SKED_INPUTS" "$SKED_OUTPUT"'], "sum", "three"),
+            ],
+        }
+    )
+    view = await client.wait_workflow(workflow_id, timeout=60)
+    tasks = {t.wf_task: t for t in view.tasks}
+    assert tasks["never"].status is State.SKIPPED
+    assert tasks["sum"].inputs == {"three": 3, "four": 4}
+    assert tasks["sum"].result == 107
+    assert tasks["report"].result == {"exit_code": 0, "output": {"sum": 107, "three": 3}}
     await check_all_histories(pool)

@@ -21,11 +21,14 @@ def stamp(dir: str, ms: float = 0) -> int:
     return int(attempt)
 
 
-def shell_stamp(path: Path, seconds: float) -> list[str]:
-    """The same for a command task: `sh -c` that stamps, sleeps, stamps."""
+def shell_stamp(path: Path, seconds: float, first_attempt_s: float | None = None) -> list[str]:
+    """The same for a command task: `sh -c` that stamps, sleeps, stamps. With
+    `first_attempt_s`, attempt 1 sleeps that long instead (one a test will cut short)."""
+    first = seconds if first_attempt_s is None else first_attempt_s
     script = (
         f'echo "$SKED_ATTEMPT start $(date +%s.%N)" >> {path}/$SKED_TASK_ID; '
-        f'sleep {seconds}; echo "$SKED_ATTEMPT end $(date +%s.%N)" >> {path}/$SKED_TASK_ID'
+        f'if [ "$SKED_ATTEMPT" = 1 ]; then sleep {first}; else sleep {seconds}; fi; '
+        f'echo "$SKED_ATTEMPT end $(date +%s.%N)" >> {path}/$SKED_TASK_ID'
     )
     return ["sh", "-c", script]
 

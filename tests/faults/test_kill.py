@@ -42,7 +42,9 @@ async def test_sigkill_an_executor_with_fifty_running_tasks(
     specs: list[dict[str, Any]] = [
         {
             "name": f"three-seconds-{i}",
-            "job": {"kind": "command", "argv": shell_stamp(stamps, 3)},
+            # attempt 1 outlasts any slow start of the survivor: it can only end by the kill
+            # (and, were it orphaned, would overlap attempt 2 in the stamps)
+            "job": {"kind": "command", "argv": shell_stamp(stamps, 3, first_attempt_s=120)},
             "heartbeat_timeout_s": timeout,
             "max_retries": 2,
             "backoff_base_s": 0.05,

@@ -472,3 +472,100 @@ async def test_reaping_checks_the_start_time(tmp_path: Path, same_process: bool)
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+# --- inputs and declared outputs (workflow results flowing downstream) ---------------------
+
+
+async def test_a_command_declares_its_output_in_sked_output(backend: LocalBackend) -> None:
+    script = 'cat "$SKED_INPUTS" > /dev/null && printf \'{"rows": 3}\' > "$SKED_OUTPUT"'
+    launch = Launch(uuid4(), 1, CommandJob(argv=["sh", "-c", script]), None, inputs={"up": 1})
+    outcome = await run(backend, launch)
+    assert outcome.ok, outcome.error
+    assert outcome.result == {"exit_code": 0, "output": {"rows": 3}}
+
+
+async def test_a_command_reads_its_inputs_from_the_file_in_sked_inputs(
+    backend: LocalBackend,
+) -> None:
+    launch = Launch(
+        uuid4(),
+        1,
+        CommandJob(argv=["sh", "-c", 'cp "$SKED_INPUTS" "$SKED_OUTPUT"']),
+        None,
+        inputs={"extract": {"rows": 3}, "backup": None},
+    )
+    outcome = await run(backend, launch)
+    assert outcome.result == {"exit_code": 0, "output": {"extract": {"rows": 3}, "backup": None}}
+    assert not list((backend.state_dir / "io").iterdir()), "the attempt's files were not removed"
+
+
+async def test_a_command_without_declared_output_or_inputs(backend: LocalBackend) -> None:
+    outcome = await run(backend, command('test -z "$SKED_INPUTS" && test -n "$SKED_OUTPUT"'))
+    assert (outcome.ok, outcome.result) == (True, {"exit_code": 0})
+
+
+async def test_declared_output_that_is_not_json_fails_the_attempt(backend: LocalBackend) -> None:
+    outcome = await run(backend, command('echo "not json" > "$SKED_OUTPUT"'))
+    assert not outcome.ok
+    assert outcome.error is not None
+    assert outcome.error.startswith("declared output in $SKED_OUTPUT is not JSON")
+
+
+async def test_a_failed_command_declares_nothing(backend: LocalBackend) -> None:
+    outcome = await run(backend, command('echo 1 > "$SKED_OUTPUT"; exit 3'))
+    assert (outcome.ok, outcome.result, outcome.error) == (False, {"exit_code": 3}, "exit code 3")
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "result"),
+    [
+        ("total", {"base": 1}, 6),  # asks for `inputs` by name
+        ("sees_inputs", None, {"inputs": {"a": 2, "b": 3}}),
+        ("echo", {"x": 1}, {"x": 1}),  # **kwargs does not count: it never gets `inputs`
+        ("add", [2, 2], 4),
+    ],
+)
+async def test_a_handler_gets_inputs_when_it_names_them(
+    backend: LocalBackend, name: str, args: Any, result: Any
+) -> None:
+    launch = Launch(
+        uuid4(),
+        1,
+        HandlerJob(handler=f"tests.handlers:{name}", args=args),
+        None,
+        inputs={"a": 2, "b": 3},
+    )
+    outcome = await run(backend, launch)
+    assert (outcome.ok, outcome.result) == (True, result), outcome.error
+
+
+def workers_of(state: Path) -> int:
+    """Live handler workers whose output file is under `state`."""
+    count = 0
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"services.executor.worker" in argv and any(str(state).encode() in a for a in argv):
+            count += 0 if gone(int(proc.name)) else 1
+    return count
+
+
+async def test_only_the_warm_workers_start_with_the_backend(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    b = LocalBackend(3, state, warm_workers=1)
+    await b.start()
+    try:
+        assert workers_of(state) == 1
+        assert (await run(b, command("true"))).ok  # commands need no worker
+        assert workers_of(state) == 1
+        markers = [tmp_path / f"m{i}" for i in range(3)]
+        jobs = [asyncio.create_task(run(b, handler("sleep", [60, str(m)]))) for m in markers]
+        await until(lambda: all(m.exists() for m in markers), "three handlers to run at once")
+        assert workers_of(state) == 3
+    finally:
+        await b.close()
+    assert all(job.result().stopped for job in jobs)
+    await until(lambda: workers_of(state) == 0, "the workers to end")

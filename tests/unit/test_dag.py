@@ -15,6 +15,8 @@ from shared.dag import (
     WorkflowSpec,
     decide,
     effective_priorities,
+    inputs_of,
+    output_of,
     topological_order,
 )
 from shared.errors import InvalidSpec
@@ -167,3 +169,37 @@ def test_a_timed_out_dependency_follows_its_policy(policy: str, verdict: Verdict
     got, why = decide(edges)
     assert got is verdict
     assert f"policy {policy}" in why
+
+
+def edge(name: str, status: State, kind: str = "handler", result: Any = None, **kw: Any) -> Any:
+    base = {"policy": None, "default_value": None}
+    return {
+        **base,
+        "upstream_name": name,
+        "status": status.value,
+        "upstream_kind": kind,
+        "upstream_result": result,
+        **kw,
+    }
+
+
+def test_outputs_handed_downstream() -> None:
+    assert output_of("handler", {"rows": 3}) == {"rows": 3}
+    assert output_of("handler", None) is None
+    assert output_of("command", {"exit_code": 0, "output": [1, 2]}) == [1, 2]
+    assert output_of("command", {"exit_code": 0}) is None  # declared nothing
+
+
+def test_inputs_of_a_released_task() -> None:
+    inputs = inputs_of(
+        [
+            edge("extract", State.SUCCESS, result={"rows": 3}),
+            edge("build", State.SUCCESS, "command", {"exit_code": 0, "output": "ok"}),
+            edge("bare", State.SUCCESS, "command", {"exit_code": 0}),
+            edge("late", State.RUNNING, policy="default", default_value={"rows": 0}),
+            edge("slow", State.RUNNING, policy="skip"),
+            edge("broken", State.FAILED, result=None),
+            edge("dropped", State.SKIPPED),
+        ]
+    )
+    assert inputs == {"extract": {"rows": 3}, "build": "ok", "bare": None, "late": {"rows": 0}}
