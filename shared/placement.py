@@ -123,6 +123,8 @@ class Choice:
     # True when some node could take the task once it has room: wait in line. False when no
     # node can take it at all (too small, wrong labels, not ready): park until nodes change.
     fits_later: bool = False
+    # set when the task waits for a named workflow resource rather than for a node
+    resource: str | None = None
 
 
 def why_not(need: Need, nodes: Sequence[NodeState]) -> str:

@@ -26,6 +26,11 @@ READY_KEY = "sked:ready"
 # Ready tasks no node can take at all (too big, wrong labels) wait here, with their scores,
 # so they cannot block the head of the queue; a node joining or changing moves them back.
 PARKED_KEY = "sked:parked"
+# Workflow tasks whose named resource is fully held wait here: in line they would take the
+# head of the queue (and the free slots it is popped for) from tasks that could run. A holder
+# ending moves them back.
+RESOURCE_KEY = "sked:parked:resource"
+_PARKED = (PARKED_KEY, RESOURCE_KEY)
 BUILT_KEY = "sked:ready:built"  # gone after FLUSHALL or a restart without persistence
 EPOCH = datetime(2025, 1, 1, tzinfo=UTC).timestamp()
 
@@ -72,21 +77,24 @@ class ReadyQueue:
             members = [str(i) for i in ids]
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.zrem(READY_KEY, *members)
-                pipe.zrem(PARKED_KEY, *members)
+                for key in _PARKED:
+                    pipe.zrem(key, *members)
                 await pipe.execute()
 
-    async def park(self, tasks: Iterable[Queued]) -> int:
+    async def park(self, tasks: Iterable[Queued], key: str = PARKED_KEY) -> int:
+        """Set tasks aside (with their scores) until `unpark(key)`: PARKED_KEY for tasks no
+        node can take, RESOURCE_KEY for tasks waiting for a named resource."""
         mapping = {str(t.id): self.score_of(t) for t in tasks}
         if mapping:
-            await self.redis.zadd(PARKED_KEY, mapping)
+            await self.redis.zadd(key, mapping)
         return len(mapping)
 
-    async def unpark(self) -> int:
-        """Move every parked task back into the queue, in one atomic step."""
+    async def unpark(self, key: str = PARKED_KEY) -> int:
+        """Move every task parked under `key` back into the queue, in one atomic step."""
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.zcard(PARKED_KEY)
-            pipe.zunionstore(READY_KEY, [READY_KEY, PARKED_KEY], aggregate="MIN")
-            pipe.delete(PARKED_KEY)
+            pipe.zcard(key)
+            pipe.zunionstore(READY_KEY, [READY_KEY, key], aggregate="MIN")
+            pipe.delete(key)
             n, _, _ = await pipe.execute()
         return int(n)
 
@@ -99,10 +107,10 @@ class ReadyQueue:
             return []
         members = [str(i) for i in ids]
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.zmscore(READY_KEY, members)
-            pipe.zmscore(PARKED_KEY, members)
-            queued, parked = await pipe.execute()
-        return [i for i, q, p in zip(ids, queued, parked, strict=True) if q is None and p is None]
+            for key in (READY_KEY, *_PARKED):
+                pipe.zmscore(key, members)
+            found = await pipe.execute()
+        return [i for i, *scores in zip(ids, *found, strict=True) if all(s is None for s in scores)]
 
     async def is_built(self) -> bool:
         return bool(await self.redis.exists(BUILT_KEY))

@@ -35,7 +35,7 @@ from shared.fsm import State
 from shared.models import Dispatch, Task, TaskSpec, task_id_for_workflow
 from shared.nodes import NODE_CHANNEL, PgNodeRepo
 from shared.placement import Choice, Need, NodeState, place_many
-from shared.queues import ReadyQueue, rebuild, reconcile
+from shared.queues import RESOURCE_KEY, ReadyQueue, rebuild, reconcile
 from shared.repo import TASK_CHANNEL, PgTaskRepo, parse_notify
 from shared.resilience import TRANSIENT, PgListener, supervise
 from shared.runtime import next_batch, wait_any
@@ -99,6 +99,10 @@ class Scheduler:
         self._wake_dispatch = asyncio.Event()
         self._new_work = asyncio.Event()  # set by intake: dispatch without lingering
         self._unpark = asyncio.Event()  # nodes changed: parked tasks go back in line
+        # a task ended: tasks waiting for a named resource go back in line; `_ends` counts
+        # those notifications, so a pass that parked after one arrived knows it missed it
+        self._unpark_resources = asyncio.Event()
+        self._ends = 0
         self._wake_resolve = asyncio.Event()
         self._finished: set[UUID] = set()  # tasks that finished (or were resumed) lately
         self._resolve_all = True
@@ -140,6 +144,7 @@ class Scheduler:
     def _missed_notifications(self) -> None:
         """After LISTEN came back: anything may have happened meanwhile — look at all of it."""
         self._unpark.set()
+        self._unpark_resources.set()
         self._wake_retry.set()
         self._wake_dispatch.set()
 
@@ -247,6 +252,7 @@ class Scheduler:
         if not specs:
             return []
         direct = not await self.queue.size()
+        ends = self._ends
         async with self.repo.pool.acquire() as conn, conn.transaction():
             tasks = await self.repo.admit_many(specs, ids, ADMISSION, conn, traceparents)
             fresh = len(ADMISSION) + 1
@@ -255,7 +261,7 @@ class Scheduler:
             waiting = {t.id: Choice(None, fits_later=True) for t in ready}
             if direct and ready:
                 moved, waiting = await self._place(conn, ready)
-        await self._hand_over(moved, ready, waiting)
+        await self._hand_over(moved, ready, waiting, ends)
         if waiting:
             self._new_work.set()
             self._wake_dispatch.set()
@@ -270,6 +276,9 @@ class Scheduler:
             if self._unpark.is_set():
                 self._unpark.clear()
                 await self.queue.unpark()
+            if self._unpark_resources.is_set():
+                self._unpark_resources.clear()
+                await self.queue.unpark(RESOURCE_KEY)
             while await self.dispatch_once() >= self.settings.dispatch_batch:
                 pass  # a full batch went out: there may be more to place right away
             await wait_any(self._wake_dispatch, self._stopping, timeout=self.settings.reconcile_s)
@@ -288,6 +297,7 @@ class Scheduler:
         """
         if not await self.queue.size():
             return 0  # most wake-ups (a task finished) find nothing queued: skip the locks
+        ends = self._ends
         async with self.repo.pool.acquire() as conn, conn.transaction():
             nodes = [n.state() for n in await self.nodes.lock_and_read(conn)]
             free = sum(max(n.slots - n.used_slots, 0) for n in nodes if n.ready)
@@ -300,7 +310,7 @@ class Scheduler:
             order = {task_id: i for i, task_id in enumerate(ids)}
             tasks.sort(key=lambda t: order[t.id])
             moved, waiting = await self._place(conn, tasks, nodes)
-        await self._hand_over(moved, tasks, waiting)
+        await self._hand_over(moved, tasks, waiting, ends)
         return len(moved)
 
     async def _place(
@@ -343,7 +353,7 @@ class Scheduler:
                 name = full[0][1]
                 taken, capacity = held[full[0]]
                 blocked[task.id] = Choice(
-                    None, f"waiting for resource {name} ({taken}/{capacity} held)", True
+                    None, f"waiting for resource {name} ({taken}/{capacity} held)", True, name
                 )
                 continue
             for k in keys:
@@ -353,7 +363,7 @@ class Scheduler:
         return allowed, blocked
 
     async def _hand_over(
-        self, moved: list[Task], tasks: list[Task], waiting: dict[UUID, Choice]
+        self, moved: list[Task], tasks: list[Task], waiting: dict[UUID, Choice], ends: int
     ) -> None:
         """After COMMIT: dispatch what was placed; queue the rest with the reason they wait —
         in line if a node could take them once it has room, parked if none can at all.
@@ -371,7 +381,7 @@ class Scheduler:
         finally:
             for span in spans:
                 span.end()
-        await self._queue_waiting(tasks, waiting)
+        await self._queue_waiting(tasks, waiting, ends)
 
     async def _take_back(self, moved: list[Task]) -> None:
         """The dispatches may not have gone out (RabbitMQ away): put the attempts back in line
@@ -383,15 +393,31 @@ class Scheduler:
             )
             await self.queue.push(back)
 
-    async def _queue_waiting(self, tasks: list[Task], waiting: dict[UUID, Choice]) -> None:
-        if waiting:
-            await self.queue.push(
-                [t for t in tasks if t.id in waiting and waiting[t.id].fits_later]
-            )
-            await self.queue.park(
-                [t for t in tasks if t.id in waiting and not waiting[t.id].fits_later]
-            )
-            await self.repo.set_wait_reasons({k: c.reason for k, c in waiting.items() if c.reason})
+    async def _queue_waiting(
+        self, tasks: list[Task], waiting: dict[UUID, Choice], ends: int
+    ) -> None:
+        """Tasks a node can take once it has room go back in line; those no node can take
+        are parked until nodes change; those waiting for a named resource until a task ends.
+        `ends` is the count of task-end notifications before the resources were counted: if
+        one came since, a holder may have ended unseen, so the resource waiters go back now."""
+        if not waiting:
+            return
+        kinds: dict[str, list[Task]] = {"line": [], "parked": [], "resource": []}
+        for task in tasks:
+            choice = waiting.get(task.id)
+            if choice is not None:
+                kind = "resource" if choice.resource else "line" if choice.fits_later else "parked"
+                kinds[kind].append(task)
+        await self.queue.push(kinds["line"])
+        await self.queue.park(kinds["parked"])
+        await self.queue.park(kinds["resource"], RESOURCE_KEY)
+        if kinds["resource"] and self._ends != ends:
+            self._unpark_resources.set()
+        if kinds["parked"] or kinds["resource"]:
+            # they left the queue: the tasks behind them get the slots they were popped for
+            self._wake_dispatch.set()
+            self._new_work.set()
+        await self.repo.set_wait_reasons({k: c.reason for k, c in waiting.items() if c.reason})
 
     # -- retries ------------------------------------------------------------------------------
 
@@ -416,8 +442,10 @@ class Scheduler:
 
     async def reconcile_once(self) -> int:
         n = await reconcile(self.queue, self.repo, self.settings.reconcile_s)
-        if n:
-            self._wake_dispatch.set()
+        # a backstop for resource waiters: they are woken by task ends, which a pass
+        # racing with another pass may in rare cases miss
+        self._unpark_resources.set()
+        self._wake_dispatch.set()
         return n
 
     async def _reconcile_loop(self) -> None:
@@ -466,6 +494,8 @@ class Scheduler:
                 self._finished.update(notice.ids)
             self._wake_resolve.set()
         if states & FREES_CAPACITY:
+            self._ends += 1
+            self._unpark_resources.set()
             self._wake_dispatch.set()
         if State.RETRY_WAIT.value in states:
             self._wake_retry.set()

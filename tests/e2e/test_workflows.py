@@ -413,3 +413,41 @@ async def test_results_flow_downstream(
     assert tasks["sum"].result == 107
     assert tasks["report"].result == {"exit_code": 0, "output": {"sum": 107, "three": 3}}
     await check_all_histories(pool)
+
+
+async def test_tasks_waiting_for_a_resource_do_not_hold_back_others(
+    deployment: Deployment, client: SkedClient, pool: asyncpg.Pool
+) -> None:
+    """Three high-priority tasks share a lock of capacity 1 on a two-slot node: while one
+    holds it, the others wait aside, and the free slot runs unrelated low-priority tasks —
+    they do not wait for the lock's holders to finish."""
+    await deployment.start("scheduler")
+    await deployment.executor("w", 2)
+    workflow_id = await client.submit_workflow(
+        {
+            "name": "lock",
+            "resources": {"lock": 1},
+            "tasks": [
+                command(f"locked-{i}", ["sleep", "2"], uses=["lock"], priority=10) for i in range(3)
+            ],
+        }
+    )
+
+    async def holding() -> Any:
+        try:
+            view = await client.workflow(workflow_id)
+        except NotFound:
+            return None
+        return any(t.status is State.RUNNING for t in view.tasks)
+
+    await eventually(holding, timeout=60, what="the lock held")
+    others = await client.submit_many(
+        [{"name": f"other-{i}", "job": {"kind": "command", "argv": ["true"]}} for i in range(4)]
+    )
+    done = await client.wait_all(others, timeout=60)
+    view = await client.wait_workflow(workflow_id, timeout=60)
+    assert all(t.status is State.SUCCESS for t in [*done.values(), *view.tasks])
+    first_release = min(t.finished_at for t in view.tasks)  # type: ignore[type-var]
+    late = [t.name for t in done.values() if t.finished_at > first_release]  # type: ignore[operator]
+    assert not late, f"{late} waited for the lock's first holder to finish"
+    await check_all_histories(pool)
