@@ -66,6 +66,8 @@ class Stack:
             "SKED_RABBITMQ_URL": self.settings.rabbitmq_url,
             "SKED_REDIS_URL": redis_url,
             "SKED_LOG_LEVEL": "WARNING",
+            # every slot's handler worker up front: the figures are steady state, not start-up
+            "SKED_WARM_WORKERS": str(self.args.slots),
             "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
         }
         services = [["scheduler"], ["relay"]] + [
