@@ -34,6 +34,25 @@ _PARKED = (PARKED_KEY, RESOURCE_KEY)
 BUILT_KEY = "sked:ready:built"  # gone after FLUSHALL or a restart without persistence
 EPOCH = datetime(2025, 1, 1, tzinfo=UTC).timestamp()
 
+# KEYS[1] parked set -> KEYS[2] ready set, keeping the lower score of a task in both. In
+# chunks: Lua's unpack has a stack limit of a few thousand values.
+_UNPARK = """
+local moved = 0
+while true do
+  local chunk = redis.call('ZRANGE', KEYS[1], 0, 999, 'WITHSCORES')
+  if #chunk == 0 then return moved end
+  local add, members = {}, {}
+  for i = 1, #chunk, 2 do
+    add[#add + 1] = chunk[i + 1]
+    add[#add + 1] = chunk[i]
+    members[#members + 1] = chunk[i]
+  end
+  redis.call('ZADD', KEYS[2], 'LT', unpack(add))
+  redis.call('ZREM', KEYS[1], unpack(members))
+  moved = moved + #members
+end
+"""
+
 
 class Queued(Protocol):
     @property
@@ -54,6 +73,7 @@ class ReadyQueue:
     def __init__(self, redis: Redis, aging_s: float) -> None:
         self.redis = redis
         self.aging_s = aging_s
+        self._unpark = redis.register_script(_UNPARK)
 
     def score_of(self, task: Queued) -> float:
         queued = task.queued_at or datetime.now(UTC)
@@ -90,13 +110,12 @@ class ReadyQueue:
         return len(mapping)
 
     async def unpark(self, key: str = PARKED_KEY) -> int:
-        """Move every task parked under `key` back into the queue, in one atomic step."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.zcard(key)
-            pipe.zunionstore(READY_KEY, [READY_KEY, key], aggregate="MIN")
-            pipe.delete(key)
-            n, _, _ = await pipe.execute()
-        return int(n)
+        """Move every task parked under `key` back into the queue, in one atomic step.
+
+        O(m log n) for m parked tasks, nothing when none is: it runs on every task end (for
+        the resource waiters), where a ZUNIONSTORE would rewrite the whole ready set each time.
+        """
+        return int(await self._unpark(keys=[key, READY_KEY]))
 
     async def size(self) -> int:
         return int(await self.redis.zcard(READY_KEY))

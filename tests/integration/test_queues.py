@@ -67,3 +67,17 @@ async def test_remove_takes_a_task_out_of_every_set(queue: ReadyQueue) -> None:
     await queue.park([c], RESOURCE_KEY)
     await queue.remove([a.id, b.id, c.id])
     assert sorted(await queue.absent([a.id, b.id, c.id])) == sorted([a.id, b.id, c.id])
+
+
+async def test_unpark_moves_large_sets_and_keeps_the_better_score(queue: ReadyQueue) -> None:
+    many = [item(0, waited_s=i) for i in range(2500)]  # more than one Lua chunk
+    await queue.park(many)
+    both = item(1)
+    await queue.push([both])
+    await queue.park([Item(both.id, 1, T0 - timedelta(seconds=100))])  # older: lower score
+    assert await queue.unpark() == 2501
+    assert await queue.size() == 2501
+    assert await queue.redis.zscore("sked:ready", str(both.id)) == queue.score_of(
+        Item(both.id, 1, T0 - timedelta(seconds=100))
+    )
+    assert await queue.unpark() == 0  # nothing parked: nothing to do
