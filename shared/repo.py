@@ -391,6 +391,14 @@ WHERE t.id = u.id
 RETURNING {", ".join("t." + c.strip() for c in _TASK_COLUMNS.split(","))}
 """
 
+# Which of these (task, Running version) attempts were ended by a move with this reason.
+ENDED_WITH = """
+SELECT e.task_id FROM task_events e
+JOIN unnest($1::uuid[], $2::int[]) AS u(id, version)
+  ON e.task_id = u.id AND e.version = u.version + 1
+WHERE e.from_status = 'running' AND e.reason = $3
+"""
+
 HISTORY = f"SELECT {_EVENT_COLUMNS} FROM task_events WHERE task_id = $1 ORDER BY version"
 
 # Claims lock rows with SKIP LOCKED inside a transaction, then move them through the FSM in the
@@ -735,6 +743,16 @@ class PgTaskRepo:
                 SET_PRIORITIES, list(effective), list(effective.values()), task.id, priority
             )
         return [_task(r) for r in rows]
+
+    async def ended_with(
+        self, conn: asyncpg.Connection, attempts: Sequence[tuple[UUID, int]], reason: str
+    ) -> set[UUID]:
+        """Of these (task id, version while Running), the tasks whose very next move left
+        Running with `reason`: an end this writer already applied."""
+        if not attempts:
+            return set()
+        ids, versions = (list(x) for x in zip(*attempts, strict=True))
+        return {r["task_id"] for r in await conn.fetch(ENDED_WITH, ids, versions, reason)}
 
     async def mark_timed_out(
         self, conn: asyncpg.Connection, edges: Sequence[tuple[UUID, UUID]]

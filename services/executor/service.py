@@ -296,12 +296,20 @@ class Executor:
         self, batch: list[tuple[Attempt, Outcome]]
     ) -> list[tuple[Task, Outcome]]:
         where = f"on {self.node_id}"
-        ends = [end_move(a.task, _report(o), f"ended {where}") for a, o in batch]
+        reason = f"ended {where}"
+        ends = [end_move(a.task, _report(o), reason) for a, o in batch]
         async with self.repo.pool.acquire() as conn, conn.transaction():
             ended = await self.repo.transition_many(ends, conn)
             await self.repo.transition_many(retries(ended, datetime.now(UTC)), conn)
             won = {t.id for t in ended}
             late = [(a.task, o) for a, o in batch if a.task.id not in won]
+            if late:
+                # a retry of a write whose COMMIT went through but whose reply was lost loses
+                # its CAS to itself: that outcome is applied already, not late
+                mine = await self.repo.ended_with(
+                    conn, [(t.id, t.version) for t, _ in late], reason
+                )
+                late = [(t, o) for t, o in late if t.id not in mine]
             # the task moved on (canceled, paused, lost and retried): keep, do not apply
             await self.repo.record_late_results(
                 [
