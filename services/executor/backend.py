@@ -427,7 +427,8 @@ class _Run:
 
 
 class LocalBackend:
-    """Runs attempts on this machine: commands as process groups, handlers in `slots` workers.
+    """Runs attempts on this machine: commands as process groups, handlers in up to `slots`
+    long-lived workers (`warm_workers` started at once, the rest on first use).
 
     Handlers get a pool of our own because concurrent.futures' process pool cannot kill the one
     job that timed out or was stopped: here that worker's group is killed and a fresh one started.
