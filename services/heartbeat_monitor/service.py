@@ -60,6 +60,7 @@ class HeartbeatMonitor:
         self.nodes = nodes
         self.bus = bus
         self._pending: dict[tuple[uuid.UUID, int], int] = {}  # (task, attempt) -> highest seq
+        self.max_pending = MAX_PENDING
         self._wake_sweep = asyncio.Event()
         self._stopping = asyncio.Event()
         self._answers: dict[str, asyncio.Future[ProbeAnswer]] = {}
@@ -77,7 +78,7 @@ class HeartbeatMonitor:
         beats_tag = await beats.consume(self._on_beats)
         self._reply_queue = await channel.declare_queue(exclusive=True, auto_delete=True)
         await self._reply_queue.consume(self._on_answer, no_ack=True)
-        runner = web.AppRunner(self._app(), access_log=None)
+        runner = web.AppRunner(self.app(), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, self.settings.monitor_host, self.settings.monitor_port)
         await site.start()
@@ -111,7 +112,7 @@ class HeartbeatMonitor:
         for beat in beats:
             key = (beat.task_id, beat.attempt)
             known = self._pending.get(key)
-            if known is None and len(self._pending) >= MAX_PENDING:
+            if known is None and len(self._pending) >= self.max_pending:
                 shed += 1
                 continue
             if known is None or beat.seq > known:
@@ -129,7 +130,7 @@ class HeartbeatMonitor:
                 return
             self.take(body.beats)
 
-    def _app(self) -> web.Application:
+    def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024)
         app.router.add_post("/heartbeat", self._http_beat)
         app.router.add_get("/healthz", self._healthz)
