@@ -298,20 +298,35 @@ class Scheduler:
         if not await self.queue.size():
             return 0  # most wake-ups (a task finished) find nothing queued: skip the locks
         ends = self._ends
-        async with self.repo.pool.acquire() as conn, conn.transaction():
-            nodes = [n.state() for n in await self.nodes.lock_and_read(conn)]
-            free = sum(max(n.slots - n.used_slots, 0) for n in nodes if n.ready)
-            if free <= 0:
-                return 0
-            ids = await self.queue.pop(min(free, self.settings.dispatch_batch))
-            if not ids:
-                return 0
-            tasks = await self.repo.get_ready(ids, conn)
-            order = {task_id: i for i, task_id in enumerate(ids)}
-            tasks.sort(key=lambda t: order[t.id])
-            moved, waiting = await self._place(conn, tasks, nodes)
+        ids: list[UUID] = []
+        try:
+            async with self.repo.pool.acquire() as conn, conn.transaction():
+                nodes = [n.state() for n in await self.nodes.lock_and_read(conn)]
+                free = sum(max(n.slots - n.used_slots, 0) for n in nodes if n.ready)
+                if free <= 0:
+                    return 0
+                ids = await self.queue.pop(min(free, self.settings.dispatch_batch))
+                if not ids:
+                    return 0
+                tasks = await self.repo.get_ready(ids, conn)
+                order = {task_id: i for i, task_id in enumerate(ids)}
+                tasks.sort(key=lambda t: order[t.id])
+                moved, waiting = await self._place(conn, tasks, nodes)
+        except TRANSIENT:
+            await self._put_back(ids)
+            raise
         await self._hand_over(moved, tasks, waiting, ends)
         return len(moved)
+
+    async def _put_back(self, ids: list[UUID]) -> None:
+        """The pass failed after its pop (nothing it wrote committed): return the popped tasks
+        to the queue now rather than leave them to the reconcile period. If Postgres is the
+        one away, reconciliation re-adds them once it is back."""
+        if not ids:
+            return
+        with contextlib.suppress(*TRANSIENT):
+            async with self.repo.pool.acquire() as conn:
+                await self.queue.push(await self.repo.get_ready(ids, conn))
 
     async def _place(
         self,

@@ -1,0 +1,37 @@
+"""One dispatch pass of an in-process scheduler on real Postgres, Redis and RabbitMQ: a pass
+that fails after popping puts what it popped back in line at once."""
+
+from __future__ import annotations
+
+from typing import Any
+from uuid import uuid4
+
+import asyncpg
+import pytest
+
+from services.scheduler.service import Scheduler
+from shared.fsm import State
+from shared.settings import Settings
+from shared.wiring import backends
+from tests.helpers import spec
+
+
+async def test_a_failed_pass_puts_the_popped_tasks_back(settings: Settings) -> None:
+    async with backends(settings) as b:
+        scheduler = Scheduler(settings, b.tasks, b.nodes, b.bus, b.ready_queue)
+        await b.nodes.register("n1", 4, 2.0, 1024, 0, {}, uuid4())
+        ready = await b.tasks.create_many(
+            [spec(f"t{i}") for i in range(3)], walk=(State.PENDING, State.READY)
+        )
+        await scheduler.queue.push(ready)
+
+        async def deadlocked(*_: Any) -> Any:
+            # what Postgres does to one side of a lock cycle, after the pop
+            raise asyncpg.exceptions.DeadlockDetectedError("deadlock detected")
+
+        scheduler._place = deadlocked  # type: ignore[method-assign]
+        with pytest.raises(asyncpg.exceptions.DeadlockDetectedError):
+            await scheduler.dispatch_once()
+        assert await scheduler.queue.size() == 3  # back in line, not lost until reconcile
+        assert await scheduler.queue.absent([t.id for t in ready]) == []
+        assert {t.status for t in await b.tasks.list_tasks()} == {State.READY}  # none committed
