@@ -68,6 +68,8 @@ class Rule:
     # Derived changes, applied by `plan` so that no caller can forget them.
     new_attempt: bool = False  # a fresh attempt number fences everything the old one writes
     spends_retry: bool = False  # retry_count += 1
+    # retry_count = max_retries: a failure that is final at once (no attempt to retry)
+    ends_retries: bool = False
 
 
 def _rules(sources: Iterable[State], target: State, trigger: str, **kw: bool) -> list[Rule]:
@@ -80,7 +82,7 @@ TRANSITIONS: tuple[Rule, ...] = (
     Rule(S.CREATED, S.PENDING, "accepted"),
     Rule(S.PENDING, S.READY, "dependencies met"),
     Rule(S.PENDING, S.SKIPPED, "dependency condition can no longer hold"),
-    Rule(S.PENDING, S.FAILED, "dependency timed out with policy fail"),
+    Rule(S.PENDING, S.FAILED, "dependency timed out with policy fail", ends_retries=True),
     Rule(S.READY, S.SCHEDULING, "picked and placed", new_attempt=True),
     Rule(S.SCHEDULING, S.RUNNING, "executor started the attempt"),
     Rule(S.SCHEDULING, S.READY, "dispatch failed or never started"),
@@ -200,6 +202,8 @@ def plan(task: TaskView, target: object, reason: str = "", **changes: Any) -> Mo
         patch["attempt"] = task.attempt + 1
     if rule.spends_retry:
         patch["retry_count"] = task.retry_count + 1
+    if rule.ends_retries:
+        patch["retry_count"] = task.max_retries
     return Move(task.id, task.version, rule.source, rule.target, reason or rule.trigger, patch)
 
 
@@ -215,7 +219,7 @@ def walk(start: State, path: Sequence[State]) -> tuple[list[str | None], list[st
     current = start
     for target in path:
         rule = rule_for(current, target)
-        if rule.needs_retry or rule.new_attempt or rule.spends_retry:
+        if rule.needs_retry or rule.new_attempt or rule.spends_retry or rule.ends_retries:
             raise IllegalTransition(current.label, target.label, "not a step of admission")
         froms.append(current.value)
         tos.append(rule.target.value)
@@ -260,7 +264,7 @@ def mermaid() -> str:
     """The state diagram of TRANSITIONS, as Mermaid source for docs/architecture.md."""
     lines = ["stateDiagram-v2", "    [*] --> Created"]
     for rule in TRANSITIONS:
-        guard = " (retry left)" if rule.needs_retry else ""
+        guard = " (retry left)" if rule.needs_retry else " (no retry)" if rule.ends_retries else ""
         lines.append(f"    {rule.source.label} --> {rule.target.label}: {rule.trigger}{guard}")
     for state in (*sorted(ALWAYS_TERMINAL), *sorted(RETRYABLE)):
         note = "" if state in ALWAYS_TERMINAL else " (retries spent)"

@@ -117,11 +117,8 @@ async def resolve(repo: PgTaskRepo, candidates: Sequence[UUID]) -> tuple[list[Ta
                 moves.append(fsm.plan(task, State.READY, why, inputs=inputs_of(upstreams[task.id])))
             elif verdict is Verdict.SKIP:
                 moves.append(fsm.plan(task, State.SKIPPED, why))
-            elif verdict is Verdict.FAIL:
-                # terminal at once: a dependency that timed out is not retried
-                moves.append(
-                    fsm.plan(task, State.FAILED, why, error=why, retry_count=task.max_retries)
-                )
+            elif verdict is Verdict.FAIL:  # terminal at once: the FSM rule ends its retries
+                moves.append(fsm.plan(task, State.FAILED, why, error=why))
         moved = await repo.transition_many(moves, conn)
     ready = [t for t in moved if t.status is State.READY]
     ended = [t for t in moved if t.status in (State.SKIPPED, State.FAILED)]

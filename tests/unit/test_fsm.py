@@ -95,6 +95,14 @@ def test_plan_derives_attempt_and_retry() -> None:
     assert move.patch == {"retry_count": 2}
 
 
+def test_a_dependency_timeout_failure_is_final_at_once() -> None:
+    failed = fsm.plan(Snap(State.PENDING, max_retries=3), State.FAILED)
+    assert failed.patch == {"retry_count": 3}
+    assert fsm.is_terminal(
+        State.FAILED, fsm.has_retry_left(Snap(State.FAILED, retry_count=3, max_retries=3))
+    )
+
+
 def _apply(task: Snap, move: fsm.Move) -> Snap:
     return replace(
         task,
