@@ -11,6 +11,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
 
+from shared import telemetry
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -123,3 +124,16 @@ def run_main(main: Callable[[], Awaitable[None]]) -> int:
             log.exception("service failed")
             return 1
     return 0
+
+
+def run_service(
+    service: str,
+    settings: Settings,
+    main: Callable[[Settings], Awaitable[None]],
+    log_as: str | None = None,
+) -> int:
+    """A service process from start to exit code: its log lines (named `log_as`, default the
+    service), its traces as sked-<service>, then `main(settings)` on uvloop."""
+    configure_logging(settings, log_as or service)
+    telemetry.setup(f"sked-{service}")
+    return run_main(lambda: main(settings))

@@ -9,8 +9,7 @@ from pathlib import Path
 
 from services.executor.backend import LocalBackend
 from services.executor.service import Executor
-from shared import telemetry
-from shared.runtime import configure_logging, run_main, serve
+from shared.runtime import run_service, serve
 from shared.settings import Settings, parse_labels
 from shared.wiring import backends
 
@@ -57,9 +56,7 @@ async def main(settings: Settings) -> None:
 
 def run(argv: list[str] | None = None) -> int:
     settings = settings_from(parse_args(argv))
-    configure_logging(settings, f"executor[{settings.node_id}]")
-    telemetry.setup("sked-executor")
-    return run_main(lambda: main(settings))
+    return run_service("executor", settings, main, log_as=f"executor[{settings.node_id}]")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,7 @@ import argparse
 import sys
 
 from services.heartbeat_monitor.service import HeartbeatMonitor
-from shared import telemetry
-from shared.runtime import configure_logging, run_main, serve
+from shared.runtime import run_service, serve
 from shared.settings import Settings
 from shared.wiring import backends
 
@@ -29,10 +28,7 @@ def run(argv: list[str] | None = None) -> int:
     overrides = {
         k: v for k, v in (("monitor_host", args.host), ("monitor_port", args.port)) if v is not None
     }
-    settings = Settings(**overrides)
-    configure_logging(settings, "heartbeat-monitor")
-    telemetry.setup("sked-heartbeat-monitor")
-    return run_main(lambda: main(settings))
+    return run_service("heartbeat-monitor", Settings(**overrides), main)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,7 @@ import sys
 
 from services.recovery.service import Recovery
 from services.relay.service import Relay
-from shared import telemetry
-from shared.runtime import configure_logging, run_main, serve
+from shared.runtime import run_service, serve
 from shared.settings import Settings
 from shared.wiring import backends
 
@@ -19,10 +18,7 @@ async def main(settings: Settings) -> None:
 
 
 def run(argv: list[str] | None = None) -> int:
-    settings = Settings()
-    configure_logging(settings, "recovery")
-    telemetry.setup("sked-recovery")
-    return run_main(lambda: main(settings))
+    return run_service("recovery", Settings(), main)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,7 @@ from __future__ import annotations
 import sys
 
 from services.relay.service import Relay
-from shared import telemetry
-from shared.runtime import configure_logging, run_main, serve
+from shared.runtime import run_service, serve
 from shared.settings import Settings
 from shared.wiring import backends
 
@@ -17,10 +16,7 @@ async def main(settings: Settings) -> None:
 
 
 def run(argv: list[str] | None = None) -> int:
-    settings = Settings()
-    configure_logging(settings, "relay")
-    telemetry.setup("sked-relay")
-    return run_main(lambda: main(settings))
+    return run_service("relay", Settings(), main)
 
 
 if __name__ == "__main__":

@@ -35,10 +35,7 @@ async def test_sigkill_an_executor_with_fifty_running_tasks(
     record: list[Row],
 ) -> None:
     timeout = 2.0
-    for name in ("scheduler", "relay", "recovery"):
-        await deployment.start(name, env=FAST)
-    await deployment.start("heartbeat-monitor", "--port", "0", env=FAST, ready="listening on")
-    doomed = await deployment.executor("doomed", 50, env=FAST)
+    doomed = (await start_all(deployment, ["doomed"], 50))["doomed"]
     specs: list[dict[str, Any]] = [
         {
             "name": f"three-seconds-{i}",
