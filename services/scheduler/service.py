@@ -100,9 +100,12 @@ class Scheduler:
         self._new_work = asyncio.Event()  # set by intake: dispatch without lingering
         self._unpark = asyncio.Event()  # nodes changed: parked tasks go back in line
         # a task ended: tasks waiting for a named resource go back in line; `_ends` counts
-        # those notifications, so a pass that parked after one arrived knows it missed it
+        # those notifications, so a pass that parked after one arrived knows it missed it.
+        # Only a scheduler that parked some does this on its dispatch path (a Redis round trip
+        # per pass otherwise); the reconcile period covers a parker that died.
         self._unpark_resources = asyncio.Event()
         self._ends = 0
+        self._parked_resource_waiters = False
         self._wake_resolve = asyncio.Event()
         self._finished: set[UUID] = set()  # tasks that finished (or were resumed) lately
         self._resolve_all = True
@@ -278,7 +281,9 @@ class Scheduler:
                 await self.queue.unpark()
             if self._unpark_resources.is_set():
                 self._unpark_resources.clear()
-                await self.queue.unpark(RESOURCE_KEY)
+                if self._parked_resource_waiters:
+                    self._parked_resource_waiters = False  # set again by any it re-parks
+                    await self.queue.unpark(RESOURCE_KEY)
             while await self.dispatch_once() >= self.settings.dispatch_batch:
                 pass  # a full batch went out: there may be more to place right away
             await wait_any(self._wake_dispatch, self._stopping, timeout=self.settings.reconcile_s)
@@ -425,9 +430,11 @@ class Scheduler:
                 kinds[kind].append(task)
         await self.queue.push(kinds["line"])
         await self.queue.park(kinds["parked"])
-        await self.queue.park(kinds["resource"], RESOURCE_KEY)
-        if kinds["resource"] and self._ends != ends:
-            self._unpark_resources.set()
+        if kinds["resource"]:
+            await self.queue.park(kinds["resource"], RESOURCE_KEY)
+            self._parked_resource_waiters = True
+            if self._ends != ends:
+                self._unpark_resources.set()
         if kinds["parked"] or kinds["resource"]:
             # they left the queue: the tasks behind them get the slots they were popped for
             self._wake_dispatch.set()
@@ -457,10 +464,11 @@ class Scheduler:
 
     async def reconcile_once(self) -> int:
         n = await reconcile(self.queue, self.repo, self.settings.reconcile_s)
-        # a backstop for resource waiters: they are woken by task ends, which a pass
-        # racing with another pass may in rare cases miss
-        self._unpark_resources.set()
-        self._wake_dispatch.set()
+        # the backstop for resource waiters, whichever scheduler parked them (one that died
+        # before a holder ended, or a pass that raced with another)
+        n += await self.queue.unpark(RESOURCE_KEY)
+        if n:
+            self._wake_dispatch.set()
         return n
 
     async def _reconcile_loop(self) -> None:
