@@ -99,6 +99,22 @@ def _notify_from(cte: str) -> str:
 """
 
 
+def _locked_in_id_order(where: str = "true", *, skip_locked: bool = False) -> str:
+    """The body of a CTE that locks the tasks a statement's CTE `u` names, in id order.
+
+    Every statement that writes several task rows locks them through this first: an UPDATE
+    locks rows in whatever order its join visits them, so two batches over overlapping rows
+    could each hold one the other waits for; locked in one order, they queue instead. After a
+    wait FOR UPDATE re-checks `where` on the newest row, so a row that no longer qualifies is
+    not written. `skip_locked` passes over rows others hold (for writes that may be dropped).
+    """
+    skip = " SKIP LOCKED" if skip_locked else ""
+    return (
+        f"SELECT t.id FROM tasks t JOIN u ON u.id = t.id WHERE {where} "
+        f"ORDER BY t.id FOR UPDATE OF t{skip}"
+    )
+
+
 # Creation and the first moves of a new task in one statement: the row is inserted in its
 # final state of the walk ($13-$15, planned by fsm.walk, e.g. Created -> Pending -> Ready) with
 # one event row per step. Nobody else can hold a row this statement creates, so no CAS is
@@ -147,14 +163,8 @@ WITH u AS (
     FROM unnest($1::uuid[], $2::int[], $3::text[], $4::text[], $5::text[], $6::text[])
          AS u(id, version, from_status, to_status, reason, patch)
 ), locked AS (
-    -- Lock the rows the CAS will win in id order, whatever order the caller gave: two batches
-    -- over overlapping rows then queue behind each other instead of deadlocking (an UPDATE
-    -- locks rows in the order its join happens to visit them). After a wait, FOR UPDATE
-    -- re-checks version and status on the newest row, so a lost CAS locks nothing new.
-    SELECT t.id FROM tasks t JOIN u ON u.id = t.id
-    WHERE t.version = u.version AND t.status = u.from_status
-    ORDER BY t.id
-    FOR UPDATE OF t
+    -- the rows the CAS will win, locked in id order whatever order the caller gave
+    {_locked_in_id_order("t.version = u.version AND t.status = u.from_status")}
 ), moved AS (
     UPDATE tasks t SET
         status = u.to_status,
@@ -214,13 +224,14 @@ LIMIT $2
 # A Ready task that cannot be placed says why (only written when the reason changes).
 # A row another statement holds is skipped: its reason is cosmetic and the holder is most likely
 # placing it right now (and waiting for it here could deadlock with that holder's batch).
-SET_WAIT_REASONS = """
+SET_WAIT_REASONS = f"""
 WITH u AS (SELECT * FROM unnest($1::uuid[], $2::text[]) AS u(id, reason)),
 free AS (
-    SELECT t.id FROM tasks t JOIN u ON u.id = t.id
-    WHERE t.status = 'ready' AND t.status_reason IS DISTINCT FROM u.reason
-    ORDER BY t.id
-    FOR UPDATE OF t SKIP LOCKED
+    {
+    _locked_in_id_order(
+        "t.status = 'ready' AND t.status_reason IS DISTINCT FROM u.reason", skip_locked=True
+    )
+}
 )
 UPDATE tasks t SET status_reason = u.reason
 FROM u JOIN free USING (id)
@@ -241,13 +252,10 @@ WHERE id = ANY($1::uuid[])
 # nothing). Not a state change: no version bump, no event.
 # Rows are locked in id order, like TRANSITION's, so a batch of heartbeats and an executor's
 # batch of finishes over the same tasks never deadlock.
-APPLY_HEARTBEATS = """
+APPLY_HEARTBEATS = f"""
 WITH u AS (SELECT * FROM unnest($1::uuid[], $2::int[], $3::bigint[]) AS u(id, attempt, seq)),
 locked AS (
-    SELECT t.id FROM tasks t JOIN u ON u.id = t.id
-    WHERE t.status = 'running' AND t.attempt = u.attempt AND u.seq > t.hb_seq
-    ORDER BY t.id
-    FOR UPDATE OF t
+    {_locked_in_id_order("t.status = 'running' AND t.attempt = u.attempt AND u.seq > t.hb_seq")}
 )
 UPDATE tasks t SET hb_seq = u.seq, hb_at = now(),
                    hb_deadline = now() + make_interval(secs => t.heartbeat_timeout_s)
@@ -381,7 +389,7 @@ SELECT id, wf_task, priority, (spec ->> 'priority')::int AS own FROM tasks WHERE
 # its spec, and every effective priority that changed into the priority column.
 SET_PRIORITIES = f"""
 WITH u AS (SELECT * FROM unnest($1::uuid[], $2::int[]) AS u(id, priority)),
-locked AS (SELECT t.id FROM tasks t JOIN u USING (id) ORDER BY t.id FOR UPDATE OF t)
+locked AS ({_locked_in_id_order()})
 UPDATE tasks t SET
     priority = u.priority,
     spec = CASE WHEN t.id = $3 THEN jsonb_set(t.spec, '{{priority}}', to_jsonb($4::int))
