@@ -209,11 +209,13 @@ class HeartbeatMonitor:
         if not overdue:
             return 0
         nodes = {n.id: n for n in await self.nodes.all()}
-        await asyncio.gather(*(self.climb(task, nodes) for task in overdue))
+        verdicts = await asyncio.gather(*(self.climb(task, nodes) for task in overdue))
+        await self._apply([move for _, move in verdicts if move is not None])
         return len(overdue)
 
-    async def climb(self, task: Task, nodes: dict[str, NodeRow]) -> Rung:
-        """One rung of the ladder for one overdue attempt."""
+    async def climb(self, task: Task, nodes: dict[str, NodeRow]) -> tuple[Rung, fsm.Move | None]:
+        """One rung of the ladder for one overdue attempt; the move it decides (Lost, or the
+        backend's outcome) is returned for the sweep to apply with the others in one go."""
         now = datetime.now(UTC)
         timeout = task.heartbeat_timeout_s
         last = task.hb_at or task.started_at or now
@@ -224,6 +226,7 @@ class HeartbeatMonitor:
             key, [f"heartbeat overdue {overdue:.1f} s (timeout {timeout:g} s)"]
         )
         answer: ProbeAnswer | Unreachable | None = UNREACHABLE
+        move: fsm.Move | None = None
         if node is not None and node.ready and node.live:
             answer = await self.probe(task)
             if answer is UNREACHABLE:
@@ -253,7 +256,7 @@ class HeartbeatMonitor:
             assert isinstance(answer, ProbeAnswer)
             assert answer.report is not None
             rungs.append("backend reports it finished: reconciled to its outcome")
-            await self._apply(task, end_move(task, answer.report, "; ".join(rungs)))
+            move = end_move(task, answer.report, "; ".join(rungs))
         else:
             if not alive:
                 rungs.append(f"node {task.node} gone (no executor connected, or not ready)")
@@ -261,23 +264,27 @@ class HeartbeatMonitor:
                 rungs.append("grace spent; backend: no answer")
             else:
                 rungs.append(f"backend: attempt {said}")
-            await self._apply(task, fsm.plan(task, State.LOST, "; ".join(rungs)))
+            move = fsm.plan(task, State.LOST, "; ".join(rungs))
         if rung is not Rung.GRACE:
             self.rungs.pop(key, None)
-        return rung
+        return rung, move
 
-    async def _apply(self, task: Task, move: fsm.Move) -> None:
-        """The ladder's verdict, as one transaction; a lost CAS (the task moved on) is fine."""
+    async def _apply(self, moves: list[fsm.Move]) -> None:
+        """The ladder's verdicts of one sweep, as one transaction (with the retries the
+        reconciled failures earn); a lost CAS (the task moved on) is fine."""
+        if not moves:
+            return
         async with self.repo.pool.acquire() as conn, conn.transaction():
-            moved = await self.repo.transition_many([move], conn)
+            moved = await self.repo.transition_many(moves, conn)
             await self.repo.transition_many(retries(moved, datetime.now(UTC)), conn)
-        if moved:
+        reasons = {m.task_id: m.reason for m in moves}
+        for task in moved:
             log.warning(
                 "%s attempt %d -> %s: %s",
                 task.id,
                 task.attempt,
-                move.target.label,
-                move.reason,
+                task.status.label,
+                reasons[task.id],
                 extra={"task_id": str(task.id), "attempt": task.attempt},
             )
 
