@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import signal
 import sys
 from dataclasses import dataclass
@@ -55,6 +56,9 @@ async def _pump(child: Child, colour: str, tty: bool) -> None:
 async def _dev(executors: int, slots: int) -> int:
     settings = Settings()
     await migrate(settings.database_url)
+    # every process of this deployment signs and checks heartbeats with one secret, made here
+    # unless one was given
+    secret = settings.heartbeat_secret or secrets.token_hex(32)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -68,7 +72,7 @@ async def _dev(executors: int, slots: int) -> int:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C reaches only us; we stop the children in order
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "SKED_HEARTBEAT_SECRET": secret},
         )
         child = Child(name, proc)
         children.append(child)
@@ -77,10 +81,6 @@ async def _dev(executors: int, slots: int) -> int:
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait([*exits, stopper], return_when=asyncio.FIRST_COMPLETED)
     crashed = [c.name for c in children if c.proc.returncode is not None]
-    if crashed:
-        pass
-    else:
-        pass
     for child in children:
         if child.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):

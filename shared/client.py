@@ -127,7 +127,7 @@ class SkedClient:
     async def _repo(self) -> PgTaskRepo:
         if self._pool is None:
             self._pool = await create_pool(self.settings.database_url, 2)
-        return PgTaskRepo(self._pool)
+        return PgTaskRepo(self._pool, self.settings.lease_margin_s)
 
     def _queue(self) -> ReadyQueue:
         if self._redis is None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import getpass
 import socket
-from datetime import UTC, datetime
 from uuid import UUID
 
 from shared import fsm
@@ -59,8 +58,7 @@ async def pause(repo: PgTaskRepo, task_id: UUID, reason: str, by: str | None = N
                 State.PAUSED,
                 reason=f"paused by {who}: {reason}",
                 paused_by=who,
-                paused_reason=reason,
-                paused_at=datetime.now(UTC),
+                paused_reason=reason,  # paused_at: Postgres's now(), set by the move itself
             )
         except StaleWrite:
             continue

@@ -111,6 +111,7 @@ class WorkflowSpec(BaseModel):
         for name, capacity in self.resources.items():
             if capacity < 1:
                 raise InvalidSpec(f"resource {name!r}: capacity must be at least 1")
+        keys: dict[str, str] = {}
         for task in self.tasks:
             for edge in task.needs:
                 if edge.task not in seen:
@@ -118,7 +119,13 @@ class WorkflowSpec(BaseModel):
             for resource in task.uses:
                 if resource not in self.resources:
                     raise InvalidSpec(f"task {task.name!r} uses undeclared resource {resource!r}")
-            task.spec()
+            key = task.spec().idempotency_key
+            if key is not None:
+                if key in keys:
+                    raise InvalidSpec(
+                        f"tasks {keys[key]!r} and {task.name!r} share the idempotency key {key!r}"
+                    )
+                keys[key] = task.name
         return topological_order({t.name: [e.task for e in t.needs] for t in self.tasks})
 
 

@@ -35,3 +35,9 @@ class NotFound(SkedError, LookupError):
 
 class InvalidSpec(SkedError, ValueError):
     """Input that fails validation; the message says which field and why."""
+
+
+def one_line(exc: BaseException) -> str:
+    """`ValueError: bad`, on one line: for reasons that go into events, logs and headers."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -158,14 +158,14 @@ PATCHABLE = frozenset(
         "node",
         "attempt",
         "retry_count",
-        "next_retry_at",
+        "retry_in_s",  # RetryWait: Postgres sets next_retry_at = now() + this (one clock)
         "result",
         "error",
         "log_tail",
         "inputs",
         "paused_by",
         "paused_reason",
-        "paused_at",
+        "lease_owner",  # -> Running: the executor incarnation whose lease the attempt holds
     }
 )
 

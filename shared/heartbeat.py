@@ -21,31 +21,34 @@ from pydantic import BaseModel, ConfigDict, Field
 from shared.models import SCHEMA_VERSION
 from shared.outcome import Report
 
+INT32_MAX = 2**31 - 1  # Postgres's integer: an attempt number above it is refused, not stored
+INT64_MAX = 2**63 - 1  # ... and bigint: a sequence number
+
 
 class Beat(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     task_id: UUID
-    attempt: int = Field(ge=1)
-    seq: int = Field(ge=1)
+    attempt: int = Field(ge=1, le=INT32_MAX)
+    seq: int = Field(ge=1, le=INT64_MAX)
 
 
 class NodeBeat(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    id: str
+    id: str = Field(max_length=63)
     boot_id: UUID
     load: float
 
 
 class BeatMessage(BaseModel):
-    """What an executor publishes every heartbeat period: itself, and the attempts it runs."""
+    """Heartbeats over RabbitMQ (`sked.heartbeats`): a sender, and the attempts it beats for."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     schema_version: Literal[1] = SCHEMA_VERSION
     node: NodeBeat
-    beats: list[Beat]
+    beats: list[Beat] = Field(max_length=100_000)
 
 
 class Probe(BaseModel):
@@ -54,13 +57,14 @@ class Probe(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     task_id: UUID
-    attempt: int
+    attempt: int = Field(ge=1, le=INT32_MAX)
 
 
 class ProbeAnswer(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    state: Literal["running", "finished", "unknown"]
+    # frozen: its lease lapsed and the node's watchdog stopped it (as good as no answer)
+    state: Literal["running", "finished", "frozen", "unknown"]
     report: Report | None = None  # with "finished": the real outcome
 
 

@@ -31,6 +31,7 @@ class _Input(BaseModel):
 
 
 MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
+INT32_MAX = 2**31 - 1  # Postgres's integer
 
 
 class CommandJob(_Input):
@@ -77,7 +78,8 @@ class TaskSpec(_Input):
     backoff_base_s: float = Field(default=1.0, gt=0, le=3600)
     backoff_cap_s: float = Field(default=300.0, gt=0, le=86_400)
     timeout_s: float | None = Field(default=None, gt=0, le=7 * 86_400)
-    heartbeat_timeout_s: float = Field(default=30.0, gt=0, le=86_400)
+    # also the attempt's lease: the node's watchdog freezes an attempt not renewed this long
+    heartbeat_timeout_s: float = Field(default=30.0, ge=1.0, le=86_400)
     resources: Resources = Field(default_factory=Resources)
     selector: dict[str, str] = Field(default_factory=dict)
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
@@ -178,6 +180,10 @@ class Task:
     uses: list[str]
     # a workflow task's inputs from its upstreams, fixed at release; None outside workflows
     inputs: Any = None
+    # the attempt whose process may be alive, its executor incarnation, and until when
+    lease_owner: UUID | None = None
+    lease_attempt: int | None = None
+    lease_until: datetime | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Task:
@@ -235,11 +241,12 @@ class Dispatch(BaseModel):
 
     schema_version: Literal[1] = SCHEMA_VERSION
     task_id: UUID
-    attempt: int
-    version: int  # the task's version in Scheduling: the executor's start CAS is fenced by it
-    retry_count: int
-    max_retries: int
-    node: str
+    attempt: int = Field(ge=1, le=INT32_MAX)
+    # the task's version in Scheduling: the executor's start CAS is fenced by it
+    version: int = Field(ge=1, le=INT32_MAX)
+    retry_count: int = Field(ge=0, le=INT32_MAX)
+    max_retries: int = Field(ge=0, le=INT32_MAX)
+    node: str = Field(max_length=63)
 
     @property
     def id(self) -> UUID:

@@ -7,7 +7,7 @@ recovery uses the retry half for Lost tasks. One rule, wherever the outcome come
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 from shared import fsm
 from shared.backoff import retry_delay
 from shared.fsm import Move, State
+from shared.jsonvalue import clean, clean_text, clip
 from shared.models import Task
 
 
@@ -31,7 +32,12 @@ class Report(BaseModel):
 
 
 def end_move(task: Task, report: Report, reason: str) -> Move:
-    """Running (or Lost) -> Success | TimedOut | Failed, carrying result, error and log tail."""
+    """Running (or Lost) -> Success | TimedOut | Failed, carrying result, error and log tail.
+
+    The report is made storable first (`storable`): whatever an attempt printed or returned,
+    the move can be written.
+    """
+    report = storable(report)
     changes: dict[str, Any] = {"log_tail": report.log_tail, "result": report.result}
     if report.ok:
         return fsm.plan(task, State.SUCCESS, reason, **changes, error=None)
@@ -41,9 +47,12 @@ def end_move(task: Task, report: Report, reason: str) -> Move:
     )
 
 
-def retry_or_fail(task: Task, now: datetime, why: str) -> Move:
+def retry_or_fail(task: Task, why: str) -> Move:
     """A failed attempt's next move: RetryWait (capped exponential backoff with jitter) while
-    retries remain, else Failed — or, from Failed/TimedOut with none left, nothing to do."""
+    retries remain, else Failed — or, from Failed/TimedOut with none left, nothing to do.
+
+    The delay travels as a duration: Postgres adds it to its own now(), so a writer whose clock
+    is off changes no due time."""
     if fsm.has_retry_left(task):
         spec = task.spec
         delay = retry_delay(task.retry_count, spec.backoff_base_s, spec.backoff_cap_s)
@@ -51,15 +60,41 @@ def retry_or_fail(task: Task, now: datetime, why: str) -> Move:
             task,
             State.RETRY_WAIT,
             f"{why}: retry {task.retry_count + 1} of {task.max_retries}",
-            next_retry_at=now + timedelta(seconds=delay),
+            retry_in_s=delay,
         )
     return fsm.plan(task, State.FAILED, f"{why}: no retry left ({task.max_retries} allowed)")
 
 
-def retries(ended: list[Task], now: datetime) -> list[Move]:
+def retries(ended: list[Task]) -> list[Move]:
     """RetryWait moves for the Failed / TimedOut tasks among `ended` that have a retry left."""
     return [
-        retry_or_fail(t, now, t.status.label)
+        retry_or_fail(t, t.status.label)
         for t in ended
         if t.status in fsm.RETRYABLE and fsm.has_retry_left(t)
     ]
+
+
+# -- making what an attempt produced storable --------------------------------------------------
+
+MAX_RESULT_BYTES = 1024 * 1024  # a result's JSON; more fails the attempt (keep results small)
+MAX_ERROR_CHARS = 2000
+MAX_LOG_TAIL_CHARS = 64 * 1024
+
+
+def storable(report: Report) -> Report:
+    """The report as Postgres can store it. Text is cleaned and cut with a marker; a result
+    that cannot be stored (NaN, Infinity, too deep, too large) fails the attempt with the
+    reason: silently changing a result would hand downstream a value nobody made."""
+    log_tail = clip(clean_text(report.log_tail or ""), MAX_LOG_TAIL_CHARS, keep_end=True)
+    error = None if report.error is None else clip(clean_text(report.error), MAX_ERROR_CHARS)
+    try:
+        result = clean(report.result)
+        size = len(json.dumps(result))
+        if size > MAX_RESULT_BYTES:
+            raise ValueError(f"{size} bytes of JSON, over the limit of {MAX_RESULT_BYTES}")
+    except (ValueError, RecursionError) as exc:
+        why = clip(clean_text(f"result cannot be stored: {exc}"), MAX_ERROR_CHARS)
+        return Report(ok=False, error=why, timed_out=report.timed_out, log_tail=log_tail)
+    return Report(
+        ok=report.ok, result=result, error=error, timed_out=report.timed_out, log_tail=log_tail
+    )

@@ -13,9 +13,9 @@ queued_at), and a marker key tells whether the set was built since Redis last lo
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from datetime import UTC, datetime
-from typing import Protocol
+from typing import Any, Protocol
 from uuid import UUID
 
 from redis.asyncio import Redis
@@ -134,19 +134,9 @@ class ReadyQueue:
     async def is_built(self) -> bool:
         return bool(await self.redis.exists(BUILT_KEY))
 
-    async def rebuild(self, ready: Iterable[Queued]) -> int:
-        """Add every given Ready task (scores are deterministic, so re-adding is harmless)."""
-        total = 0
-        batch: list[Queued] = []
-        for task in ready:
-            batch.append(task)
-            if len(batch) >= 5000:
-                total += await self.push(batch)
-                batch = []
-        total += await self.push(batch)
-        await self.redis.set(BUILT_KEY, datetime.now(UTC).isoformat())
-        log.info("ready queue rebuilt from Postgres: %d tasks", total)
-        return total
+    async def mark_built(self) -> None:
+        """Record that the queue holds every Ready task (gone again if Redis loses its data)."""
+        await self.redis.set(BUILT_KEY, "1")
 
 
 def _text(member: bytes | str) -> str:
@@ -156,23 +146,47 @@ def _text(member: bytes | str) -> str:
 class ReadySource(Protocol):
     """Where the queue is rebuilt from: the task repository."""
 
-    async def ready_for_queue(self, older_than_s: float, limit: int) -> Sequence[Queued]: ...
+    async def ready_for_queue(
+        self, older_than_s: float, limit: int, after: Any = None
+    ) -> Sequence[Queued]: ...
+
+
+PAGE = 5000  # Ready tasks read per round trip when rebuilding or reconciling
+
+
+async def _pages(repo: ReadySource, older_than_s: float) -> AsyncIterator[Sequence[Queued]]:
+    """Every Ready task queued more than `older_than_s` ago, oldest first, a page at a time."""
+    after = None
+    while True:
+        page = await repo.ready_for_queue(older_than_s, PAGE, after)
+        if page:
+            yield page
+        if len(page) < PAGE:
+            return
+        after = page[-1]
 
 
 async def rebuild(queue: ReadyQueue, repo: ReadySource) -> int:
     """Put every Ready task of Postgres into the queue (after a Redis loss, at start)."""
-    return await queue.rebuild(await repo.ready_for_queue(older_than_s=-1e9, limit=10_000_000))
+    total = 0
+    async for page in _pages(repo, older_than_s=-1e9):
+        total += await queue.push(page)
+    await queue.mark_built()
+    log.info("ready queue rebuilt from Postgres: %d tasks", total)
+    return total
 
 
 async def reconcile(queue: ReadyQueue, repo: ReadySource, older_than_s: float) -> int:
     """Rebuild the queue if Redis lost it; else re-add Ready tasks that have waited longer than
-    `older_than_s` and are missing (their scheduler died between ZPOPMIN and its CAS)."""
+    `older_than_s` and are missing (their scheduler died between ZPOPMIN and its CAS) — all of
+    them, however many, a page at a time."""
     if not await queue.is_built():
         log.warning("the ready queue is gone (Redis lost its data): rebuilding")
         return await rebuild(queue, repo)
-    stale = await repo.ready_for_queue(older_than_s, 10_000)
-    missing = set(await queue.absent([t.id for t in stale]))
-    n = await queue.push([t for t in stale if t.id in missing])
+    n = 0
+    async for page in _pages(repo, older_than_s):
+        missing = set(await queue.absent([t.id for t in page]))
+        n += await queue.push([t for t in page if t.id in missing])
     if n:
         log.warning("re-queued %d Ready tasks the queue had lost", n)
     return n

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID, uuid4
 
@@ -60,7 +60,7 @@ _TASK_COLUMNS = (
     "node, idempotency_key, "
     "paused_by, paused_reason, paused_at, result, error, created_at, updated_at, queued_at, "
     "started_at, finished_at, log_tail, cpu, memory_mb, gpu, traceparent, hb_at, hb_deadline, "
-    "hb_seq, workflow_id, wf_task, uses, inputs"
+    "hb_seq, workflow_id, wf_task, uses, inputs, lease_owner, lease_attempt, lease_until"
 )
 # the same columns by name, for reading back from a CTE that returned _TASK_COLUMNS
 _TASK_FIELDS = ", ".join(c.strip().split(" AS ")[-1] for c in _TASK_COLUMNS.split(","))
@@ -115,6 +115,12 @@ def _locked_in_id_order(where: str = "true", *, skip_locked: bool = False) -> st
     )
 
 
+# A move out of Running that proves the attempt's process ended; Paused and Canceled do not.
+_ENDS_LEASE = "u.from_status = 'running' AND u.to_status NOT IN ('paused', 'canceled')"
+# The lease has run out by the safety margin ($7): its process is frozen or dead by now.
+_LEASE_OVER = "(t.lease_until IS NULL OR t.lease_until + make_interval(secs => $7) < now())"
+
+
 # Creation and the first moves of a new task in one statement: the row is inserted in its
 # final state of the walk ($13-$15, planned by fsm.walk, e.g. Created -> Pending -> Ready) with
 # one event row per step. Nobody else can hold a row this statement creates, so no CAS is
@@ -156,7 +162,13 @@ SELECT {_TASK_COLUMNS} FROM tasks WHERE id = ANY($1::uuid[]) OR idempotency_key 
 
 # The CAS. `u.p` is the move's patch (jsonb): a key present sets its column, a key absent keeps
 # it. The status guard beside the version guard makes a wrong `source` in a Move a lost race
-# rather than a silent jump.
+# rather than a silent jump. $7 is the lease safety margin (seconds).
+#
+# Leases (docs/architecture.md, "At most one live attempt"): a move into Running takes a lease
+# for the attempt until now() + heartbeat timeout; a move out of Running that proves the
+# process ended (an outcome, or Lost, which needs the lease expired) ends it; Paused and
+# Canceled keep it, because the process may still run until its executor stops it. Lost and
+# the start of a next attempt wait until the lease has run out by the margin.
 TRANSITION = f"""
 WITH u AS (
     SELECT id, version, from_status, to_status, reason, patch::jsonb AS p
@@ -174,8 +186,9 @@ WITH u AS (
         attempt = COALESCE((u.p ->> 'attempt')::int, t.attempt),
         retry_count = COALESCE((u.p ->> 'retry_count')::int, t.retry_count),
         node = CASE WHEN u.p ? 'node' THEN u.p ->> 'node' ELSE t.node END,
-        next_retry_at = CASE WHEN u.p ? 'next_retry_at'
-                             THEN (u.p ->> 'next_retry_at')::timestamptz ELSE t.next_retry_at END,
+        next_retry_at = CASE WHEN u.p ? 'retry_in_s'
+                             THEN now() + make_interval(secs => (u.p ->> 'retry_in_s')::float8)
+                             ELSE t.next_retry_at END,
         result = CASE WHEN u.p ? 'result' THEN NULLIF(u.p -> 'result', 'null'::jsonb)
                       ELSE t.result END,
         error = CASE WHEN u.p ? 'error' THEN u.p ->> 'error' ELSE t.error END,
@@ -184,21 +197,28 @@ WITH u AS (
         paused_by = CASE WHEN u.p ? 'paused_by' THEN u.p ->> 'paused_by' ELSE t.paused_by END,
         paused_reason = CASE WHEN u.p ? 'paused_reason' THEN u.p ->> 'paused_reason'
                              ELSE t.paused_reason END,
-        paused_at = CASE WHEN u.p ? 'paused_at' THEN (u.p ->> 'paused_at')::timestamptz
-                         ELSE t.paused_at END,
+        paused_at = CASE WHEN u.to_status = 'paused' THEN now() ELSE t.paused_at END,
         queued_at = CASE WHEN u.to_status = 'ready' THEN now() ELSE t.queued_at END,
         started_at = CASE WHEN u.to_status = 'running' THEN now() ELSE t.started_at END,
-        -- a new Running attempt starts its heartbeat clock from zero
+        -- a new Running attempt starts its heartbeat clock and its lease from zero
         hb_at = CASE WHEN u.to_status = 'running' THEN now() ELSE t.hb_at END,
         hb_deadline = CASE WHEN u.to_status = 'running'
-                           THEN now() + make_interval(secs => t.heartbeat_timeout_s)
+                           THEN now() + make_interval(secs => t.heartbeat_timeout_s + $7)
                            ELSE t.hb_deadline END,
         hb_seq = CASE WHEN u.to_status = 'running' THEN 0 ELSE t.hb_seq END,
+        lease_owner = CASE WHEN u.to_status = 'running' THEN (u.p ->> 'lease_owner')::uuid
+                           WHEN {_ENDS_LEASE} THEN NULL ELSE t.lease_owner END,
+        lease_attempt = CASE WHEN u.to_status = 'running' THEN t.attempt
+                             WHEN {_ENDS_LEASE} THEN NULL ELSE t.lease_attempt END,
+        lease_until = CASE WHEN u.to_status = 'running'
+                           THEN now() + make_interval(secs => t.heartbeat_timeout_s)
+                           WHEN {_ENDS_LEASE} THEN NULL ELSE t.lease_until END,
         finished_at = CASE WHEN u.to_status IN ('success', 'failed', 'timed_out', 'canceled',
                                                 'skipped')
                            THEN now() ELSE t.finished_at END
     FROM u JOIN locked USING (id)
     WHERE t.id = u.id AND t.version = u.version AND t.status = u.from_status
+      AND (u.to_status NOT IN ('lost', 'running') OR {_LEASE_OVER})
     RETURNING {", ".join("t." + c.strip() for c in _TASK_COLUMNS.split(","))},
               u.from_status AS _from, u.reason AS _reason
 ), ev AS (
@@ -210,14 +230,21 @@ SELECT {_TASK_FIELDS}, (SELECT count(*) FROM note) AS _notified FROM moved
 
 GET_TASK = f"SELECT {_TASK_COLUMNS} FROM tasks WHERE id = $1"
 GET_TASKS = f"SELECT {_TASK_COLUMNS} FROM tasks WHERE id = ANY($1::uuid[])"
-GET_READY = f"SELECT {_TASK_COLUMNS} FROM tasks WHERE id = ANY($1::uuid[]) AND status = 'ready'"
+# Those of these tasks still Ready; `_fenced`: an earlier attempt still holds a lease (paused
+# while its executor could not hear it), so this one may not start yet.
+GET_READY = f"""
+SELECT {_TASK_COLUMNS},
+       NOT {_LEASE_OVER.replace("$7", "$2")} AS _fenced
+FROM tasks t WHERE id = ANY($1::uuid[]) AND status = 'ready'
+"""
 
 # What the ready queue needs to (re)score a task; the reconciler reads only tasks Ready for a
 # while, which a live scheduler would have popped already.
 READY_FOR_QUEUE = """
 SELECT id, priority, queued_at FROM tasks
 WHERE status = 'ready' AND queued_at < now() - make_interval(secs => $1)
-ORDER BY queued_at
+  AND (queued_at, id) > ($3::timestamptz, $4::uuid)
+ORDER BY queued_at, id
 LIMIT $2
 """
 
@@ -258,14 +285,51 @@ locked AS (
     {_locked_in_id_order("t.status = 'running' AND t.attempt = u.attempt AND u.seq > t.hb_seq")}
 )
 UPDATE tasks t SET hb_seq = u.seq, hb_at = now(),
-                   hb_deadline = now() + make_interval(secs => t.heartbeat_timeout_s)
+                   hb_deadline = greatest(t.hb_deadline,
+                                          now() + make_interval(secs => t.heartbeat_timeout_s))
 FROM u JOIN locked USING (id)
 WHERE t.id = u.id AND t.status = 'running' AND t.attempt = u.attempt AND u.seq > t.hb_seq
 RETURNING t.id, t.attempt
 """
 
+# An executor renews the leases of the attempts it runs ($1: its incarnation, $4: the margin):
+# only an attempt still Running, in that attempt, under this owner. The rows it returns are
+# the executor's proof that Postgres holds each lease for a heartbeat timeout from now.
+RENEW_LEASES = f"""
+WITH u AS (SELECT * FROM unnest($2::uuid[], $3::int[]) AS u(id, attempt)),
+locked AS (
+    {_locked_in_id_order("t.status = 'running' AND t.attempt = u.attempt AND t.lease_owner = $1")}
+)
+UPDATE tasks t SET
+    lease_until = greatest(t.lease_until, now() + make_interval(secs => t.heartbeat_timeout_s)),
+    hb_deadline = greatest(t.hb_deadline,
+                           now() + make_interval(secs => t.heartbeat_timeout_s + $4))
+FROM u JOIN locked USING (id)
+WHERE t.id = u.id AND t.status = 'running' AND t.attempt = u.attempt AND t.lease_owner = $1
+RETURNING t.id, t.attempt
+"""
+
+# An executor gives up the lease of an attempt it no longer runs (paused or canceled, and its
+# process is gone now), so that the task's next attempt need not wait for the lease to lapse.
+RELEASE_LEASES = f"""
+WITH u AS (SELECT * FROM unnest($2::uuid[], $3::int[]) AS u(id, attempt)),
+locked AS (
+    {
+    _locked_in_id_order(
+        "t.lease_owner = $1 AND t.lease_attempt = u.attempt"
+        " AND NOT (t.status = 'running' AND t.attempt = u.attempt)"
+    )
+}
+)
+UPDATE tasks t SET lease_owner = NULL, lease_attempt = NULL, lease_until = NULL
+FROM u JOIN locked USING (id)
+WHERE t.id = u.id AND t.lease_owner = $1 AND t.lease_attempt = u.attempt
+  AND NOT (t.status = 'running' AND t.attempt = u.attempt)
+"""
+
 # The heartbeat-monitor's sweep: overdue Running attempts, leased for `$2` seconds (the
-# deadline moves on) so that replicas never work on the same one at once.
+# deadline moves on) so that replicas never work on the same one at once. `_silent_s` is how
+# long ago the attempt's lease was last renewed (Postgres time: one clock).
 LEASE_OVERDUE = f"""
 WITH due AS (
     SELECT id FROM tasks
@@ -276,16 +340,40 @@ WITH due AS (
 )
 UPDATE tasks t SET hb_deadline = now() + make_interval(secs => $2)
 FROM due WHERE t.id = due.id
-RETURNING {", ".join("t." + c.strip() for c in _TASK_COLUMNS.split(","))}
+RETURNING {", ".join("t." + c.strip() for c in _TASK_COLUMNS.split(","))},
+    extract(epoch FROM now() - COALESCE(
+        t.lease_until - make_interval(secs => t.heartbeat_timeout_s), t.hb_at, t.started_at
+    ))::float8 AS _silent_s
 """
 
-# Push an attempt's deadline to a given time (the ladder's grace and restore rungs).
-SET_DEADLINE = """
-UPDATE tasks SET hb_deadline = $3, hb_at = COALESCE($4, hb_at)
+# The ladder's grace: look again when twice the timeout has passed since the last renewal.
+GRACE_DEADLINE = """
+UPDATE tasks SET hb_deadline = COALESCE(lease_until, hb_at, now())
+                               + make_interval(secs => heartbeat_timeout_s)
 WHERE id = $1 AND attempt = $2 AND status = 'running'
 """
 
-NEXT_DEADLINE = "SELECT min(hb_deadline) FROM tasks WHERE status = 'running'"
+# The ladder's restore: the backend says the attempt runs; look again a timeout from now.
+RESTORE_DEADLINE = """
+UPDATE tasks SET hb_deadline = now() + make_interval(secs => heartbeat_timeout_s + $3)
+WHERE id = $1 AND attempt = $2 AND status = 'running'
+"""
+
+# After an outage (or when a monitor starts) no deadline is judged before the executors had a
+# heartbeat timeout to renew: the time they could not reach Postgres is not held against them.
+RESTART_DEADLINES = """
+UPDATE tasks SET hb_deadline = greatest(hb_deadline,
+                                        now() + make_interval(secs => heartbeat_timeout_s + $1))
+WHERE status = 'running'
+"""
+
+# Seconds until the earliest deadline (Postgres time), and when this Postgres started: a
+# restart since the last look is an outage the monitor slept through.
+NEXT_DEADLINE = """
+SELECT (SELECT extract(epoch FROM min(hb_deadline) - now())::float8
+        FROM tasks WHERE status = 'running') AS wait_s,
+       extract(epoch FROM pg_postmaster_start_time())::float8 AS started
+"""
 
 CLAIM_LOST = f"""
 SELECT {_TASK_COLUMNS} FROM tasks
@@ -315,6 +403,7 @@ INSERT INTO workflows (id, name, spec) VALUES ($1, $2, $3::jsonb)
 ON CONFLICT (id) DO NOTHING
 RETURNING id
 """
+WORKFLOW_SPEC = "SELECT spec FROM workflows WHERE id = $1"
 INSERT_DEPS = """
 INSERT INTO task_deps (task_id, upstream_id, condition, timeout_s, on_timeout, default_value)
 SELECT u.task_id, u.upstream_id, u.condition, u.timeout_s, u.on_timeout, u.dflt::jsonb
@@ -369,7 +458,11 @@ FROM workflows w, jsonb_each_text(w.spec -> 'resources') AS r(name, capacity)
 WHERE w.id = ANY($1::uuid[])
 """
 
-NEXT_RETRY_DUE = "SELECT min(next_retry_at) FROM tasks WHERE status = 'retry_wait'"
+# Seconds until the earliest retry is due, by Postgres's clock (None: no task waits).
+NEXT_RETRY_DUE = """
+SELECT extract(epoch FROM min(next_retry_at) - now())::float8 FROM tasks
+WHERE status = 'retry_wait'
+"""
 
 LIST_TASKS = f"""
 SELECT {_TASK_COLUMNS} FROM tasks
@@ -399,12 +492,13 @@ WHERE t.id = u.id
 RETURNING {", ".join("t." + c.strip() for c in _TASK_COLUMNS.split(","))}
 """
 
-# Which of these (task, Running version) attempts were ended by a move with this reason.
+# Which of these (task, Running version) attempts were ended by a move whose reason starts
+# with $3 (a failure's reason goes on with its error).
 ENDED_WITH = """
 SELECT e.task_id FROM task_events e
 JOIN unnest($1::uuid[], $2::int[]) AS u(id, version)
   ON e.task_id = u.id AND e.version = u.version + 1
-WHERE e.from_status = 'running' AND e.reason = $3
+WHERE e.from_status = 'running' AND starts_with(e.reason, $3)
 """
 
 HISTORY = f"SELECT {_EVENT_COLUMNS} FROM task_events WHERE task_id = $1 ORDER BY version"
@@ -456,10 +550,15 @@ class QueuedRow:
 
 
 class PgTaskRepo:
-    """Tasks and their history in Postgres, written only by compare-and-swap."""
+    """Tasks and their history in Postgres, written only by compare-and-swap.
 
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    `lease_margin_s`: how long past an attempt's lease its task may be declared Lost or start
+    its next attempt (the node's watchdog has frozen the old attempt's processes by then).
+    """
+
+    def __init__(self, pool: asyncpg.Pool, lease_margin_s: float = 0.5) -> None:
         self.pool = pool
+        self.lease_margin_s = lease_margin_s
 
     # -- creation ---------------------------------------------------------------------------
 
@@ -473,11 +572,13 @@ class PgTaskRepo:
         walk: Sequence[State],
         conn: asyncpg.Connection | None = None,
         traceparents: Sequence[str | None] | None = None,
-    ) -> list[Task]:
+    ) -> list[tuple[Task, bool]]:
         """Create tasks and walk the new ones from Created through `walk` (checked by the FSM)
-        in one statement. Existing tasks (a redelivery, a taken idempotency key) are returned
-        as they are."""
-        return await self.create_many(specs, ids, conn, walk, traceparents)
+        in one statement. Returns each task with whether this statement created it: existing
+        ones (a redelivery, a taken idempotency key) come back as they are."""
+        tasks, fresh = await self._create_many(specs, ids, conn, walk, traceparents)
+        created = {t.id for t in fresh}
+        return [(t, t.id in created) for t in tasks]
 
     async def create_many(
         self,
@@ -498,8 +599,25 @@ class PgTaskRepo:
         `priorities` (optional) are the effective priorities the tasks are queued by (a
         workflow's inherited ones); the spec keeps the priority its producer asked for.
         """
+        tasks, _ = await self._create_many(
+            specs, ids, conn, walk, traceparents, workflow_id, uses, priorities
+        )
+        return tasks
+
+    async def _create_many(
+        self,
+        specs: Sequence[TaskSpec],
+        ids: Sequence[UUID] | None = None,
+        conn: asyncpg.Connection | None = None,
+        walk: Sequence[State] = (),
+        traceparents: Sequence[str | None] | None = None,
+        workflow_id: UUID | None = None,
+        uses: Sequence[Sequence[str]] | None = None,
+        priorities: Sequence[int] | None = None,
+    ) -> tuple[list[Task], list[Task]]:
+        """create_many's work: all the tasks asked for, and those this call created."""
         if not specs:
-            return []
+            return [], []
         ids = list(ids) if ids is not None else [uuid4() for _ in specs]
         steps = fsm.walk(State.CREATED, walk)
         args = (
@@ -537,7 +655,7 @@ class PgTaskRepo:
                 started,
                 time.time_ns(),
             )
-        return tasks
+        return tasks, fresh
 
     async def _create(
         self,
@@ -582,7 +700,7 @@ class PgTaskRepo:
         in the order of `moves`."""
         if not moves:
             return []
-        args = _move_args(moves)
+        args = (*_move_args(moves), self.lease_margin_s)
         started = time.time_ns()
         if conn is not None:
             rows = await conn.fetch(TRANSITION, *args)
@@ -642,12 +760,25 @@ class PgTaskRepo:
         """Those of `ids` that are terminal (never move again)."""
         return [_task(row) for row in await self.pool.fetch(TERMINAL_AMONG, list(ids))]
 
-    async def get_ready(self, ids: Sequence[UUID], conn: asyncpg.Connection) -> list[Task]:
-        """Those of `ids` still Ready (a popped id may have been canceled meanwhile)."""
-        return [_task(row) for row in await conn.fetch(GET_READY, list(ids))]
+    async def get_ready(
+        self, ids: Sequence[UUID], conn: asyncpg.Connection
+    ) -> tuple[list[Task], list[Task]]:
+        """Those of `ids` still Ready (a popped id may have been canceled meanwhile): the ones
+        that may start, and the ones an earlier attempt's lease still fences."""
+        free: list[Task] = []
+        fenced: list[Task] = []
+        for row in await conn.fetch(GET_READY, list(ids), self.lease_margin_s):
+            (fenced if row["_fenced"] else free).append(_task(row))
+        return free, fenced
 
-    async def ready_for_queue(self, older_than_s: float, limit: int) -> list[QueuedRow]:
-        rows = await self.pool.fetch(READY_FOR_QUEUE, older_than_s, limit)
+    async def ready_for_queue(
+        self, older_than_s: float, limit: int, after: QueuedRow | None = None
+    ) -> list[QueuedRow]:
+        """Ready tasks queued more than `older_than_s` ago, oldest first, from after `after`."""
+        start = (after.queued_at, after.id) if after is not None else (None, None)
+        if start[0] is None:
+            start = (datetime.min.replace(tzinfo=UTC), UUID(int=0))
+        rows = await self.pool.fetch(READY_FOR_QUEUE, older_than_s, limit, *start)
         return [QueuedRow(r["id"], r["priority"], r["queued_at"]) for r in rows]
 
     async def set_wait_reasons(self, reasons: dict[UUID, str]) -> None:
@@ -664,18 +795,45 @@ class PgTaskRepo:
         rows = await self.pool.fetch(APPLY_HEARTBEATS, ids, attempts, seqs)
         return {(r["id"], r["attempt"]) for r in rows}
 
-    async def lease_overdue(self, limit: int, lease_s: float) -> list[Task]:
-        rows = await self.pool.fetch(LEASE_OVERDUE, limit, lease_s)
-        return [_task(row) for row in rows]
+    async def renew_leases(
+        self, owner: UUID, attempts: Sequence[tuple[UUID, int]], conn: asyncpg.Connection
+    ) -> set[tuple[UUID, int]]:
+        """Renew the leases `owner` holds on these (task, attempt)s; returns those renewed."""
+        if not attempts:
+            return set()
+        ids, numbers = (list(x) for x in zip(*attempts, strict=True))
+        rows = await conn.fetch(RENEW_LEASES, owner, ids, numbers, self.lease_margin_s)
+        return {(r["id"], r["attempt"]) for r in rows}
 
-    async def set_deadline(
-        self, task_id: UUID, attempt: int, deadline: datetime, beat_at: datetime | None = None
+    async def release_leases(
+        self, owner: UUID, attempts: Sequence[tuple[UUID, int]], conn: asyncpg.Connection
     ) -> None:
-        await self.pool.execute(SET_DEADLINE, task_id, attempt, deadline, beat_at)
+        """Give up the leases of attempts `owner` no longer runs (their processes are gone)."""
+        if attempts:
+            ids, numbers = (list(x) for x in zip(*attempts, strict=True))
+            await conn.execute(RELEASE_LEASES, owner, ids, numbers)
 
-    async def next_deadline(self) -> datetime | None:
-        due: datetime | None = await self.pool.fetchval(NEXT_DEADLINE)
-        return due
+    async def lease_overdue(self, limit: int, lease_s: float) -> list[tuple[Task, float]]:
+        """Overdue Running attempts, each with the seconds since its lease was last renewed."""
+        rows = await self.pool.fetch(LEASE_OVERDUE, limit, lease_s)
+        return [(_task(row), float(row["_silent_s"] or 0.0)) for row in rows]
+
+    async def grace(self, task_id: UUID, attempt: int) -> None:
+        await self.pool.execute(GRACE_DEADLINE, task_id, attempt)
+
+    async def restore(self, task_id: UUID, attempt: int) -> None:
+        await self.pool.execute(RESTORE_DEADLINE, task_id, attempt, self.lease_margin_s)
+
+    async def restart_deadlines(self) -> int:
+        """Give every Running attempt a heartbeat timeout from now before it is judged."""
+        status = await self.pool.execute(RESTART_DEADLINES, self.lease_margin_s)
+        return int(status.split()[-1])
+
+    async def next_deadline(self) -> tuple[float | None, float]:
+        """(Seconds until the earliest deadline, or None; when Postgres started, epoch s)."""
+        row = await self.pool.fetchrow(NEXT_DEADLINE)
+        assert row is not None
+        return row["wait_s"], row["started"]
 
     async def recover_lost(self, limit: int, plan: Any) -> list[Task]:
         """Move Lost tasks on, as `plan(task) -> Move` decides (SKIP LOCKED, shared)."""
@@ -714,6 +872,10 @@ class PgTaskRepo:
     ) -> bool:
         """Record a workflow; False if it exists already (a redelivered submission)."""
         return await conn.fetchval(INSERT_WORKFLOW, workflow_id, name, spec) is not None
+
+    async def workflow_spec(self, conn: asyncpg.Connection, workflow_id: UUID) -> Any:
+        """The spec a workflow was submitted with."""
+        return await conn.fetchval(WORKFLOW_SPEC, workflow_id)
 
     async def insert_deps(
         self,
@@ -803,8 +965,9 @@ class PgTaskRepo:
         edges = list(await self.pool.fetch(WORKFLOW_EDGES, workflow_id))
         return row, tasks, edges
 
-    async def next_retry_due(self) -> datetime | None:
-        due: datetime | None = await self.pool.fetchval(NEXT_RETRY_DUE)
+    async def next_retry_due(self) -> float | None:
+        """Seconds until the earliest retry is due (Postgres time); None if none waits."""
+        due: float | None = await self.pool.fetchval(NEXT_RETRY_DUE)
         return due
 
     async def history(self, task_id: UUID) -> list[Event]:

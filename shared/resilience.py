@@ -22,28 +22,46 @@ from shared.runtime import wait_any
 
 log = logging.getLogger(__name__)
 
-# What a lost connection looks like from each client library.
+# Every error a server restart, failover, connection limit, admin cancel, resource alarm or
+# read-only replica produces, from each client library: the one list every service retries
+# with backoff. Anything else is a bug and stops the service. Every write is a CAS, so running
+# a pass again after any of these is safe.
 TRANSIENT: tuple[type[BaseException], ...] = (
     OSError,  # ConnectionRefusedError, ConnectionResetError, socket timeouts
     asyncio.TimeoutError,
-    asyncpg.PostgresConnectionError,
+    # Postgres
+    asyncpg.PostgresConnectionError,  # class 08: the connection failed or was lost
     asyncpg.InterfaceError,  # "connection is closed", "pool is closing"
-    asyncpg.CannotConnectNowError,
     asyncpg.InternalClientError,  # a connection broken in the middle of an operation
-    asyncpg.AdminShutdownError,
     asyncpg.exceptions.ConnectionFailureError,
-    # Postgres aborted our transaction to break a lock cycle or a serialisation conflict: the
-    # pass is safe to run again (every write is a CAS). Batches lock rows in id order, so this
-    # is a last line of defence, not a path we expect.
+    asyncpg.exceptions.TargetServerAttributeNotMatched,  # a replica where a primary was wanted
+    # class 57: admin shutdown, crash shutdown, cannot connect now (starting, recovering),
+    # query canceled (pg_cancel_backend, statement_timeout)
+    asyncpg.exceptions.OperatorInterventionError,
+    # class 53: too many connections, disk full, out of memory
+    asyncpg.exceptions.InsufficientResourcesError,
+    asyncpg.exceptions.ReadOnlySQLTransactionError,  # a failover left us on a standby
+    asyncpg.exceptions.IdleInTransactionSessionTimeoutError,
+    asyncpg.exceptions.LockNotAvailableError,
+    # Postgres aborted our transaction to break a lock cycle or a serialisation conflict.
+    # Batches lock rows in id order, so this is a last line of defence, not a path we expect.
     asyncpg.exceptions.DeadlockDetectedError,
     asyncpg.exceptions.SerializationError,
+    # Redis
     redis.exceptions.ConnectionError,
     redis.exceptions.TimeoutError,
     redis.exceptions.BusyLoadingError,
+    redis.exceptions.ReadOnlyError,  # a failover left us on a replica
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.MasterDownError,
+    redis.exceptions.OutOfMemoryError,
+    # RabbitMQ
     aiormq.exceptions.AMQPConnectionError,
     aiormq.exceptions.ChannelInvalidStateError,
     aiormq.exceptions.ConnectionClosed,
     aiormq.exceptions.ChannelClosed,
+    aiormq.exceptions.DeliveryError,  # a publish nacked (a resource alarm) or returned
 )
 
 _JITTERED = wait_exponential_jitter(multiplier=0.2, max=5.0, jitter=0.5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -126,14 +127,35 @@ def run_main(main: Callable[[], Awaitable[None]]) -> int:
     return 0
 
 
+def service_args(service: str, argv: list[str] | None, description: str) -> argparse.ArgumentParser:
+    """The argument parser of a service with no flags of its own: `--help` prints its usage
+    and starts nothing; configuration comes from SKED_* variables."""
+    parser = argparse.ArgumentParser(
+        prog=f"sked service {service}",
+        description=f"{description} Configured by SKED_* environment variables (README).",
+    )
+    if argv is not None:
+        parser.parse_args(argv)
+    return parser
+
+
 def run_service(
     service: str,
     settings: Settings,
     main: Callable[[Settings], Awaitable[None]],
     log_as: str | None = None,
+    *,
+    signs_heartbeats: bool = False,
 ) -> int:
     """A service process from start to exit code: its log lines (named `log_as`, default the
-    service), its traces as sked-<service>, then `main(settings)` on uvloop."""
+    service), its traces as sked-<service>, then `main(settings)` on uvloop. A service that
+    signs or checks heartbeat tokens refuses to start without a real secret (exit 2)."""
+    if signs_heartbeats:
+        try:
+            settings.require_heartbeat_secret()
+        except ValueError as exc:
+            print(f"sked service {service}: {exc}", file=sys.stderr)  # noqa: T201
+            return 2
     configure_logging(settings, log_as or service)
     telemetry.setup(f"sked-{service}")
     return run_main(lambda: main(settings))

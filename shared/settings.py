@@ -42,6 +42,9 @@ def parse_labels(value: Any) -> dict[str, str]:
     return labels
 
 
+WEAK_SECRET = "sked-dev-heartbeat-secret"  # the old default: never accepted
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SKED_", extra="ignore")
 
@@ -69,8 +72,9 @@ class Settings(BaseSettings):
 
     # Heartbeats and recovery.
     heartbeat_secret: str = Field(
-        default="sked-dev-heartbeat-secret",
-        description="signs per-attempt heartbeat tokens: set your own in production",
+        default="",
+        description="signs per-attempt heartbeat tokens; executors and monitors refuse to "
+        "start without one (`sked dev` makes one)",
     )
     heartbeat_url: str = "http://127.0.0.1:8470/heartbeat"  # given to every task process
     monitor_host: str = "127.0.0.1"
@@ -78,6 +82,9 @@ class Settings(BaseSettings):
     heartbeat_flush_s: float = Field(default=0.1, gt=0, description="batch window for beats")
     probe_timeout_s: float = Field(default=2.0, gt=0, description="wait for a backend's answer")
     recovery_period_s: float = Field(default=2.0, gt=0)
+    # How long past an attempt's lease its task may be declared Lost or start again: covers
+    # the node watchdog's reaction time (docs/architecture.md, "At most one live attempt").
+    lease_margin_s: float = Field(default=0.5, ge=0.1, le=60)
     stuck_scheduling_s: float = Field(default=30.0, gt=0, description="dispatched, not started")
 
     # Executor (one process = one node).
@@ -92,6 +99,17 @@ class Settings(BaseSettings):
     # handler workers started with the executor (the rest start on their slot's first handler)
     warm_workers: int = Field(default=2, ge=0, le=10_000)
     shutdown_grace_s: float = Field(default=10.0, ge=0)
+    # An attempt whose lease could not be renewed is frozen (SIGSTOP); frozen this long, it
+    # is killed. Longer rides out longer Postgres outages; shorter frees its resources sooner.
+    freeze_max_s: float = Field(default=600.0, gt=0)
+    # Variables a task's process gets from the executor's environment besides PATH, HOME,
+    # LANG and TZ (comma-separated names, e.g. PYTHONPATH); never a SKED_* variable.
+    task_env_pass: Annotated[list[str], NoDecode] = Field(default_factory=list)
+
+    # What this deployment runs at all (shared.policy): handler module prefixes and command
+    # programs (a directory ends in "/"); empty allows everything.
+    allowed_handlers: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    allowed_commands: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # Outcomes wait this long to share one transaction: results land a few ms later, and
     # Postgres does one statement where it would do one per task.
     finish_linger_s: float = Field(default=0.005, ge=0)
@@ -103,3 +121,27 @@ class Settings(BaseSettings):
     @classmethod
     def _labels(cls, value: Any) -> dict[str, str]:
         return parse_labels(value)
+
+    @field_validator("task_env_pass", "allowed_handlers", "allowed_commands", mode="before")
+    @classmethod
+    def _names(cls, value: Any) -> list[str]:
+        items = value if isinstance(value, list) else str(value or "").split(",")
+        return [str(v).strip() for v in items if str(v).strip()]
+
+    @field_validator("task_env_pass")
+    @classmethod
+    def _no_secrets(cls, names: list[str]) -> list[str]:
+        leaked = [n for n in names if n.upper().startswith("SKED_")]
+        if leaked:
+            raise ValueError(f"tasks never get sked's own variables: {', '.join(leaked)}")
+        return names
+
+    def require_heartbeat_secret(self) -> str:
+        """The heartbeat secret, or a clear error: a guessable secret would let anyone forge
+        heartbeats, so services that sign or check them do not start without a real one."""
+        if len(self.heartbeat_secret) < 16 or self.heartbeat_secret == WEAK_SECRET:
+            raise ValueError(
+                "SKED_HEARTBEAT_SECRET must be set to a secret of at least 16 characters "
+                "(e.g. `openssl rand -hex 32`); `sked dev` makes one for you"
+            )
+        return self.heartbeat_secret

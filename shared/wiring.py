@@ -25,7 +25,7 @@ class Backends:
 
     @property
     def tasks(self) -> PgTaskRepo:
-        return PgTaskRepo(self.pool)
+        return PgTaskRepo(self.pool, self.settings.lease_margin_s)
 
     @property
     def nodes(self) -> PgNodeRepo:

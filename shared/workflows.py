@@ -16,6 +16,7 @@ from uuid import NAMESPACE_URL, UUID, uuid5
 
 from shared import fsm
 from shared.dag import Condition, Verdict, WorkflowSpec, decide, effective_priorities, inputs_of
+from shared.errors import InvalidSpec
 from shared.fsm import State
 from shared.models import Task
 from shared.repo import PgTaskRepo
@@ -41,11 +42,16 @@ async def admit(
     ids = {t.name: task_id(workflow_id, t.name) for t in spec.tasks}
     roots = [t for t in spec.tasks if not t.needs]
     dependents = [t for t in spec.tasks if t.needs]
+    submitted = spec.model_dump(mode="json")
     async with repo.pool.acquire() as conn, conn.transaction():
-        if not await repo.insert_workflow(
-            conn, workflow_id, spec.name, spec.model_dump(mode="json")
-        ):
-            return []
+        if not await repo.insert_workflow(conn, workflow_id, spec.name, submitted):
+            stored = await repo.workflow_spec(conn, workflow_id)
+            if stored != submitted:
+                raise InvalidSpec(
+                    f"workflow id {workflow_id} already names a different workflow: a message id "
+                    "stands for one workflow"
+                )
+            return []  # the same submission again
         ready: list[Task] = []
         for group, walk in ((roots, ROOT_WALK), (dependents, DEPENDENT_WALK)):
             if not group:
@@ -60,6 +66,12 @@ async def admit(
                 [t.uses for t in group],
                 [priority[t.name] for t in group],
             )
+            for task, wanted in zip(tasks, group, strict=True):
+                if task.id != ids[wanted.name]:  # its idempotency key names another task
+                    raise InvalidSpec(
+                        f"task {wanted.name!r}: idempotency key "
+                        f"{task.idempotency_key!r} already names task {task.id}"
+                    )
             if walk is ROOT_WALK:
                 ready = tasks
         await repo.insert_deps(

@@ -28,6 +28,7 @@ AMQP_BASE = os.environ.get("SKED_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672"
 REDIS_BASE = os.environ.get("SKED_TEST_REDIS", "redis://127.0.0.1:6379")
 
 RUN = f"sked_t_{os.getpid()}"
+TEST_SECRET = "test-heartbeat-secret-0123456789"
 _counter = itertools.count(1)
 
 
@@ -149,7 +150,12 @@ async def redis_url() -> str:
 
 @pytest.fixture
 def settings(dsn: str, amqp_url: str, redis_url: str) -> Settings:
-    return Settings(database_url=dsn, rabbitmq_url=amqp_url, redis_url=redis_url)
+    return Settings(
+        database_url=dsn,
+        rabbitmq_url=amqp_url,
+        redis_url=redis_url,
+        heartbeat_secret=TEST_SECRET,
+    )
 
 
 @pytest.fixture
@@ -160,6 +166,7 @@ def service_env(settings: Settings) -> dict[str, str]:
         SKED_DATABASE_URL=settings.database_url,
         SKED_RABBITMQ_URL=settings.rabbitmq_url,
         SKED_REDIS_URL=settings.redis_url,
+        SKED_HEARTBEAT_SECRET=settings.heartbeat_secret,
         PYTHONUNBUFFERED="1",
     )
     return env

@@ -84,3 +84,8 @@ def emit(value: Any) -> Any:
 
 def sees_inputs(inputs: Any = None) -> Any:
     return {"inputs": inputs}
+
+
+def whole_environ() -> dict[str, str]:
+    """Everything in the handler's environment (the secrets test reads it)."""
+    return dict(os.environ)

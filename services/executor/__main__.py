@@ -7,7 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from services.executor.backend import LocalBackend
+from services.executor.backends.local import LocalBackend
 from services.executor.service import Executor
 from shared.runtime import run_service, serve
 from shared.settings import Settings, parse_labels
@@ -17,7 +17,8 @@ from shared.wiring import backends
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="sked service executor",
-        description="Run one executor (one node). Flags override the SKED_* variables.",
+        description="Run one executor (one node): start dispatched attempts, renew their "
+        "leases, report their outcomes. Flags override the SKED_* variables.",
     )
     p.add_argument("--node-id", help="this node's id (SKED_NODE_ID; default: the host name)")
     p.add_argument("--slots", type=int, help="attempts run at once (SKED_SLOTS)")
@@ -50,13 +51,21 @@ def settings_from(args: argparse.Namespace) -> Settings:
 async def main(settings: Settings) -> None:
     state_dir = settings.state_dir or Path(tempfile.gettempdir()) / "sked" / settings.node_id
     async with backends(settings) as b:
-        backend = LocalBackend(settings.slots, state_dir, warm_workers=settings.warm_workers)
+        backend = LocalBackend(
+            settings.slots,
+            state_dir,
+            warm_workers=settings.warm_workers,
+            env_pass=settings.task_env_pass,
+            freeze_max_s=settings.freeze_max_s,
+        )
         await serve(Executor(settings, b.tasks, b.nodes, b.bus, backend, b.ready_queue))
 
 
 def run(argv: list[str] | None = None) -> int:
     settings = settings_from(parse_args(argv))
-    return run_service("executor", settings, main, log_as=f"executor[{settings.node_id}]")
+    return run_service(
+        "executor", settings, main, log_as=f"executor[{settings.node_id}]", signs_heartbeats=True
+    )
 
 
 if __name__ == "__main__":

@@ -17,7 +17,11 @@ async def main(settings: Settings) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="sked service heartbeat-monitor")
+    p = argparse.ArgumentParser(
+        prog="sked service heartbeat-monitor",
+        description="Take heartbeats (RabbitMQ, HTTP) and confirm losses by the ladder. "
+        "Configured by SKED_* environment variables (README); flags override them.",
+    )
     p.add_argument("--host", help="listen address for POST /heartbeat (SKED_MONITOR_HOST)")
     p.add_argument("--port", type=int, help="listen port (SKED_MONITOR_PORT; 0: any free)")
     return p.parse_args(argv)
@@ -28,7 +32,7 @@ def run(argv: list[str] | None = None) -> int:
     overrides = {
         k: v for k, v in (("monitor_host", args.host), ("monitor_port", args.port)) if v is not None
     }
-    return run_service("heartbeat-monitor", Settings(**overrides), main)
+    return run_service("heartbeat-monitor", Settings(**overrides), main, signs_heartbeats=True)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from datetime import UTC, datetime, timedelta
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
@@ -27,6 +26,7 @@ from pydantic import ValidationError
 
 from shared import fsm, heartbeat
 from shared.bus import HEARTBEATS_QUEUE, JSON, PROBE_EXCHANGE, AmqpBus
+from shared.errors import one_line
 from shared.fsm import State
 from shared.heartbeat import Beat, BeatMessage, Evidence, ProbeAnswer, Rung, next_rung
 from shared.models import Task
@@ -56,6 +56,7 @@ class HeartbeatMonitor:
         self, settings: Settings, repo: PgTaskRepo, nodes: PgNodeRepo, bus: AmqpBus
     ) -> None:
         self.settings = settings
+        self.secret = settings.require_heartbeat_secret()
         self.repo = repo
         self.nodes = nodes
         self.bus = bus
@@ -122,13 +123,21 @@ class HeartbeatMonitor:
         return shed
 
     async def _on_beats(self, message: AbstractIncomingMessage) -> None:
-        async with message.process():
-            try:
-                body = BeatMessage.model_validate_json(message.body)
-            except ValidationError as exc:
-                log.error("unreadable heartbeat message dropped: %s", exc)
-                return
+        """Beats over RabbitMQ. A message that is not a valid BeatMessage (bad JSON, a field
+        out of range, unknown fields) is dead-lettered with the reason; nothing stops this."""
+        try:
+            body = BeatMessage.model_validate_json(message.body)
+        except ValidationError as exc:
+            self.stats["refused"] += 1
+            log.warning("dead-lettering a heartbeat message: %s", exc)
+            with contextlib.suppress(*TRANSIENT):
+                await self.bus.dead_letter(
+                    message.body, f"unreadable heartbeat message: {exc}", message.routing_key or ""
+                )
+        else:
             self.take(body.beats)
+        with contextlib.suppress(*TRANSIENT):
+            await message.ack()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024)
@@ -144,10 +153,9 @@ class HeartbeatMonitor:
         try:
             beat = Beat.model_validate_json(await request.read())
         except ValidationError as exc:
-            return web.json_response({"error": str(exc)}, status=422)
-        if not heartbeat.token_ok(
-            self.settings.heartbeat_secret, beat.task_id, beat.attempt, auth[len("Bearer ") :]
-        ):
+            self.stats["refused"] += 1
+            return web.json_response({"error": str(exc)}, status=400)
+        if not heartbeat.token_ok(self.secret, beat.task_id, beat.attempt, auth[len("Bearer ") :]):
             self.stats["refused"] += 1
             log.warning(
                 "heartbeat for %s attempt %d refused: bad token", beat.task_id, beat.attempt
@@ -168,19 +176,37 @@ class HeartbeatMonitor:
             return 0
         batch, self._pending = self._pending, {}
         try:
-            applied = await self.repo.apply_heartbeats([(t, a, s) for (t, a), s in batch.items()])
+            applied = await self._apply_isolating([(t, a, s) for (t, a), s in batch.items()])
         except TRANSIENT:
             for key, seq in batch.items():  # keep them for the next flush
                 if seq > self._pending.get(key, 0):
                     self._pending[key] = seq
             raise
-        refused = len(batch) - len(applied)
-        self.stats["applied"] += len(applied)
+        refused = len(batch) - applied
+        self.stats["applied"] += applied
         self.stats["not_applied"] += refused
         if refused:
             # an older attempt, a replayed sequence, or a task that left Running meanwhile
             log.info("%d heartbeat(s) acknowledged but not applied (stale attempt or seq)", refused)
-        return len(applied)
+        return applied
+
+    async def _apply_isolating(self, beats: list[tuple[uuid.UUID, int, int]]) -> int:
+        """Apply beats; one the statement refuses for its own sake (not a server away) is
+        found by halving the batch and dropped, so it can never block the others."""
+        if not beats:
+            return 0
+        try:
+            return len(await self.repo.apply_heartbeats(beats))
+        except TRANSIENT:
+            raise
+        except Exception as exc:
+            if len(beats) == 1:
+                log.warning("heartbeat %s dropped: %s", beats[0], one_line(exc))
+                return 0
+            half = len(beats) // 2
+            return await self._apply_isolating(beats[:half]) + await self._apply_isolating(
+                beats[half:]
+            )
 
     async def _flush_loop(self) -> None:
         while not self._stopping.is_set():
@@ -190,14 +216,31 @@ class HeartbeatMonitor:
     # -- the deadline sweep and the ladder ------------------------------------------------------
 
     async def _sweep_loop(self) -> None:
+        """Sweep overdue attempts, sleeping until the earliest deadline (at most a second).
+
+        Deadlines are restarted — every Running attempt gets a heartbeat timeout from now
+        before it is judged — when this loop starts, after it failed (Postgres away, or this
+        monitor cut off from it), and when Postgres restarted meanwhile: executors could not
+        renew in that time, and their attempts are not lost for it."""
+        restart = True
+        postgres_started: float | None = None
         while not self._stopping.is_set():
-            handled = await self.sweep_once()
-            if handled:
+            try:
+                if restart:
+                    n = await self.repo.restart_deadlines()
+                    log.info("deadlines restarted: %d Running attempt(s) get a timeout anew", n)
+                    restart = False
+                handled = await self.sweep_once()
+                wait_s, started = await self.repo.next_deadline()
+            except TRANSIENT:
+                restart = True
+                raise
+            if postgres_started is not None and started != postgres_started:
+                restart = True
+            postgres_started = started
+            if handled or restart:
                 continue
-            due = await self.repo.next_deadline()
-            wait = 1.0
-            if due is not None:
-                wait = min(wait, max((due - datetime.now(UTC)).total_seconds(), 0.01))
+            wait = 1.0 if wait_s is None else min(1.0, max(wait_s, 0.01))
             await wait_any(self._wake_sweep, self._stopping, timeout=wait)
             self._wake_sweep.clear()
 
@@ -209,21 +252,24 @@ class HeartbeatMonitor:
         if not overdue:
             return 0
         nodes = {n.id: n for n in await self.nodes.all()}
-        verdicts = await asyncio.gather(*(self.climb(task, nodes) for task in overdue))
+        verdicts = await asyncio.gather(
+            *(self.climb(task, silent_s, nodes) for task, silent_s in overdue)
+        )
         await self._apply([move for _, move in verdicts if move is not None])
         return len(overdue)
 
-    async def climb(self, task: Task, nodes: dict[str, NodeRow]) -> tuple[Rung, fsm.Move | None]:
+    async def climb(
+        self, task: Task, silent_s: float, nodes: dict[str, NodeRow]
+    ) -> tuple[Rung, fsm.Move | None]:
         """One rung of the ladder for one overdue attempt; the move it decides (Lost, or the
-        backend's outcome) is returned for the sweep to apply with the others in one go."""
-        now = datetime.now(UTC)
+        backend's outcome) is returned for the sweep to apply with the others in one go.
+        `silent_s`: seconds since its lease was last renewed, by Postgres's clock."""
         timeout = task.heartbeat_timeout_s
-        last = task.hb_at or task.started_at or now
         node = nodes.get(task.node or "")
         key = (task.id, task.attempt)
-        overdue = (now - last).total_seconds() - timeout
+        overdue = silent_s - timeout
         rungs = self.rungs.setdefault(
-            key, [f"heartbeat overdue {overdue:.1f} s (timeout {timeout:g} s)"]
+            key, [f"lease not renewed for {silent_s:.1f} s (timeout {timeout:g} s)"]
         )
         answer: ProbeAnswer | Unreachable | None = UNREACHABLE
         move: fsm.Move | None = None
@@ -239,18 +285,17 @@ class HeartbeatMonitor:
         said = answer.state if isinstance(answer, ProbeAnswer) else None
         if said == "finished" and isinstance(answer, ProbeAnswer) and answer.report is None:
             said = "unknown"  # "finished" without an outcome reconciles nothing
+        if said == "frozen":
+            rungs.append("backend: frozen by its watchdog")
+            said = None  # as good as no answer: the node is alive but cannot renew
         rung = next_rung(Evidence(overdue, timeout, alive, said))
         if rung is Rung.GRACE:
             rungs.append(f"node {task.node} ready: grace to {2 * timeout:g} s")
-            await self.repo.set_deadline(
-                task.id, task.attempt, last + timedelta(seconds=2 * timeout)
-            )
+            await self.repo.grace(task.id, task.attempt)
         elif rung is Rung.RESTORE:
-            rungs.append("backend reports it running: heartbeat restored")
+            rungs.append("backend reports it running: deadline restored")
             log.warning("%s attempt %d: %s", task.id, task.attempt, "; ".join(rungs))
-            await self.repo.set_deadline(
-                task.id, task.attempt, now + timedelta(seconds=timeout), now
-            )
+            await self.repo.restore(task.id, task.attempt)
             self.rungs.pop(key, None)
         elif rung is Rung.RECONCILE:
             assert isinstance(answer, ProbeAnswer)
@@ -275,8 +320,9 @@ class HeartbeatMonitor:
         if not moves:
             return
         async with self.repo.pool.acquire() as conn, conn.transaction():
+            # a Lost whose lease was renewed meanwhile loses its CAS: the lease rules
             moved = await self.repo.transition_many(moves, conn)
-            await self.repo.transition_many(retries(moved, datetime.now(UTC)), conn)
+            await self.repo.transition_many(retries(moved), conn)
         reasons = {m.task_id: m.reason for m in moves}
         for task in moved:
             log.warning(
@@ -329,8 +375,8 @@ class HeartbeatMonitor:
             return
         try:
             waiter.set_result(ProbeAnswer.model_validate_json(message.body))
-        except ValidationError as exc:
-            waiter.set_exception(exc)
+        except ValidationError as exc:  # an answer that cannot be read is no answer
+            log.warning("unreadable probe answer ignored: %s", exc)
 
 
 async def _close(channel: AbstractChannel) -> None:

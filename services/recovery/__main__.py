@@ -6,7 +6,7 @@ import sys
 
 from services.recovery.service import Recovery
 from services.relay.service import Relay
-from shared.runtime import run_service, serve
+from shared.runtime import run_service, serve, service_args
 from shared.settings import Settings
 from shared.wiring import backends
 
@@ -18,6 +18,11 @@ async def main(settings: Settings) -> None:
 
 
 def run(argv: list[str] | None = None) -> int:
+    service_args(
+        "recovery",
+        argv,
+        "Retry lost tasks, requeue stuck ones, repair the ready queue and the outbox.",
+    )
     return run_service("recovery", Settings(), main)
 
 

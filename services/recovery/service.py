@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from datetime import UTC, datetime
 
 from services.relay.service import Relay
 from shared.fsm import State
@@ -79,8 +78,7 @@ class Recovery:
         return done
 
     async def recover_lost(self) -> list[Task]:
-        now = datetime.now(UTC)
-        return await self.repo.recover_lost(100, lambda t: retry_or_fail(t, now, "lost"))
+        return await self.repo.recover_lost(100, lambda t: retry_or_fail(t, "lost"))
 
     async def requeue_stuck(self) -> list[Task]:
         stuck = await self.repo.requeue_stuck_scheduling(100, self.settings.stuck_scheduling_s)

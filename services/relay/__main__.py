@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from services.relay.service import Relay
-from shared.runtime import run_service, serve
+from shared.runtime import run_service, serve, service_args
 from shared.settings import Settings
 from shared.wiring import backends
 
@@ -16,6 +16,7 @@ async def main(settings: Settings) -> None:
 
 
 def run(argv: list[str] | None = None) -> int:
+    service_args("relay", argv, "Publish the outbox (task_events) to RabbitMQ.")
     return run_service("relay", Settings(), main)
 
 

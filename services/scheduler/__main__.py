@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from services.scheduler.service import Scheduler
-from shared.runtime import run_service, serve
+from shared.runtime import run_service, serve, service_args
 from shared.settings import Settings
 from shared.wiring import backends
 
@@ -16,6 +16,11 @@ async def main(settings: Settings) -> None:
 
 
 def run(argv: list[str] | None = None) -> int:
+    service_args(
+        "scheduler",
+        argv,
+        "Admit submissions, order them by aged priority, place and dispatch them.",
+    )
     return run_service("scheduler", Settings(), main)
 
 

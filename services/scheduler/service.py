@@ -15,26 +15,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import random
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from dataclasses import dataclass
 from uuid import UUID
 
 import asyncpg
 from aio_pika.abc import AbstractIncomingMessage
 from opentelemetry.trace import Span, SpanKind
 
-from services.scheduler.intake import Accepted, judge
+from services.scheduler.intake import Accepted, Rejected, judge, read_json, same_spec, traceparent
 from shared import fsm, telemetry, workflows
 from shared.bus import DISPATCH_EXCHANGE, SUBMIT_QUEUE, WORKFLOW_KEY, AmqpBus, Outgoing
 from shared.dag import WorkflowSpec
-from shared.errors import InvalidSpec
+from shared.errors import InvalidSpec, one_line
 from shared.fsm import State
 from shared.models import Dispatch, Task, TaskSpec, task_id_for_workflow
 from shared.nodes import NODE_CHANNEL, PgNodeRepo
 from shared.placement import Choice, Need, NodeState, place_many
+from shared.policy import JobPolicy
 from shared.queues import RESOURCE_KEY, ReadyQueue, rebuild, reconcile
 from shared.repo import TASK_CHANNEL, PgTaskRepo, parse_notify
 from shared.resilience import TRANSIENT, PgListener, supervise
@@ -94,6 +94,7 @@ class Scheduler:
         self.nodes = nodes
         self.bus = bus
         self.queue = queue
+        self.policy = JobPolicy.of(settings.allowed_handlers, settings.allowed_commands)
         # None is the stop signal for the intake loop
         self._inbox: asyncio.Queue[AbstractIncomingMessage | None] = asyncio.Queue()
         self._wake_dispatch = asyncio.Event()
@@ -163,103 +164,174 @@ class Scheduler:
             await self.accept(batch)
 
     async def accept(self, batch: Sequence[AbstractIncomingMessage]) -> list[Task]:
-        try:
-            return await self._accept(batch)
-        except TRANSIENT:
-            # Postgres or Redis is away: hand the batch back to RabbitMQ to deliver again
-            # (if the channel itself is gone, RabbitMQ requeues it anyway)
-            with contextlib.suppress(*TRANSIENT):
-                await batch[-1].nack(multiple=True, requeue=True)
-            raise
+        """Admit a batch of submissions; returns the tasks it made Ready.
 
-    async def _accept(self, batch: Sequence[AbstractIncomingMessage]) -> list[Task]:
-        accepted: list[Accepted] = []
-        traceparents: list[str | None] = []
-        spans: list[Span] = []
-        for message in batch:
-            if message.routing_key == WORKFLOW_KEY:
-                await self.accept_workflow(message)
-                continue
-            verdict = judge(
-                message.body,
-                message.content_type,
-                message.message_id,
-                self.settings.max_message_bytes,
-            )
-            if isinstance(verdict, Accepted):
-                accepted.append(verdict)
-                traceparent = _header(message, "traceparent")
-                if telemetry.enabled():
-                    if traceparent is None:  # a producer without tracing: the trace starts here
-                        with telemetry.span(
-                            "sked task", attributes={"sked.task_id": str(verdict.task_id)}
-                        ) as root:
-                            traceparent = telemetry.traceparent_of(root)
-                    spans.append(
-                        telemetry.start(
-                            f"{SUBMIT_QUEUE} receive",
-                            traceparent,
-                            SpanKind.CONSUMER,
-                            telemetry.messaging(SUBMIT_QUEUE, "receive", verdict.task_id),
-                        )
-                    )
-                traceparents.append(traceparent)
-            else:
-                log.warning("dead-lettering a submission: %s", verdict.reason)
+        No message can stop intake: whatever cannot be read, validated or stored is
+        dead-lettered alone with its reason, and the rest of the batch is admitted. A statement
+        that fails for a reason of one row is retried on halves of the batch until that row is
+        found (`_admit_isolating`). Only a server being away (a transient error) hands the
+        whole batch back to RabbitMQ, to be delivered again.
+        """
+        try:
+            refused: list[tuple[AbstractIncomingMessage, str]] = []
+            tasks: list[_Submission] = []
+            seen: dict[UUID, _Submission] = {}
+            for message in batch:
+                if message.routing_key == WORKFLOW_KEY:
+                    reason = await self._accept_workflow(message)
+                    if reason is not None:
+                        refused.append((message, reason))
+                    continue
+                verdict = judge(
+                    message.body,
+                    message.content_type,
+                    message.message_id,
+                    self.settings.max_message_bytes,
+                    self.policy,
+                )
+                if isinstance(verdict, Rejected):
+                    refused.append((message, verdict.reason))
+                    continue
+                first = seen.get(verdict.task_id)
+                if first is not None:
+                    # one task id twice in a batch (a duplicated message, a reused key)
+                    if not same_spec(first.accepted.spec.model_dump_json(), verdict.spec):
+                        refused.append((message, _conflict(verdict)))
+                    continue
+                seen[verdict.task_id] = submission = _Submission(message, verdict)
+                tasks.append(submission)
+            ready, failed = await self._admit_isolating(tasks)
+            refused.extend(failed)
+            for message, reason in refused:
+                log.warning("dead-lettering a submission: %s", reason)
                 await self.bus.dead_letter(
                     message.body,
-                    verdict.reason,
+                    reason,
                     message.routing_key or "",
                     {"x-sked-message-id": message.message_id or ""},
                 )
+        except TRANSIENT:
+            # Postgres, Redis or RabbitMQ is away: hand the batch back to RabbitMQ to deliver
+            # again (if the channel itself is gone, RabbitMQ requeues it anyway)
+            with contextlib.suppress(*TRANSIENT):
+                await batch[-1].nack(multiple=True, requeue=True)
+            raise
+        await batch[-1].ack(multiple=True)
+        return ready
+
+    async def _admit_isolating(
+        self, subs: list[_Submission]
+    ) -> tuple[list[Task], list[tuple[AbstractIncomingMessage, str]]]:
+        """Admit `subs`; if a statement fails for anything but a transient error, admit the
+        halves apart, down to the one submission that fails, which is refused with the error.
+        Admission is idempotent (task ids), so retrying what was admitted changes nothing."""
+        if not subs:
+            return [], []
         try:
-            ready = await self.admit(
-                [a.spec for a in accepted], [a.task_id for a in accepted], traceparents
+            return await self._admit_submissions(subs)
+        except TRANSIENT:
+            raise
+        except Exception as exc:
+            if len(subs) == 1:
+                log.exception("submission %s cannot be admitted", subs[0].accepted.task_id)
+                return [], [(subs[0].message, f"cannot be admitted: {one_line(exc)}")]
+            half = len(subs) // 2
+            ready, refused = await self._admit_isolating(subs[:half])
+            more, worse = await self._admit_isolating(subs[half:])
+            return ready + more, refused + worse
+
+    async def _admit_submissions(
+        self, subs: list[_Submission]
+    ) -> tuple[list[Task], list[tuple[AbstractIncomingMessage, str]]]:
+        spans: list[Span] = []
+        traceparents: list[str | None] = []
+        for sub in subs:
+            parent = traceparent(sub.message.headers)
+            if telemetry.enabled():
+                task_id = sub.accepted.task_id
+                if parent is None:  # a producer without tracing: the trace starts here
+                    with telemetry.span(
+                        "sked task", attributes={"sked.task_id": str(task_id)}
+                    ) as root:
+                        parent = telemetry.traceparent_of(root)
+                spans.append(
+                    telemetry.start(
+                        f"{SUBMIT_QUEUE} receive",
+                        parent,
+                        SpanKind.CONSUMER,
+                        telemetry.messaging(SUBMIT_QUEUE, "receive", task_id),
+                    )
+                )
+            traceparents.append(parent)
+        try:
+            ready, existing = await self.admit(
+                [s.accepted.spec for s in subs], [s.accepted.task_id for s in subs], traceparents
             )
         finally:
             for span in spans:
                 span.end()
-        await batch[-1].ack(multiple=True)
-        return ready
+        # a task id that named a task already: the same submission again is harmless; another
+        # spec under the same idempotency key (or message id) is refused, not swallowed
+        refused = [
+            (s.message, _conflict(s.accepted, existing[s.accepted.task_id]))
+            for s in subs
+            if s.accepted.task_id in existing
+            and not same_spec(existing[s.accepted.task_id].spec_json, s.accepted.spec)
+        ]
+        return ready, refused
 
-    async def accept_workflow(self, message: AbstractIncomingMessage) -> None:
-        """A whole workflow: accepted or dead-lettered whole (a cycle, an unknown edge, ...)."""
+    async def _accept_workflow(self, message: AbstractIncomingMessage) -> str | None:
+        """A whole workflow: admitted, or the reason to dead-letter it whole (a cycle, an
+        unknown edge, a key another task holds, ... or any error of its own)."""
         try:
             if len(message.body) > self.settings.max_message_bytes:
                 raise InvalidSpec(f"message of {len(message.body)} bytes exceeds the limit")
-            spec = WorkflowSpec.parse(json.loads(message.body))
-        except (InvalidSpec, ValueError) as exc:
-            reason = str(exc) if isinstance(exc, InvalidSpec) else f"malformed JSON: {exc}"
-            log.warning("dead-lettering a workflow: %s", reason)
-            await self.bus.dead_letter(message.body, reason, message.routing_key or "")
-            return
-        workflow_id = task_id_for_workflow(message.message_id)
-        ready = await workflows.admit(self.repo, workflow_id, spec, _header(message, "traceparent"))
+            data = read_json(message.body)
+            if isinstance(data, Rejected):
+                return data.reason
+            spec = WorkflowSpec.parse(data)
+            for task in spec.tasks:
+                refused = self.policy.refuses(task.spec().job)
+                if refused:
+                    raise InvalidSpec(f"task {task.name!r}: {refused}")
+            workflow_id = task_id_for_workflow(message.message_id)
+            ready = await workflows.admit(
+                self.repo, workflow_id, spec, traceparent(message.headers)
+            )
+        except TRANSIENT:
+            raise
+        except InvalidSpec as exc:
+            return str(exc)
+        except Exception as exc:
+            log.exception("workflow message %s cannot be admitted", message.message_id)
+            return f"cannot be admitted: {one_line(exc)}"
         await self.queue.push(ready)
         self._new_work.set()
         self._wake_dispatch.set()
         log.info("workflow %s (%s): %d tasks", workflow_id, spec.name, len(spec.tasks))
+        return None
 
     async def admit(
         self,
         specs: Sequence[TaskSpec],
         ids: Sequence[UUID],
         traceparents: Sequence[str | None] | None = None,
-    ) -> list[Task]:
+    ) -> tuple[list[Task], dict[UUID, Task]]:
         """Create tasks and walk the new ones Created -> Pending -> Ready (one statement).
+        Returns the new Ready tasks, and the tasks that existed already, by id.
 
         When nothing is queued ahead of them, they are placed in the same transaction and
         skip the Redis queue: no older or higher task waits, so the order is the same, and a
         submission reaches its node in one commit instead of three.
         """
         if not specs:
-            return []
+            return [], {}
         direct = not await self.queue.size()
         ends = self._ends
         async with self.repo.pool.acquire() as conn, conn.transaction():
-            tasks = await self.repo.admit_many(specs, ids, ADMISSION, conn, traceparents)
-            fresh = len(ADMISSION) + 1
-            ready = [t for t in tasks if t.status is State.READY and t.version == fresh]
+            admitted = await self.repo.admit_many(specs, ids, ADMISSION, conn, traceparents)
+            ready = [t for t, new in admitted if new and t.status is State.READY]
+            existing = {t.id: t for t, new in admitted if not new}
             moved: list[Task] = []
             waiting = {t.id: Choice(None, fits_later=True) for t in ready}
             if direct and ready:
@@ -268,7 +340,7 @@ class Scheduler:
         if waiting:
             self._new_work.set()
             self._wake_dispatch.set()
-        return ready
+        return ready, existing
 
     # -- dispatch -----------------------------------------------------------------------------
 
@@ -313,14 +385,20 @@ class Scheduler:
                 ids = await self.queue.pop(min(free, self.settings.dispatch_batch))
                 if not ids:
                     return 0
-                tasks = await self.repo.get_ready(ids, conn)
+                tasks, fenced = await self.repo.get_ready(ids, conn)
                 order = {task_id: i for i, task_id in enumerate(ids)}
                 tasks.sort(key=lambda t: order[t.id])
                 moved, waiting = await self._place(conn, tasks, nodes)
         except TRANSIENT:
             await self._put_back(ids)
             raise
-        await self._hand_over(moved, tasks, waiting, ends)
+        for task in fenced:
+            # paused while its executor could not hear it: the old attempt may run until its
+            # lease runs out, so this one waits in line (docs: at most one live attempt)
+            waiting[task.id] = Choice(
+                None, f"waiting for attempt {task.lease_attempt} to stop (its lease)", True
+            )
+        await self._hand_over(moved, tasks + fenced, waiting, ends)
         return len(moved)
 
     async def _put_back(self, ids: list[UUID]) -> None:
@@ -331,7 +409,8 @@ class Scheduler:
             return
         with contextlib.suppress(*TRANSIENT):
             async with self.repo.pool.acquire() as conn:
-                await self.queue.push(await self.repo.get_ready(ids, conn))
+                free, fenced = await self.repo.get_ready(ids, conn)
+                await self.queue.push(free + fenced)
 
     async def _place(
         self,
@@ -451,10 +530,12 @@ class Scheduler:
                 await self.queue.push(moved)
                 self._wake_dispatch.set()
                 continue
-            due = await self.repo.next_retry_due()
+            # how long until the next is due, by Postgres's clock: a local clock that is off
+            # would shift every retry by its error
+            due_in = await self.repo.next_retry_due()
             wait = self.settings.reconcile_s
-            if due is not None:
-                wait = min(wait, max((due - datetime.now(UTC)).total_seconds(), 0.0))
+            if due_in is not None:
+                wait = min(wait, max(due_in, 0.0))
             await wait_any(self._wake_retry, self._stopping, timeout=wait)
 
     # -- reconciliation -----------------------------------------------------------------------
@@ -529,11 +610,20 @@ class Scheduler:
         self._wake_dispatch.set()
 
 
-def _header(message: AbstractIncomingMessage, name: str) -> str | None:
-    value = (message.headers or {}).get(name)
-    if isinstance(value, bytes):
-        return value.decode()
-    return value if isinstance(value, str) else None
+@dataclass(frozen=True)
+class _Submission:
+    message: AbstractIncomingMessage
+    accepted: Accepted
+
+
+def _conflict(accepted: Accepted, existing: Task | None = None) -> str:
+    key = accepted.spec.idempotency_key
+    named = f"idempotency key {key!r}" if key is not None else "its message id"
+    where = f"task {existing.id}" if existing is not None else f"task {accepted.task_id}"
+    return (
+        f"{named} already names {where}, submitted with a different spec: a key (or message "
+        f"id) stands for one task; use a new one for a different task"
+    )
 
 
 def _dispatch_span(task: Task) -> Span:

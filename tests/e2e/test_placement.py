@@ -549,7 +549,7 @@ async def test_a_placement_that_waited_for_the_node_locks_sees_the_reservations_
     reservation, or it places a second task in the slot."""
     nodes, repo = PgNodeRepo(pool, 10), PgTaskRepo(pool)
     await nodes.register("n", 1, 1.0, 1024, 0, {}, uuid4())
-    [task] = await repo.admit_many([spec("t")], [uuid4()], (State.PENDING, State.READY))
+    [(task, _)] = await repo.admit_many([spec("t")], [uuid4()], (State.PENDING, State.READY))
     async with pool.acquire() as a, pool.acquire() as b:
         async with a.transaction():
             [seen_by_a] = await nodes.lock_and_read(a)

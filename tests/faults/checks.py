@@ -49,3 +49,24 @@ def duplicated(stamps: dict[str, list[Run]], killed_at: float | None = None) -> 
                 overlap = True
         bad += twice or overlap
     return bad
+
+
+def overlap_s(stamps: dict[str, list[Run]], killed_at: float | None = None) -> float:
+    """Seconds, summed over tasks, during which two attempts of one task ran at once (from the
+    tasks' own stamps; a run with no end ran until `killed_at`)."""
+    total = 0.0
+    for runs in stamps.values():
+        ordered = sorted(runs, key=lambda r: r.start)
+        for a, b in itertools.pairwise(ordered):
+            end = a.end if a.end is not None else killed_at
+            if end is not None and b.start < end:
+                total += end - b.start
+    return total
+
+
+def started_twice(stamps: dict[str, list[Run]]) -> int:
+    """How many tasks had one attempt start twice (whether two attempts overlapped is for a
+    sampler of /proc to tell, when an attempt was frozen and killed before its end stamp)."""
+    return sum(
+        any(n > 1 for n in Counter(r.attempt for r in runs).values()) for runs in stamps.values()
+    )

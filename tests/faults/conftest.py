@@ -23,6 +23,8 @@ class Row:
     lost: int
     duplicated: int
     recovery_s: float | None
+    # seconds during which two attempts of one task had running processes (None: not measured)
+    overlap_s: float | None = None
 
 
 @pytest.fixture
@@ -42,10 +44,15 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         return
     tr = terminalreporter
     tr.section("fault injection")
-    tr.write_line(f"{'case':<58} {'tasks':>6} {'lost':>5} {'dup':>5} {'recovery s':>11}")
+    tr.write_line(
+        f"{'case':<62} {'tasks':>6} {'lost':>5} {'dup':>5} {'overlap s':>10} {'recovery s':>11}"
+    )
     for r in ROWS:
         rec = "-" if r.recovery_s is None else f"{r.recovery_s:.2f}"
-        tr.write_line(f"{r.case:<58} {r.tasks:>6} {r.lost:>5} {r.duplicated:>5} {rec:>11}")
+        over = "-" if r.overlap_s is None else f"{r.overlap_s:.2f}"
+        tr.write_line(
+            f"{r.case:<62} {r.tasks:>6} {r.lost:>5} {r.duplicated:>5} {over:>10} {rec:>11}"
+        )
 
 
 __all__ = ["Deployment", "Row", "client", "deployment"]

@@ -11,17 +11,37 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from uuid import UUID, uuid4
 
 import pytest
 
-from services.executor.backend import Launch, LocalBackend, Outcome
+from services.executor.backends import Launch, Outcome
+from services.executor.backends.local import LocalBackend
 from shared.models import CommandJob, HandlerJob
 from tests.helpers import eventually
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                raw = (entry / "stat").read_bytes()
+            except OSError:
+                continue
+            ppid = int(raw[raw.rindex(b")") + 2 :].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 @pytest.fixture
@@ -383,7 +403,8 @@ from pathlib import Path
 
 import uvloop
 
-from services.executor.backend import Launch, LocalBackend
+from services.executor.backends import Launch
+from services.executor.backends.local import LocalBackend
 from shared.models import CommandJob, HandlerJob
 
 async def main() -> None:
@@ -407,35 +428,73 @@ def start_executor(tmp_path: Path, *args: object) -> subprocess.Popen[bytes]:
         return subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
 
 
-async def test_orphans_of_a_killed_executor_are_reaped(tmp_path: Path) -> None:
+def warden_tree(root: int) -> list[int]:
+    """The pids of the warden and its shims below process `root` (python processes)."""
+    out = []
+    for pid in _descendants(root):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"local/warden.py") for a in argv):
+            out.append(pid)
+    return out
+
+
+async def start_two_attempts(tmp_path: Path, script: str) -> tuple[Any, UUID, list[int]]:
     state, task_id = tmp_path / "state", uuid4()
-    command_pid, handler_pid = tmp_path / "command.pid", tmp_path / "handler.pid"
+    executor = start_executor(tmp_path, state, task_id, script, tmp_path / "handler.pid")
+
+    def started() -> bool:
+        if executor.poll() is not None:
+            raise AssertionError((tmp_path / "executor.out").read_text())
+        return bool(read_pid(tmp_path / "command.pid") and read_pid(tmp_path / "handler.pid"))
+
+    await until(started, "the executor to start both attempts", timeout=30)
+    leaders = [json.loads(p.read_text())["pid"] for p in records(state)]
+    assert len(leaders) == 2
+    return executor, task_id, leaders
+
+
+async def test_a_killed_executor_takes_its_whole_trees_with_it(tmp_path: Path) -> None:
+    """SIGKILL the executor: its warden sees it go and every shim kills its tree — the
+    children, what they left in their groups, and a daemon that escaped with setsid."""
+    command_pid, escaped_pid = tmp_path / "command.pid", tmp_path / "escaped.pid"
+    script = (
+        f"setsid sh -c 'echo $$ > {escaped_pid}; exec sleep 60' & "
+        f"sleep 60 & echo $! > {command_pid}; wait"
+    )
+    executor, _, leaders = await start_two_attempts(tmp_path, script)
+    await until(lambda: read_pid(escaped_pid), "the escaped daemon to start")
+    others = [read_pid(command_pid), read_pid(tmp_path / "handler.pid"), read_pid(escaped_pid)]
+    executor.kill()
+    executor.wait(timeout=10)
+    everything = [*leaders, *(p for p in others if p)]
+    await until(lambda: all(gone(p) for p in everything), "every process of both attempts to end")
+
+
+async def test_orphans_of_an_executor_killed_with_its_warden_are_reaped(tmp_path: Path) -> None:
+    """SIGKILL the executor, its warden and its shims at once: the attempts' leaders die
+    (parent-death signal), what they left in their process groups is killed by the next
+    executor on this state_dir, from its records."""
+    command_pid = tmp_path / "command.pid"
     script = f"sleep 60 & echo $! > {command_pid}; wait"
-    executor = start_executor(tmp_path, state, task_id, script, handler_pid)
+    executor, task_id, leaders = await start_two_attempts(tmp_path, script)
     try:
-
-        def started() -> bool:
-            if executor.poll() is not None:
-                raise AssertionError((tmp_path / "executor.out").read_text())
-            return bool(read_pid(command_pid) and read_pid(handler_pid))
-
-        await until(started, "the executor to start both attempts", timeout=30)
-        leaders = [json.loads(p.read_text())["pid"] for p in records(state)]
-        assert len(leaders) == 2
+        for pid in [executor.pid, *warden_tree(executor.pid)]:
+            os.kill(pid, signal.SIGKILL)
     finally:
-        executor.kill()  # SIGKILL: nothing cleans up
         executor.wait(timeout=10)
-    # PDEATHSIG took the direct children; the grandchildren live on in their process groups.
     await until(lambda: all(gone(pid) for pid in leaders), "PDEATHSIG to kill the children")
-    grandchildren = [read_pid(command_pid), read_pid(handler_pid)]
+    grandchildren = [read_pid(command_pid), read_pid(tmp_path / "handler.pid")]
     assert not any(gone(pid) for pid in grandchildren if pid)
 
-    b = LocalBackend(1, state)
+    b = LocalBackend(1, tmp_path / "state")
     await b.start()
     try:
         assert sorted(b.reaped) == [(task_id, 1), (task_id, 2)]
         await until(lambda: all(gone(p) for p in grandchildren if p), "the orphans to be reaped")
-        assert records(state) == []
+        assert records(tmp_path / "state") == []
     finally:
         await b.close()
 
@@ -548,7 +607,8 @@ def workers_of(state: Path) -> int:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"services.executor.worker" in argv and any(str(state).encode() in a for a in argv):
+        ours = any(str(state).encode() in a for a in argv)
+        if ours and any(a.endswith(b"local/worker.py") for a in argv):
             count += 0 if gone(int(proc.name)) else 1
     return count
 
@@ -569,3 +629,122 @@ async def test_only_the_warm_workers_start_with_the_backend(tmp_path: Path) -> N
         await b.close()
     assert all(job.result().stopped for job in jobs)
     await until(lambda: workers_of(state) == 0, "the workers to end")
+
+
+# --- leases, trees, environment -------------------------------------------------------------
+
+
+def states(pids: list[int]) -> set[str]:
+    """The /proc states of the live ones among `pids` (R, S, T, ...)."""
+    out = set()
+    for pid in pids:
+        try:
+            raw = Path(f"/proc/{pid}/stat").read_bytes()
+        except OSError:
+            continue
+        out.add(raw[raw.rindex(b")") + 2 :].split()[0].decode())
+    return out - {"Z"}
+
+
+async def test_an_unrenewed_lease_freezes_the_tree_and_a_renewal_thaws_it(
+    backend: LocalBackend, tmp_path: Path
+) -> None:
+    ticks, child = tmp_path / "ticks", tmp_path / "child.pid"
+    script = (
+        f"(while :; do echo x >> {ticks}; sleep 0.05; done) & echo $! > {child}; "
+        f"while :; do echo y >> {ticks}; sleep 0.05; done"
+    )
+    launch = replace(command(script), lease_s=0.5)
+    key = (launch.task_id, launch.attempt)
+    job = asyncio.create_task(backend.run(launch))
+    try:
+        await until(lambda: backend.frozen(key), "the lease to lapse and the tree to freeze")
+        pids = [json.loads(p.read_text())["pid"] for p in records(backend.state_dir)]
+        pids.append(read_pid(child) or 0)
+        assert states(pids) == {"T"}, states(pids)
+        size = ticks.stat().st_size
+        await asyncio.sleep(0.3)
+        assert ticks.stat().st_size == size, "a frozen tree kept writing"
+        backend.renew(key, 30.0)
+        await until(lambda: not backend.frozen(key), "the renewal to thaw it")
+        await until(lambda: ticks.stat().st_size > size, "the tree to run again")
+        assert "T" not in states(pids)
+    finally:
+        await backend.stop_task(launch.task_id, launch.attempt)
+    assert (await job).stopped
+
+
+async def test_a_tree_frozen_too_long_is_killed(tmp_path: Path) -> None:
+    b = LocalBackend(1, tmp_path / "state", freeze_max_s=0.3)
+    await b.start()
+    try:
+        outcome = await run(b, replace(command("sleep 60"), lease_s=0.2))
+    finally:
+        await b.close()
+    assert not outcome.ok
+    assert outcome.error is not None
+    assert outcome.error.startswith("lease lapsed: frozen for 0.3 s"), outcome.error
+
+
+async def test_a_handler_worker_is_frozen_with_its_attempt(
+    backend: LocalBackend, tmp_path: Path
+) -> None:
+    marker = tmp_path / "m"
+    launch = replace(handler("sleep", [60, str(marker)]), lease_s=0.3)
+    key = (launch.task_id, launch.attempt)
+    job = asyncio.create_task(backend.run(launch))
+    try:
+        await until(lambda: backend.frozen(key), "the handler's worker to freeze")
+        backend.renew(key, 30.0)
+        await until(lambda: not backend.frozen(key), "the renewal to thaw it")
+    finally:
+        await backend.stop_task(launch.task_id, launch.attempt)
+    assert (await job).stopped
+
+
+async def test_what_a_command_leaves_behind_ends_with_it(
+    backend: LocalBackend, tmp_path: Path
+) -> None:
+    """A daemon that escaped into its own session (setsid) and a background job in the
+    command's group: both end when the command does, not later."""
+    escaped, background = tmp_path / "escaped.pid", tmp_path / "bg.pid"
+    script = (
+        f"setsid sh -c 'echo $$ > {escaped}; exec sleep 60' & "
+        f"sleep 60 & echo $! > {background}; "
+        f"while [ ! -s {escaped} ]; do sleep 0.01; done"
+    )
+    outcome = await run(backend, command(script))
+    assert outcome.ok, outcome.error
+    pids = [read_pid(escaped), read_pid(background)]
+    assert all(pids)
+    await until(lambda: all(gone(p) for p in pids if p), "the leftovers to be killed")
+
+
+async def test_tasks_get_an_allowlisted_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing of the executor's environment but PATH, HOME, LANG, TZ and the names passed
+    on purpose reaches a command or a handler."""
+    monkeypatch.setenv("SKED_DATABASE_URL", "postgresql://secret@db/prod")
+    monkeypatch.setenv("SKED_HEARTBEAT_SECRET", "s3cret-s3cret-s3cret")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret")
+    monkeypatch.setenv("PASSED_ON", "yes")
+    monkeypatch.setenv("LANG", "C.UTF-8")
+    b = LocalBackend(1, tmp_path / "state", env_pass=["PASSED_ON"])
+    await b.start()
+    try:
+        shell = await run(b, Launch(uuid4(), 1, CommandJob(argv=["env"], env={"MINE": "1"}), None))
+        py = await run(b, handler("whole_environ"))
+    finally:
+        await b.close()
+    seen = dict(line.split("=", 1) for line in shell.log_tail.splitlines() if "=" in line)
+    for env in (seen, py.result):
+        assert "SKED_DATABASE_URL" not in env
+        assert "SKED_HEARTBEAT_SECRET" not in env
+        assert "AWS_SECRET_ACCESS_KEY" not in env
+        assert env["PASSED_ON"] == "yes"
+        assert env["LANG"] == "C.UTF-8"
+    allowed = {"PATH", "HOME", "LANG", "TZ", "PASSED_ON", "MINE", "SKED_TASK_ID", "SKED_ATTEMPT"}
+    allowed |= {"SKED_OUTPUT", "PWD", "SHLVL", "_"}  # env's own, and the shell's
+    assert set(seen) <= allowed, set(seen) - allowed
+    assert "MINE" not in py.result

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime, timedelta
 from uuid import UUID
 
 import asyncpg
@@ -144,9 +143,35 @@ async def test_patch_fields_and_retry_bookkeeping(repo: PgTaskRepo) -> None:
     assert (task.status, task.attempt, task.node) == (State.SCHEDULING, 1, "n1")
     task = await fsm.apply(repo, task, State.RUNNING)
     task = await fsm.apply(repo, task, State.FAILED, error="exit 1")
-    due = datetime.now(UTC) - timedelta(seconds=1)
-    task = await fsm.apply(repo, task, State.RETRY_WAIT, next_retry_at=due)
-    assert (task.retry_count, task.error, task.next_retry_at) == (1, "exit 1", due)
+    # the delay travels as a duration: Postgres computes the due time on its own clock
+    task = await fsm.apply(repo, task, State.RETRY_WAIT, retry_in_s=30.0)
+    assert (task.retry_count, task.error) == (1, "exit 1")
+    assert task.next_retry_at is not None
+    assert 29.0 < (task.next_retry_at - task.updated_at).total_seconds() <= 30.0
+    due_in = await repo.next_retry_due()
+    assert due_in is not None
+    assert 29.0 < due_in <= 30.0
+    assert await repo.sweep_due_retries(10) == []  # not due yet
+    task = await fsm.apply(repo, task, State.PAUSED, reason="x", paused_by="me")
+    assert task.paused_at == task.updated_at  # Postgres's time, not the caller's
+    task = await fsm.apply(repo, task, State.PENDING)
+    task = await fsm.apply(repo, task, State.READY)
+    [task] = await repo.pick_runnable(10)
+    assert task.attempt == 2
+    task = await fsm.apply(repo, task, State.RUNNING)
+    task = await fsm.apply(repo, task, State.FAILED, error="exit 1 again")
+    assert task.retry_count == 1
+    with pytest.raises(IllegalTransition, match="retries spent"):
+        await fsm.apply(repo, task, State.RETRY_WAIT)
+    history = await repo.history(task.id)
+    assert [e.version for e in history] == list(range(1, task.version + 1))
+
+
+async def test_retries_come_due_by_postgres_time(repo: PgTaskRepo) -> None:
+    task = await repo.create(spec(max_retries=1))
+    for target in (State.PENDING, State.READY, State.SCHEDULING, State.RUNNING, State.FAILED):
+        task = await fsm.apply(repo, task, target)
+    task = await fsm.apply(repo, task, State.RETRY_WAIT, retry_in_s=0.0)
     [task] = await repo.sweep_due_retries(10)
     assert task.status is State.READY
     [task] = await repo.pick_runnable(10)
@@ -236,7 +261,8 @@ async def test_admission_walks_the_fsm_in_one_statement(
 ) -> None:
     first = spec("walk")
     task_id = UUID(int=42)
-    [task] = await repo.admit_many([first], [task_id], (State.PENDING, State.READY))
+    [(task, created)] = await repo.admit_many([first], [task_id], (State.PENDING, State.READY))
+    assert created
     assert (task.status, task.version, task.attempt) == (State.READY, 3, 0)
     assert task.queued_at is not None
     history = await repo.history(task_id)
@@ -246,8 +272,8 @@ async def test_admission_walks_the_fsm_in_one_statement(
         (State.PENDING, State.READY, 3),
     ]
     # a redelivered submission creates nothing and returns the task as it is
-    [again] = await repo.admit_many([first], [task_id], (State.PENDING, State.READY))
-    assert again == task
+    [(again, created)] = await repo.admit_many([first], [task_id], (State.PENDING, State.READY))
+    assert (again, created) == (task, False)
     assert await counts(pool) == (1, 3)
     with pytest.raises(IllegalTransition, match="Created -> Running"):
         await repo.admit_many([spec("bad")], [UUID(int=43)], (State.RUNNING,))

@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from services.executor.backend import LocalBackend
+from services.executor.backends.local import LocalBackend
 from services.executor.service import Executor
 from services.scheduler.service import Scheduler
 from shared import telemetry

@@ -15,7 +15,7 @@ from services.heartbeat_monitor.service import HeartbeatMonitor
 from shared import heartbeat
 from shared.settings import Settings
 
-SECRET = "test-secret"
+SECRET = "test-secret-of-some-length"
 
 
 @pytest.fixture
@@ -44,8 +44,22 @@ async def test_tokens_and_bodies(monitor: tuple[HeartbeatMonitor, TestClient[Any
         assert r.status == 401  # no bearer token
     headers = {"Authorization": f"Bearer {heartbeat.token(SECRET, task, 1)}"}
     async with client.post("/heartbeat", data=b"{not json", headers=headers) as r:
-        assert r.status == 422
-    assert mon.stats["refused"] == 3
+        assert r.status == 400
+    # fields out of range are refused before anything is taken: never a crash in a flush
+    for bad in (
+        {"task_id": str(task), "attempt": 2**31, "seq": 1},
+        {"task_id": str(task), "attempt": 1, "seq": 2**63},
+        {"task_id": str(task), "attempt": -1, "seq": 1},
+        {"task_id": str(task), "attempt": 1, "seq": -5},
+        {"task_id": str(task), "attempt": 1, "seq": 1, "extra": 1},
+    ):
+        async with client.post("/heartbeat", json=bad, headers=headers) as r:
+            assert r.status == 400, bad
+    async with client.post(
+        "/heartbeat", data=b'{"seq": ' + b"9" * 5000 + b"}", headers=headers
+    ) as r:
+        assert r.status == 400
+    assert mon.stats["refused"] == 10
     assert mon._pending == {(task, 1): 1}
 
 

@@ -1,0 +1,379 @@
+"""The local backend: runs each attempt as a local process tree under a shim of the node's
+warden — a command's own process group, or a job in a pool of long-lived handler workers —
+with a lease the shim enforces without the executor, and records each attempt under
+state_dir/running so that the next executor on this state_dir kills what a crashed one left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+from services.executor.backends import Key, Launch, Outcome
+from services.executor.backends.local.process import Proc, SpawnError, Warden, exit_text
+from services.executor.backends.local.records import Records
+from services.executor.backends.local.worker import MAX_REPLY_BYTES, describe
+from services.executor.backends.local.workers import (
+    STOP_GRACE_S,
+    Stopped,
+    Undelivered,
+    Worker,
+    WorkerPool,
+)
+from shared.models import CommandJob, HandlerJob
+
+log = logging.getLogger(__name__)
+
+# What a task's process gets from the executor's environment: nothing else, so that no
+# deployment secret (database URLs, the heartbeat secret, cloud credentials) reaches a task.
+TASK_ENV_ALLOW = ("PATH", "HOME", "LANG", "TZ")
+
+
+def task_base_env(
+    passed: Iterable[str] = (), environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The allowlisted part of a task's environment (TASK_ENV_ALLOW plus `passed` names)."""
+    source = os.environ if environ is None else environ
+    names = [*TASK_ENV_ALLOW, *passed]
+    return {n: source[n] for n in names if n in source and not n.upper().startswith("SKED_")}
+
+
+def _tail(path: Path, size: int) -> str:
+    try:
+        with path.open("rb") as f:
+            end = f.seek(0, os.SEEK_END)
+            f.seek(max(0, end - size))
+            data = f.read(size)
+    except OSError:
+        return ""
+    return data.decode("utf-8", errors="replace")
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _with_output(outcome: Outcome, path: Path) -> Outcome:
+    """A command that exited 0 and wrote JSON to $SKED_OUTPUT declared that as its output: it
+    joins the result (and goes downstream). Output that is not JSON fails the attempt."""
+    if not outcome.ok:
+        return outcome
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return outcome  # declared nothing
+    if size == 0:
+        return outcome
+    if size > MAX_REPLY_BYTES:
+        error = f"declared output too large: {size} bytes in $SKED_OUTPUT"
+        return Outcome.failed(error, outcome.log_tail)
+    try:
+        output = json.loads(path.read_bytes(), parse_constant=_refuse_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        error = f"declared output in $SKED_OUTPUT is not JSON: {describe(exc)}"
+        return Outcome.failed(error, outcome.log_tail)
+    return replace(outcome, result={**outcome.result, "output": output})
+
+
+def _task_env(launch: Launch) -> dict[str, str]:
+    return {"SKED_TASK_ID": str(launch.task_id), "SKED_ATTEMPT": str(launch.attempt)}
+
+
+class _Run:
+    """An attempt in flight here: the task running it, its process, and the future that asks
+    it to stop."""
+
+    def __init__(self) -> None:
+        self.stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.task: asyncio.Task[Outcome]
+        self.proc: Proc | None = None  # the command's tree, or the worker running the job
+        self.lease_s: float | None = None  # a lease renewed before the process was there
+
+    def request_stop(self) -> None:
+        if not self.stop.done():
+            self.stop.set_result(None)
+
+    def renew(self, seconds: float) -> None:
+        self.lease_s = seconds
+        if self.proc is not None:
+            self.proc.renew(seconds)
+
+
+class LocalBackend:
+    """Runs attempts on this machine: commands as process trees, handlers in up to `slots`
+    long-lived workers (`warm_workers` started at once, the rest on first use)."""
+
+    def __init__(
+        self,
+        slots: int,
+        state_dir: Path,
+        log_tail_bytes: int = 8192,
+        warm_workers: int = 2,
+        env_pass: Iterable[str] = (),
+        freeze_max_s: float = 600.0,
+    ) -> None:
+        self.slots = slots
+        # Handler workers started with the executor; the other slots start theirs on their
+        # first handler job and keep it. A command-only node with 50 slots does not pay for 50
+        # Python processes (seconds of CPU at start), and a handler node pays once per slot.
+        self.warm_workers = min(warm_workers, slots)
+        self.state_dir = state_dir.absolute()
+        self.log_tail_bytes = log_tail_bytes
+        self.freeze_max_s = freeze_max_s
+        self.base_env = task_base_env(env_pass)
+        self.reaped: list[Key] = []  # attempts a previous executor left running, reaped at start
+        self._logs = self.state_dir / "logs"
+        self._worker_out = self.state_dir / "workers"
+        self._io = self.state_dir / "io"  # per-attempt inputs and declared-output files
+        self._records = Records(self.state_dir / "running")
+        self._runs: dict[Key, _Run] = {}
+        self._warden = Warden()
+        self._pool = WorkerPool(
+            slots, self._warden, self._records, self._worker_out, self.base_env, freeze_max_s
+        )
+        self._lock: int | None = None
+        self._started = False
+        self._closed = False
+
+    async def start(self) -> None:
+        """Reap what a previous executor left running, then start the warden and the warm
+        handler workers."""
+        for path in (self._logs, self._worker_out, self._io, self._records.root):
+            path.mkdir(parents=True, exist_ok=True)
+        self._lock = self._take_lock()
+        self.reaped = self._records.reap()
+        for stale in [*self._worker_out.iterdir(), *self._io.iterdir()]:
+            stale.unlink(missing_ok=True)
+        await self._warden.start()
+        self._started = True
+        await self._pool.warm(self.warm_workers)
+
+    def _take_lock(self) -> int:
+        # Two backends on one state_dir would reap each other's live attempts.
+        fd = os.open(self.state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RuntimeError(f"{self.state_dir} is in use by another executor") from None
+        return fd
+
+    async def run(self, launch: Launch) -> Outcome:
+        """Run the attempt, or join it if it is already running here; never raises for the task.
+
+        Cancelling a caller does not stop the attempt; stop_task() and close() do.
+        """
+        if self._closed:
+            return Outcome.halted()
+        if not self._started:
+            raise RuntimeError("LocalBackend.start() was not called")
+        key = (launch.task_id, launch.attempt)
+        run = self._runs.get(key)
+        if run is None:
+            run = self._runs[key] = _Run()
+            run.lease_s = launch.lease_s
+            run.task = asyncio.create_task(self._attempt(run, launch))
+        return await asyncio.shield(run.task)
+
+    async def stop_task(self, task_id: UUID, attempt: int) -> bool:
+        """Kill the attempt if it runs here, and return once it has ended; False if it did not."""
+        run = self._runs.get((task_id, attempt))
+        if run is None:
+            return False
+        run.request_stop()
+        await asyncio.wait({run.task})
+        return True
+
+    def running(self) -> set[Key]:
+        return set(self._runs)
+
+    def renew(self, key: Key, seconds: float) -> None:
+        """Postgres renewed the attempt's lease: it lasts `seconds` from now (thaws it)."""
+        run = self._runs.get(key)
+        if run is not None:
+            run.renew(seconds)
+
+    def frozen(self, key: Key) -> bool:
+        run = self._runs.get(key)
+        return run is not None and run.proc is not None and run.proc.frozen
+
+    async def watch(self) -> None:
+        await self._warden.watch()
+
+    async def close(self) -> None:
+        """Stop every attempt still running, then the workers and the warden."""
+        self._closed = True
+        runs = list(self._runs.values())
+        for run in runs:
+            run.request_stop()
+        if runs:
+            await asyncio.wait({run.task for run in runs})
+        await self._pool.close()
+        await self._warden.close()
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+    async def _attempt(self, run: _Run, launch: Launch) -> Outcome:
+        key = (launch.task_id, launch.attempt)
+        log_path = self._logs / f"{key[0]}-{key[1]}.log"
+        inputs_path = self._io / f"{key[0]}-{key[1]}.inputs.json"
+        output_path = self._io / f"{key[0]}-{key[1]}.output.json"
+        try:
+            job = launch.job
+            io_env = {}
+            if launch.inputs is not None:
+                inputs_path.write_text(json.dumps(launch.inputs))
+                io_env["SKED_INPUTS"] = str(inputs_path)
+            if isinstance(job, CommandJob):
+                output_path.unlink(missing_ok=True)
+                io_env["SKED_OUTPUT"] = str(output_path)
+                launch = replace(launch, env={**launch.env, **io_env})
+                outcome = await self._command(run, launch, job, log_path)
+                return _with_output(outcome, output_path)
+            launch = replace(launch, env={**launch.env, **io_env})
+            return await self._handler(run, launch, job, log_path)
+        except Exception as exc:
+            log.exception(
+                "attempt %s/%s: backend failure",
+                *key,
+                extra={"task_id": key[0], "attempt": key[1]},
+            )
+            return Outcome.failed(f"executor error: {describe(exc)}", self._tail(log_path))
+        finally:
+            del self._runs[key]
+            inputs_path.unlink(missing_ok=True)
+            output_path.unlink(missing_ok=True)
+
+    def _tail(self, log_path: Path) -> str:
+        return _tail(log_path, self.log_tail_bytes)
+
+    def _cut_short(self, launch: Launch, stopped: bool, log_tail: str) -> Outcome:
+        """The outcome of an attempt that was stopped or ran out of time."""
+        if stopped:
+            return Outcome.halted(log_tail)
+        error = f"timed out after {float(launch.timeout_s or 0)} s"
+        return Outcome.failed(error, log_tail, timed_out=True)
+
+    async def _command(self, run: _Run, launch: Launch, job: CommandJob, log_path: Path) -> Outcome:
+        key = (launch.task_id, launch.attempt)
+        env = {**self.base_env, **job.env, **launch.env, **_task_env(launch)}
+        try:
+            proc = await self._warden.spawn(
+                job.argv,
+                env,
+                cwd=job.cwd,
+                log_path=log_path,
+                lease_s=run.lease_s,
+                freeze_max_s=self.freeze_max_s,
+            )
+        except SpawnError as exc:
+            return Outcome.failed(f"could not start: {exc}")
+        run.proc = proc
+        try:
+            self._records.add(key, proc.pid, proc.start_time)
+            waits: set[asyncio.Future[Any]] = {proc.ended, run.stop}
+            await asyncio.wait(waits, timeout=launch.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            finished, stopped = proc.ended.done(), run.stop.done()
+            if not finished:
+                proc.stop(STOP_GRACE_S)
+            ended = await proc.wait()
+        finally:
+            self._records.remove(key)
+        tail = self._tail(log_path)
+        if not finished:
+            return self._cut_short(launch, stopped, tail)
+        if ended.how == "frozen too long":
+            return Outcome.failed(self._lapsed(), tail)
+        code = ended.code
+        error = None if code == 0 else exit_text(code)
+        return Outcome(code == 0, {"exit_code": code}, error, False, False, tail)
+
+    def _lapsed(self) -> str:
+        return (
+            f"lease lapsed: frozen for {self.freeze_max_s:g} s without a renewal "
+            "(its node was cut off or frozen), then killed"
+        )
+
+    async def _handler(self, run: _Run, launch: Launch, job: HandlerJob, log_path: Path) -> Outcome:
+        try:
+            worker = await self._pool.take(run.stop)
+        except Stopped:
+            return Outcome.halted()
+        key = (launch.task_id, launch.attempt)
+        message = {
+            "handler": job.handler,
+            "args": job.args,
+            "env": {**launch.env, **_task_env(launch)},
+        }
+        if launch.inputs is not None:
+            message["inputs"] = launch.inputs
+        line = json.dumps(message).encode() + b"\n"
+        answer, gone, stopped, tail = None, True, False, ""
+        try:
+            for last_try in (False, True):
+                if worker is None or worker.exited.done():
+                    try:
+                        worker = await self._pool.spawn()
+                    except (OSError, RuntimeError, SpawnError) as exc:
+                        return Outcome.failed(f"could not start a handler worker: {describe(exc)}")
+                assert worker.record is not None
+                self._records.link(key, worker.record)
+                run.proc = worker.proc
+                if run.lease_s is not None:
+                    worker.proc.renew(run.lease_s)
+                try:
+                    answer, gone = await worker.call(line, run.stop, launch.timeout_s)
+                except Undelivered:
+                    await worker.kill()
+                    worker.discard()
+                    if not last_try:
+                        continue  # it never saw the job: a fresh worker may run it
+                stopped = run.stop.done()
+                break
+            assert worker is not None
+            run.proc = None
+            if answer is None:
+                await worker.kill()
+            else:
+                worker.proc.unlease()
+            tail = await self._keep_output(worker, log_path)
+        finally:
+            self._records.remove(key)
+            if answer is not None:
+                self._pool.give_back(worker)
+            else:
+                self._pool.refill(worker)
+        if answer is not None:
+            if answer["ok"]:
+                return Outcome(True, answer.get("result"), None, False, False, tail)
+            return Outcome.failed(str(answer.get("error")), tail)
+        if stopped or not gone:
+            return self._cut_short(launch, stopped, tail)
+        assert worker is not None
+        ended = worker.exited.result() if worker.exited.done() else None
+        if ended is not None and ended.how == "frozen too long":
+            return Outcome.failed(self._lapsed(), tail)
+        error = f"handler worker died: {exit_text(ended.code if ended else None)}"
+        log.warning("attempt %s/%s: %s", *key, error, extra={"task_id": key[0], "attempt": key[1]})
+        return Outcome.failed(error, tail)
+
+    async def _keep_output(self, worker: Worker, log_path: Path) -> str:
+        """Copy what the job printed to the attempt's log; return its tail ("" if nothing)."""
+        try:
+            size = worker.out.stat().st_size
+        except OSError:
+            return ""
+        if size == 0:
+            return ""
+        await asyncio.to_thread(shutil.copyfile, worker.out, log_path)
+        return _tail(log_path, self.log_tail_bytes)

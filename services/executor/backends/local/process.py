@@ -1,0 +1,262 @@
+"""The executor's side of the warden: start it, spawn processes through it, and steer each
+one's shim — renew its lease, stop it, kill it — over a pipe, reading its reports on another.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.executor.backends.local import warden
+
+log = logging.getLogger(__name__)
+
+WARDEN_START_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Exit:
+    """How a process tree ended: `code` as asyncio gives it (>= 0 exit code, < 0 the signal
+    that killed it, None if unknown) and `how`: exited, stopped, killed, frozen too long,
+    orphaned, terminated, or lost (the shim vanished without a word)."""
+
+    code: int | None
+    how: str
+
+
+class SpawnError(Exception):
+    """The process could not be started (the program is missing, the directory, ...)."""
+
+
+def exit_text(code: int | None) -> str:
+    if code is None:
+        return "no exit status"
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
+class Proc:
+    """One process tree under its shim."""
+
+    def __init__(self, ctl: int, report: int) -> None:
+        loop = asyncio.get_running_loop()
+        self._ctl = ctl
+        self._report = report
+        self._buffer = b""
+        self.pid = 0
+        self.start_time = 0
+        self.frozen = False
+        self.started: asyncio.Future[None] = loop.create_future()
+        self.ended: asyncio.Future[Exit] = loop.create_future()
+        os.set_blocking(report, False)
+        os.set_blocking(ctl, False)
+        loop.add_reader(report, self._readable)
+
+    # -- steering -----------------------------------------------------------------------------
+
+    def renew(self, seconds: float) -> None:
+        """The lease lasts `seconds` from now (thaws a frozen tree)."""
+        self._send(f"renew {max(seconds, 0.0):.3f}")
+
+    def unlease(self) -> None:
+        """No lease is kept (an idle handler worker): never frozen."""
+        self._send("unlease")
+
+    def stop(self, grace_s: float) -> None:
+        """SIGTERM the process group, SIGKILL the whole tree after `grace_s`."""
+        self._send(f"stop {grace_s:.3f}")
+
+    def kill(self) -> None:
+        """SIGKILL the whole tree now."""
+        self._send("kill")
+
+    async def wait(self) -> Exit:
+        return await asyncio.shield(self.ended)
+
+    def _send(self, line: str) -> None:
+        if self.ended.done():
+            return
+        try:
+            os.write(self._ctl, line.encode() + b"\n")
+        except (BlockingIOError, BrokenPipeError) as exc:  # the shim is gone, or wedged
+            log.warning("shim of process %d did not take %r: %s", self.pid, line, exc)
+
+    # -- reports ------------------------------------------------------------------------------
+
+    def _readable(self) -> None:
+        try:
+            data = os.read(self._report, 4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._end(Exit(None, "lost"))
+            return
+        self._buffer += data
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for line in lines:
+            self._line(line.decode(errors="replace"))
+
+    def _line(self, line: str) -> None:
+        word, _, rest = line.partition(" ")
+        if word == "pid":
+            pid, _, started = rest.partition(" ")
+            self.pid, self.start_time = int(pid), int(started or 0)
+            if not self.started.done():
+                self.started.set_result(None)
+        elif word == "error":
+            if not self.started.done():
+                self.started.set_exception(SpawnError(json.loads(rest)))
+        elif word == "frozen":
+            self.frozen = True
+            log.warning("process %d frozen: its lease was not renewed in time", self.pid)
+        elif word == "thawed":
+            self.frozen = False
+            log.info("process %d thawed: its lease was renewed", self.pid)
+        elif word == "exit":
+            status, _, how = rest.partition(" ")
+            raw = int(status)
+            self._end(Exit(None if raw < 0 else os.waitstatus_to_exitcode(raw), how))
+
+    def _end(self, result: Exit) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._report)
+        for fd in (self._report, self._ctl):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if not self.started.done():
+            self.started.set_exception(SpawnError(f"the shim ended first ({result.how})"))
+        if not self.ended.done():
+            self.ended.set_result(result)
+
+
+def _without_secrets(env: Mapping[str, str]) -> dict[str, str]:
+    """The warden's environment: the executor's, less sked's own settings (tasks can read
+    /proc/<pid>/environ of processes of their own user)."""
+    return {k: v for k, v in env.items() if not k.upper().startswith("SKED_")}
+
+
+class Warden:
+    """The warden process of one executor, and the socket that asks it to spawn."""
+
+    def __init__(self) -> None:
+        self._sock: socket.socket | None = None
+        self._proc: asyncio.subprocess.Process | None = None
+        self._lock = asyncio.Lock()
+        self._closing = False
+
+    async def start(self) -> None:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-P",  # the script's folder does not go on sys.path
+                str(Path(warden.__file__)),
+                str(theirs.fileno()),
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # a terminal's Ctrl-C or Ctrl-Z never reaches it
+                env=_without_secrets(os.environ),
+            )
+        finally:
+            theirs.close()
+        mine.setblocking(False)
+        self._sock = mine
+
+    async def spawn(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        cwd: str | None = None,
+        log_path: Path | None = None,
+        lease_s: float | None = None,
+        freeze_max_s: float = 600.0,
+        pipes: tuple[int, int] | None = None,
+    ) -> Proc:
+        """Start `argv` under a shim of its own; returns once it runs. Its output goes to
+        `log_path`, or stdin and stdout are `pipes` (their far ends; they are closed here).
+        Raises SpawnError if it could not start."""
+        if self._sock is None or self._closing:
+            raise SpawnError("the warden is not running")
+        ctl_r, ctl_w = os.pipe2(os.O_CLOEXEC)
+        report_r, report_w = os.pipe2(os.O_CLOEXEC)
+        request = {
+            "argv": list(argv),
+            "env": dict(env),
+            "cwd": cwd,
+            "log": None if log_path is None else str(log_path),
+            "lease_s": lease_s,
+            "freeze_max_s": freeze_max_s,
+        }
+        passed = [ctl_r, report_w, *(pipes or ())]
+        try:
+            proc = Proc(ctl_w, report_r)
+            body = json.dumps(request).encode()
+            async with self._lock:
+                await self._send(warden.HEADER.pack(len(body)) + body, passed)
+        except BaseException:
+            for fd in (ctl_w, report_r):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            raise
+        finally:
+            for fd in passed:
+                os.close(fd)
+        await proc.started
+        return proc
+
+    async def _send(self, data: bytes, fds: list[int]) -> None:
+        """Send `data` with `fds` attached to its first byte, without blocking the loop."""
+        assert self._sock is not None
+        loop = asyncio.get_running_loop()
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+        while True:
+            try:
+                sent = self._sock.sendmsg([data], rights)
+                break
+            except BlockingIOError:
+                ready = loop.create_future()
+                loop.add_writer(self._sock, ready.set_result, None)
+                try:
+                    await ready
+                finally:
+                    loop.remove_writer(self._sock)
+        if sent < len(data):
+            await loop.sock_sendall(self._sock, data[sent:])
+
+    async def watch(self) -> None:
+        """Return only by raising: when the warden dies while it is still needed."""
+        assert self._proc is not None
+        code = await self._proc.wait()
+        if not self._closing:
+            raise RuntimeError(f"the warden died ({exit_text(code)}): its attempts died with it")
+
+    async def close(self) -> None:
+        """Stop the warden: every shim kills its tree first (bounded)."""
+        self._closing = True
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._proc is not None and self._proc.returncode is None:
+            try:
+                await asyncio.wait_for(self._proc.wait(), warden.KILL_ROUNDS_S + 5)
+            except TimeoutError:
+                self._proc.kill()
+                await self._proc.wait()
