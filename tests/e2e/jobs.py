@@ -21,3 +21,16 @@ def nap(ms: float = 0) -> float:
 
 def noop() -> None:
     return None
+
+
+def nan() -> float:
+    return float("nan")
+
+
+def big(n: int) -> str:
+    """A result of about `n` bytes."""
+    return "x" * n
+
+
+def nul() -> str:
+    return "a\x00b"

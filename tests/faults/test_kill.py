@@ -13,7 +13,7 @@ import asyncpg
 from shared.client import SkedClient
 from shared.fsm import State
 from tests.e2e.checks import check_all_histories
-from tests.faults.checks import duplicated, read_stamps
+from tests.faults.checks import duplicated, overlap_s, read_stamps
 from tests.faults.conftest import Deployment, Row
 from tests.faults.jobs import FAST, shell_stamp, stamp_specs, start_all
 from tests.helpers import eventually
@@ -72,7 +72,8 @@ async def test_sigkill_an_executor_with_fifty_running_tasks(
     done = await client.wait_all(ids, timeout=60)
     lost = sum(t.status is not State.SUCCESS for t in done.values())
     dup = duplicated(read_stamps(stamps), killed_at)
-    record.append(Row("SIGKILL executor, 50 x 3 s tasks running", 50, lost, dup, recovery_s))
+    over = overlap_s(read_stamps(stamps), killed_at)
+    record.append(Row("SIGKILL executor, 50 x 3 s tasks running", 50, lost, dup, recovery_s, over))
     assert lost == 0
     assert dup == 0
     assert all(t.attempt == 2 and t.node == "survivor" for t in done.values())
@@ -112,7 +113,16 @@ async def test_sigkill_each_service_at_random_moments(
     lost = sum(t.status is not State.SUCCESS for t in done.values())
     runs = read_stamps(stamps)
     dup = duplicated(runs)
-    record.append(Row("SIGKILL scheduler, relay, monitor, recovery mid-run", 1000, lost, dup, None))
+    record.append(
+        Row(
+            "SIGKILL scheduler, relay, monitor, recovery mid-run",
+            1000,
+            lost,
+            dup,
+            None,
+            overlap_s(runs),
+        )
+    )
     assert lost == 0
     assert dup == 0
     assert len(runs) == 1000

@@ -22,7 +22,7 @@ import pytest
 from shared.client import SkedClient
 from shared.fsm import State
 from tests.e2e.checks import check_all_histories
-from tests.faults.checks import duplicated, read_stamps
+from tests.faults.checks import duplicated, overlap_s, read_stamps
 from tests.faults.conftest import Deployment, Row
 from tests.faults.jobs import stamp_specs, start_all
 from tests.helpers import eventually
@@ -144,8 +144,11 @@ async def outage_case(
     done = await client.wait_all(ids, timeout=240)
     finished = time.monotonic()
     lost = sum(t.status is not State.SUCCESS for t in done.values())
-    dup = duplicated(read_stamps(stamps))
-    record.append(Row(f"restart {name} mid-run", len(ids), lost, dup, finished - back))
+    runs = read_stamps(stamps)
+    dup = duplicated(runs)
+    record.append(
+        Row(f"restart {name} mid-run", len(ids), lost, dup, finished - back, overlap_s(runs))
+    )
     print(f"\n{name}: outage {back - started:.1f} s; all done {finished - back:.1f} s after it")
     assert lost == 0
     assert dup == 0
