@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -69,6 +70,8 @@ class Stack:
             # every slot's handler worker up front: the figures are steady state, not start-up
             "SKED_WARM_WORKERS": str(self.args.slots),
             "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+            "SKED_TASK_ENV_PASS": "PYTHONPATH",  # the handlers are this checkout's
+            "SKED_HEARTBEAT_SECRET": secrets.token_hex(32),
         }
         services = [["scheduler"], ["relay"]] + [
             ["executor", "--node-id", f"bench-{i}", "--slots", str(self.args.slots)]

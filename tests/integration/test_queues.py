@@ -11,7 +11,11 @@ from uuid import UUID, uuid4
 import pytest
 from redis.asyncio import Redis
 
+from shared import fsm, queues
+from shared.fsm import State
 from shared.queues import PARKED_KEY, RESOURCE_KEY, ReadyQueue
+from shared.repo import PgTaskRepo
+from tests.helpers import spec
 
 
 @dataclass(frozen=True)
@@ -81,3 +85,22 @@ async def test_unpark_moves_large_sets_and_keeps_the_better_score(queue: ReadyQu
         Item(both.id, 1, T0 - timedelta(seconds=100))
     )
     assert await queue.unpark() == 0  # nothing parked: nothing to do
+
+
+async def test_reconcile_finds_every_lost_ready_task_however_many(
+    queue: ReadyQueue, repo: PgTaskRepo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reconciler reads stale Ready tasks a page at a time, to the end: with pages of 5,
+    all 12 tasks Redis lost come back (it read only the first page before)."""
+    monkeypatch.setattr(queues, "PAGE", 5)
+    tasks = await repo.create_many([spec(f"r{i}") for i in range(12)], walk=[State.PENDING])
+    for task in tasks:
+        await repo.transition(fsm.plan(task, State.READY))
+    await queue.mark_built()
+    assert await queue.size() == 0
+    assert await queues.reconcile(queue, repo, older_than_s=0.0) == 12
+    assert await queue.size() == 12
+    assert await queues.reconcile(queue, repo, older_than_s=0.0) == 0
+    await queue.redis.delete(queues.BUILT_KEY)  # Redis lost everything: a rebuild, all pages
+    await queue.redis.delete(queues.READY_KEY)
+    assert await queues.reconcile(queue, repo, older_than_s=0.0) == 12

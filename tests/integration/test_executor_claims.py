@@ -1,0 +1,101 @@
+"""The executor's start claim on real Postgres: a claim whose COMMIT went through but whose
+reply was lost is recognised as this executor's own (not dropped into a loss), and of two
+dispatches of one task in a batch the newer attempt is the one claimed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.executor.backends.local import LocalBackend
+from services.executor.service import Executor
+from shared import fsm
+from shared.fsm import State
+from shared.models import Dispatch, Task
+from shared.settings import Settings
+from shared.wiring import backends
+from tests.helpers import spec
+
+
+class Message:
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self.headers: dict[str, Any] = {}
+        self.routing_key = "n1"
+        self.acked = 0
+
+    async def ack(self) -> None:
+        self.acked += 1
+
+
+def dispatch_of(task: Task) -> Message:
+    body = Dispatch(
+        task_id=task.id,
+        attempt=task.attempt,
+        version=task.version,
+        retry_count=task.retry_count,
+        max_retries=task.max_retries,
+        node="n1",
+    )
+    return Message(body.model_dump_json().encode())
+
+
+@pytest.fixture
+async def executor(settings: Settings, tmp_path: Path) -> AsyncIterator[Executor]:
+    node = settings.model_copy(update={"node_id": "n1", "slots": 2})
+    async with backends(node) as b:
+        backend = LocalBackend(2, tmp_path, warm_workers=0)
+        await backend.start()
+        try:
+            yield Executor(node, b.tasks, b.nodes, b.bus, backend, b.ready_queue)
+        finally:
+            await backend.close()
+
+
+async def scheduled(executor: Executor) -> Task:
+    task = await executor.repo.create(spec("claimed"))
+    for target in (State.PENDING, State.READY):
+        task = await fsm.apply(executor.repo, task, target)
+    return await fsm.apply(executor.repo, task, State.SCHEDULING, node="n1")
+
+
+async def test_a_claim_whose_reply_was_lost_is_still_ours(
+    executor: Executor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    task = await scheduled(executor)
+    real = executor.repo.transition_many
+    calls = 0
+
+    async def reply_lost(moves: Any, conn: Any = None) -> list[Task]:
+        nonlocal calls
+        calls += 1
+        moved = await real(moves, conn)
+        if calls == 1:
+            raise ConnectionResetError("the COMMIT went through; its reply did not")
+        return moved
+
+    monkeypatch.setattr(executor.repo, "transition_many", reply_lost)
+    message = dispatch_of(task)
+    assert await executor.start([message]) == 1  # type: ignore[list-item]
+    assert calls == 2
+    assert (task.id, 1) in executor.active
+    await asyncio.wait(executor._runs, timeout=30)
+    attempt, outcome = executor._outcomes.get_nowait()  # type: ignore[misc]
+    assert (attempt.task.id, outcome.ok) == (task.id, True)  # it ran, once
+    assert message.acked == 0  # acknowledged only once its outcome is written
+
+
+async def test_the_newer_of_two_dispatches_in_a_batch_is_claimed(executor: Executor) -> None:
+    first = await scheduled(executor)
+    back = await fsm.apply(executor.repo, first, State.READY, reason="dispatch lost")
+    second = await fsm.apply(executor.repo, back, State.SCHEDULING, node="n1")
+    old, new = dispatch_of(first), dispatch_of(second)
+    assert await executor.start([old, new]) == 1  # type: ignore[list-item]
+    assert old.acked == 1  # the stale one is dropped
+    assert new.acked == 0
+    assert (second.id, 2) in executor.active
+    await asyncio.wait(executor._runs, timeout=30)
