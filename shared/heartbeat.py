@@ -1,8 +1,9 @@
 """Heartbeats: the message, the per-attempt token, and the loss-confirmation ladder (pure).
 
-A heartbeat names a task, an attempt and a sequence number that increases with every beat of
-that attempt (sked's executor uses milliseconds since the epoch; a task that beats itself over
-HTTP should too). Postgres applies one only to the attempt Running now and only if its sequence
+A heartbeat (from a task's own process over HTTP, or anyone over RabbitMQ) names a task, an
+attempt and a sequence number that increases with every beat of that attempt (milliseconds
+since the epoch will do). Executors do not beat: they renew their attempts' leases in Postgres
+(shared.lease). Postgres applies one only to the attempt Running now and only if its sequence
 is higher than the last applied, so a beat of an older attempt, or a replay, changes nothing.
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import time
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
@@ -66,10 +66,6 @@ class ProbeAnswer(BaseModel):
     # frozen: its lease lapsed and the node's watchdog stopped it (as good as no answer)
     state: Literal["running", "finished", "frozen", "unknown"]
     report: Report | None = None  # with "finished": the real outcome
-
-
-def now_seq() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def token(secret: str, task_id: UUID, attempt: int) -> str:

@@ -10,8 +10,10 @@ import os
 import shutil
 import signal
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 from uuid import UUID
+
+from services.executor.backends.local.warden import stat
 
 log = logging.getLogger(__name__)
 
@@ -21,29 +23,6 @@ Key = tuple[UUID, int]
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-
-
-class _Stat(NamedTuple):
-    pgid: int
-    start_time: int
-
-
-def _stat(pid: int) -> _Stat | None:
-    """From /proc/<pid>/stat: the process group, and the start time (field 22) that tells a
-    process from a later one given the same pid. None if there is no such process (or /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: count from its last ")".
-    fields = raw[raw.rindex(b")") + 2 :].split()
-    return _Stat(int(fields[2]), int(fields[19]))
-
-
-def _start_time(pid: int) -> int | None:
-    stat = _stat(pid)
-    return None if stat is None else stat.start_time
 
 
 def _boot_id() -> str | None:
@@ -129,12 +108,12 @@ class Records:
         pid, pgid, started = int(record["pid"]), int(record["pgid"]), record["start_time"]
         if started is None or self.boot_id is None or record.get("boot_id") != self.boot_id:
             return False  # no way to tell it from a later process, or rebooted since
-        leader = _stat(pid)
+        leader = stat(pid)
         if leader is not None:
             if leader.start_time != started:
                 return False  # the pid was reused, so our group is gone
         elif not any(
-            (member := _stat(int(name))) is not None
+            (member := stat(int(name))) is not None
             and member.pgid == pgid
             and member.start_time >= started
             for name in os.listdir("/proc")

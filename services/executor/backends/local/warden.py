@@ -31,7 +31,7 @@ import socket
 import struct
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -52,20 +52,28 @@ def _now() -> float:
 # --- process trees --------------------------------------------------------------------------
 
 
-def _stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, ppid, start time) of a process from /proc, or None if it is gone."""
+class Stat(NamedTuple):
+    state: str  # R, S, D, T (stopped), Z (zombie), ...
+    ppid: int
+    pgid: int
+    start_time: int  # ticks since boot: tells a process from a later one given the same pid
+
+
+def stat(pid: int) -> Stat | None:
+    """A process's line of /proc/<pid>/stat, or None if it is gone (or there is no /proc)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read()
     except OSError:
         return None
+    # The command name (field 2) may hold spaces and parentheses: count from its last ")".
     fields = raw[raw.rindex(b")") + 2 :].split()
-    return fields[0].decode(), int(fields[1]), int(fields[19])
+    return Stat(fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[19]))
 
 
 def start_time(pid: int) -> int | None:
-    found = _stat(pid)
-    return None if found is None else found[2]
+    found = stat(pid)
+    return None if found is None else found.start_time
 
 
 def descendants(root: int) -> list[int]:
@@ -73,9 +81,9 @@ def descendants(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
-            found = _stat(int(name))
-            if found is not None and found[0] not in ("Z", "X"):
-                children.setdefault(found[1], []).append(int(name))
+            found = stat(int(name))
+            if found is not None and found.state not in ("Z", "X"):
+                children.setdefault(found.ppid, []).append(int(name))
     out: list[int] = []
     todo = [root]
     while todo:
@@ -413,14 +421,14 @@ class Warden:
 
     def _below_live_shim(self, pid: int) -> bool:
         for _ in range(1000):
-            found = _stat(pid)
-            if found is None or found[1] in (0, 1):
+            found = stat(pid)
+            if found is None or found.ppid in (0, 1):
                 return False
-            if found[1] in self.shims:
+            if found.ppid in self.shims:
                 return True
-            if found[1] == self.me:
+            if found.ppid == self.me:
                 return False
-            pid = found[1]
+            pid = found.ppid
         return False
 
     def _shutdown(self) -> None:
