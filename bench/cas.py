@@ -16,36 +16,37 @@ import asyncpg
 
 from shared import fsm
 from shared.fsm import State
-from shared.migrate import migrate
 from shared.models import TaskSpec
-from shared.repo import PgTaskRepo, create_pool
+from shared.store import Store
+from shared.store.db import create_pool
+from shared.store.migrate import migrate
 
 ADMIN = os.environ.get("SKED_BENCH_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
 SPEC = TaskSpec.parse({"name": "bench", "job": {"kind": "handler", "handler": "m:f"}})
 
 
-async def single(repo: PgTaskRepo, n: int, concurrency: int) -> float:
-    tasks = await repo.create_many([SPEC] * n)
+async def single(store: Store, n: int, concurrency: int) -> float:
+    tasks = await store.tasks.create_many([SPEC] * n)
     work = iter(tasks)
 
     async def worker() -> None:
         for task in work:
-            await fsm.apply(repo, task, State.PENDING)
+            await fsm.apply(store.tasks, task, State.PENDING)
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return n / (time.perf_counter() - start)
 
 
-async def batched(repo: PgTaskRepo, n: int, size: int, concurrency: int) -> float:
+async def batched(store: Store, n: int, size: int, concurrency: int) -> float:
     tasks = []
     for i in range(0, n, 1000):
-        tasks.extend(await repo.create_many([SPEC] * min(1000, n - i)))
+        tasks.extend(await store.tasks.create_many([SPEC] * min(1000, n - i)))
     chunks = iter([tasks[i : i + size] for i in range(0, n, size)])
 
     async def worker() -> None:
         for chunk in chunks:
-            moved = await repo.transition_many([fsm.plan(t, State.PENDING) for t in chunk])
+            moved = await store.tasks.transition_many([fsm.plan(t, State.PENDING) for t in chunk])
             assert len(moved) == len(chunk)
 
     start = time.perf_counter()
@@ -61,11 +62,11 @@ async def main(args: argparse.Namespace) -> None:
     try:
         await migrate(dsn)
         pool = await create_pool(dsn, size=12)
-        repo = PgTaskRepo(pool)
+        store = Store(pool, dsn)
         singles, batches = [], []
         for run in range(args.runs):
-            singles.append(await single(repo, args.single, 12))
-            batches.append(await batched(repo, args.batched, args.batch_size, 4))
+            singles.append(await single(store, args.single, 12))
+            batches.append(await batched(store, args.batched, args.batch_size, 4))
             print(f"run {run + 1}: single {singles[-1]:,.0f}/s  batched {batches[-1]:,.0f}/s")
         await pool.close()
         print(

@@ -25,9 +25,9 @@ import asyncpg
 from redis.asyncio import Redis
 
 from shared.client import SkedClient
-from shared.migrate import migrate
-from shared.repo import PgTaskRepo, create_pool
 from shared.settings import Settings
+from shared.store.db import create_pool
+from shared.store.migrate import migrate
 
 ADMIN = os.environ.get("SKED_BENCH_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
 SKED = str(Path(sys.executable).with_name("sked"))
@@ -111,7 +111,7 @@ class Stack:
         subprocess.run(["rabbitmqctl", "-q", "delete_vhost", self.name], check=False)
 
 
-async def burst(client: SkedClient, repo: PgTaskRepo, n: int) -> float:
+async def burst(client: SkedClient, n: int) -> float:
     start = time.perf_counter()
     ids = []
     for i in range(0, n, 500):
@@ -161,8 +161,7 @@ async def main(args: argparse.Namespace) -> None:
         async with Stack(args) as settings:
             client = SkedClient(settings)
             pool = await create_pool(settings.database_url, 2)
-            repo = PgTaskRepo(pool)
-            await burst(client, repo, 500)  # warm up workers, connections and caches
+            await burst(client, 500)  # warm up workers, connections and caches
             await settle(pool)
             # latency first, at a steady paced load; then the burst (whose cleanup — outbox
             # draining, vacuum of the dead rows it leaves — would otherwise load the paced run)
@@ -173,7 +172,7 @@ async def main(args: argparse.Namespace) -> None:
             line += f"p99 {p99s[-1]:.1f} ms"
             if args.tasks:
                 await settle(pool)
-                rates.append(await burst(client, repo, args.tasks))
+                rates.append(await burst(client, args.tasks))
                 line += f"; {rates[-1]:,.0f} tasks/s sustained ({args.tasks} tasks)"
             print(line, flush=True)
             await pool.close()

@@ -24,11 +24,9 @@ from shared.control import NotAllowed
 from shared.dag import WorkflowSpec
 from shared.errors import SkedError
 from shared.fsm import State
-from shared.migrate import migrate
 from shared.models import Task, TaskSpec
-from shared.nodes import PgNodeRepo
-from shared.repo import PgTaskRepo, create_pool
 from shared.settings import Settings, parse_labels
+from shared.store.migrate import migrate
 
 SERVICES: dict[str, str] = {
     "scheduler": "services.scheduler.__main__",
@@ -60,14 +58,6 @@ def _task_id(text: str) -> UUID:
 
 def _run(coro: Awaitable[int]) -> int:
     return asyncio.run(coro)  # type: ignore[arg-type]
-
-
-async def _with_repo(work: Callable[[PgTaskRepo], Awaitable[int]]) -> int:
-    pool = await create_pool(Settings().database_url, 2)
-    try:
-        return await work(PgTaskRepo(pool))
-    finally:
-        await pool.close()
 
 
 # -- operate ---------------------------------------------------------------------------------
@@ -195,57 +185,49 @@ def _status_lines(task: Task) -> list[str]:
 
 
 async def _status(args: argparse.Namespace) -> int:
-    async def work(repo: PgTaskRepo) -> int:
-        task = await repo.get(_task_id(args.id))
-        if args.json:
-            _print_json(task.as_json())
-        else:
-            print("\n".join(_status_lines(task)))
-        return 0
-
-    return await _with_repo(work)
+    async with SkedClient() as client:
+        task = await client.get(_task_id(args.id))
+    if args.json:
+        _print_json(task.as_json())
+    else:
+        print("\n".join(_status_lines(task)))
+    return 0
 
 
 async def _list(args: argparse.Namespace) -> int:
-    async def work(repo: PgTaskRepo) -> int:
-        tasks = await repo.list_tasks(statuses=args.status, limit=args.limit)
-        if args.json:
-            _print_json([t.as_json() for t in tasks])
-            return 0
-        for t in tasks:
-            print(f"{t.id}  {t.status.label:<10}  {t.attempt:>3}  {t.priority:>5}  {t.name}")
+    async with SkedClient() as client:
+        tasks = await client.tasks(statuses=args.status, limit=args.limit)
+    if args.json:
+        _print_json([t.as_json() for t in tasks])
         return 0
-
-    return await _with_repo(work)
+    for t in tasks:
+        print(f"{t.id}  {t.status.label:<10}  {t.attempt:>3}  {t.priority:>5}  {t.name}")
+    return 0
 
 
 async def _events(args: argparse.Namespace) -> int:
-    async def work(repo: PgTaskRepo) -> int:
-        events = await repo.history(_task_id(args.id))
-        if args.json:
-            _print_json([e.model_dump(mode="json") for e in events])
-            return 0
-        for e in events:
-            source = e.from_status.label if e.from_status else "-"
-            print(
-                f"v{e.version:<3} {e.at.isoformat()}  attempt {e.attempt}  "
-                f"{source} -> {e.to_status.label}  {e.reason}"
-            )
+    async with SkedClient() as client:
+        events = await client.history(_task_id(args.id))
+    if args.json:
+        _print_json([e.model_dump(mode="json") for e in events])
         return 0
-
-    return await _with_repo(work)
+    for e in events:
+        source = e.from_status.label if e.from_status else "-"
+        print(
+            f"v{e.version:<3} {e.at.isoformat()}  attempt {e.attempt}  "
+            f"{source} -> {e.to_status.label}  {e.reason}"
+        )
+    return 0
 
 
 async def _logs(args: argparse.Namespace) -> int:
-    async def work(repo: PgTaskRepo) -> int:
-        task = await repo.get(_task_id(args.id))
-        if task.log_tail is None:
-            print(f"(no log yet: the task is {task.status.label})", file=sys.stderr)
-            return 0
-        sys.stdout.write(task.log_tail)
+    async with SkedClient() as client:
+        task = await client.get(_task_id(args.id))
+    if task.log_tail is None:
+        print(f"(no log yet: the task is {task.status.label})", file=sys.stderr)
         return 0
-
-    return await _with_repo(work)
+    sys.stdout.write(task.log_tail)
+    return 0
 
 
 async def _wait(args: argparse.Namespace) -> int:
@@ -347,12 +329,8 @@ async def _workflow(args: argparse.Namespace) -> int:
 
 
 async def _nodes(args: argparse.Namespace) -> int:
-    settings = Settings()
-    pool = await create_pool(settings.database_url, 2)
-    try:
-        nodes = await PgNodeRepo(pool, settings.node_ttl_s).all()
-    finally:
-        await pool.close()
+    async with SkedClient() as client:
+        nodes = await client.nodes()
     if args.json:
         _print_json([n.as_json() for n in nodes])
         return 0

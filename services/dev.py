@@ -17,9 +17,9 @@ import signal
 import sys
 from dataclasses import dataclass
 
-from shared.migrate import migrate
 from shared.runtime import run_main
 from shared.settings import Settings
+from shared.store.migrate import migrate
 
 GRACE_S = 15.0
 COLOURS = ["36", "33", "35", "32", "34", "31"]

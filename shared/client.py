@@ -23,7 +23,6 @@ from types import TracebackType
 from typing import Any
 from uuid import UUID, uuid4
 
-import asyncpg
 from opentelemetry.trace import SpanKind
 from redis.asyncio import Redis
 
@@ -34,9 +33,9 @@ from shared.errors import NotFound, SkedError
 from shared.fsm import State
 from shared.models import Event, Task, TaskSpec, task_id_for
 from shared.queues import ReadyQueue
-from shared.repo import TASK_CHANNEL, PgTaskRepo, create_pool, parse_notify
-from shared.resilience import TRANSIENT, PgListener
+from shared.resilience import TRANSIENT
 from shared.settings import Settings
+from shared.store import TASK_CHANNEL, NodeRow, Store, parse_notify
 
 
 class WaitTimeout(SkedError, TimeoutError):
@@ -102,7 +101,7 @@ class SkedClient:
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = settings or Settings()
         self._bus: AmqpBus | None = None
-        self._pool: asyncpg.Pool | None = None
+        self._store: Store | None = None
         self._redis: Redis | None = None
 
     async def __aenter__(self) -> SkedClient:
@@ -120,14 +119,15 @@ class SkedClient:
         if self._bus is not None:
             await self._bus.close()
             self._bus = None
-        if self._pool is not None:
-            await self._pool.close()
-            self._pool = None
+        if self._store is not None:
+            await self._store.close()
+            self._store = None
 
-    async def _repo(self) -> PgTaskRepo:
-        if self._pool is None:
-            self._pool = await create_pool(self.settings.database_url, 2)
-        return PgTaskRepo(self._pool, self.settings.lease_margin_s)
+    async def _db(self) -> Store:
+        if self._store is None:
+            s = self.settings
+            self._store = await Store.connect(s.database_url, 2, s.lease_margin_s, s.node_ttl_s)
+        return self._store
 
     def _queue(self) -> ReadyQueue:
         if self._redis is None:
@@ -200,7 +200,7 @@ class SkedClient:
         return workflow_id
 
     async def workflow(self, workflow_id: UUID | str) -> WorkflowView:
-        row, tasks, edges = await (await self._repo()).workflow(UUID(str(workflow_id)))
+        row, tasks, edges = await (await self._db()).workflows.get(UUID(str(workflow_id)))
         return WorkflowView(
             row["id"],
             row["name"],
@@ -234,30 +234,37 @@ class SkedClient:
 
     async def pause(self, task_id: UUID | str, reason: str, by: str | None = None) -> Task:
         """Pause a non-terminal task (a running attempt is stopped). Raises NotAllowed."""
-        return await control.pause(await self._repo(), UUID(str(task_id)), reason, by)
+        return await control.pause(await self._db(), UUID(str(task_id)), reason, by)
 
     async def resume(self, task_id: UUID | str) -> Task:
         """Resume a paused task: it runs again as a new attempt, with no retry spent."""
-        return await control.resume(await self._repo(), self._queue(), UUID(str(task_id)))
+        return await control.resume(await self._db(), self._queue(), UUID(str(task_id)))
 
     async def cancel(self, task_id: UUID | str, reason: str = "", by: str | None = None) -> Task:
         """Cancel a non-terminal task (a running attempt is stopped). Raises NotAllowed."""
-        repo = await self._repo()
-        return await control.cancel(repo, self._queue(), UUID(str(task_id)), reason, by)
+        return await control.cancel(await self._db(), self._queue(), UUID(str(task_id)), reason, by)
 
     async def set_priority(self, task_id: UUID | str, priority: int) -> list[Task]:
         """Change a non-terminal task's priority (a workflow task's upstreams inherit it).
         Returns the tasks whose priority changed, this one first. Raises NotAllowed."""
-        repo = await self._repo()
-        return await control.set_priority(repo, self._queue(), UUID(str(task_id)), priority)
+        store = await self._db()
+        return await control.set_priority(store, self._queue(), UUID(str(task_id)), priority)
 
     # -- read ---------------------------------------------------------------------------------
 
     async def get(self, task_id: UUID | str) -> Task:
-        return await (await self._repo()).get(UUID(str(task_id)))
+        return await (await self._db()).tasks.get(UUID(str(task_id)))
 
     async def history(self, task_id: UUID | str) -> list[Event]:
-        return await (await self._repo()).history(UUID(str(task_id)))
+        return await (await self._db()).tasks.history(UUID(str(task_id)))
+
+    async def tasks(self, statuses: Iterable[object] | None = None, limit: int = 100) -> list[Task]:
+        """Tasks, newest first, optionally only those in `statuses`."""
+        return await (await self._db()).tasks.list_tasks(statuses=statuses, limit=limit)
+
+    async def nodes(self) -> list[NodeRow]:
+        """The registered nodes with their capacity and usage."""
+        return await (await self._db()).nodes.all()
 
     async def wait(self, task_id: UUID | str, timeout: float | None = None) -> Task:
         """Wait until the task is terminal; returns it. Raises WaitTimeout."""
@@ -273,7 +280,7 @@ class SkedClient:
         notification was missed. A task not yet created (its submission still queued) counts
         as pending.
         """
-        repo = await self._repo()
+        store = await self._db()
         pending = {UUID(str(i)) for i in task_ids}
         done: dict[UUID, Task] = {}
         wake = asyncio.Event()
@@ -297,7 +304,7 @@ class SkedClient:
             wake.set()
 
         stop = asyncio.Event()
-        listener = PgListener(self.settings.database_url, [(TASK_CHANNEL, notified)], reconnected)
+        listener = store.listener([(TASK_CHANNEL, notified)], reconnected)
         listening = asyncio.create_task(listener.run(stop))
         try:
             last_full = time.monotonic()
@@ -309,7 +316,7 @@ class SkedClient:
                     check = list(named & pending)
                 named.clear()
                 try:
-                    finished = await repo.terminal_among(check)
+                    finished = await store.tasks.terminal_among(check)
                 except TRANSIENT:  # Postgres is away: wait and look at everything again
                     check_all = True
                     finished = []

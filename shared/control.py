@@ -17,7 +17,7 @@ from shared.errors import InvalidSpec, SkedError, StaleWrite
 from shared.fsm import State
 from shared.models import MAX_PRIORITY, MIN_PRIORITY, Task
 from shared.queues import ReadyQueue
-from shared.repo import PgTaskRepo
+from shared.store import Store
 
 ATTEMPTS = 20
 
@@ -42,18 +42,18 @@ def _refuse(action: str, task: Task) -> None:
         )
 
 
-async def pause(repo: PgTaskRepo, task_id: UUID, reason: str, by: str | None = None) -> Task:
+async def pause(store: Store, task_id: UUID, reason: str, by: str | None = None) -> Task:
     """Any non-terminal state -> Paused. A running attempt is stopped by its executor; no
     retry is spent, and the task does not start again until resumed."""
     who = by or operator()
     for _ in range(ATTEMPTS):
-        task = await repo.get(task_id)
+        task = await store.tasks.get(task_id)
         _refuse("pause", task)
         if task.status is State.PAUSED:
             raise NotAllowed(f"task {task_id} is already paused (by {task.paused_by})")
         try:
             moved: Task = await fsm.apply(
-                repo,
+                store.tasks,
                 task,
                 State.PAUSED,
                 reason=f"paused by {who}: {reason}",
@@ -67,7 +67,7 @@ async def pause(repo: PgTaskRepo, task_id: UUID, reason: str, by: str | None = N
 
 
 async def cancel(
-    repo: PgTaskRepo,
+    store: Store,
     queue: ReadyQueue | None,
     task_id: UUID,
     reason: str = "",
@@ -76,11 +76,11 @@ async def cancel(
     """Any non-terminal state -> Canceled (terminal). A running attempt is stopped."""
     who = by or operator()
     for _ in range(ATTEMPTS):
-        task = await repo.get(task_id)
+        task = await store.tasks.get(task_id)
         _refuse("cancel", task)
         text = f"canceled by {who}" + (f": {reason}" if reason else "")
         try:
-            moved: Task = await fsm.apply(repo, task, State.CANCELED, reason=text)
+            moved: Task = await fsm.apply(store.tasks, task, State.CANCELED, reason=text)
         except StaleWrite:
             continue
         if queue is not None and task.status is State.READY:
@@ -89,27 +89,27 @@ async def cancel(
     raise StaleWrite(f"task {task_id} kept changing; cancel not applied")
 
 
-async def resume(repo: PgTaskRepo, queue: ReadyQueue, task_id: UUID) -> Task:
+async def resume(store: Store, queue: ReadyQueue, task_id: UUID) -> Task:
     """Paused -> Pending -> Ready, and into the ready queue. The next attempt gets a new
     attempt number; retry_count is unchanged (a pause costs no retry)."""
     for _ in range(ATTEMPTS):
-        task = await repo.get(task_id)
+        task = await store.tasks.get(task_id)
         if task.status is not State.PAUSED:
             _refuse("resume", task)
             raise NotAllowed(f"task {task_id} is {task.status.label}, not paused")
-        if await repo.has_deps(task_id):
+        if await store.workflows.has_deps(task_id):
             # a workflow task: back to Pending; the scheduler re-evaluates its dependencies
-            moved = await repo.transition(fsm.plan(task, State.PENDING, "resumed"))
+            moved = await store.tasks.transition(fsm.plan(task, State.PENDING, "resumed"))
             if moved is None:
                 continue
             return moved
-        async with repo.pool.acquire() as conn, conn.transaction():
-            pending = await repo.transition_many([fsm.plan(task, State.PENDING, "resumed")], conn)
+        async with store.transaction() as tx:
+            pending = await tx.tasks.transition_many([fsm.plan(task, State.PENDING, "resumed")])
             if not pending:
                 continue  # it moved meanwhile: look again
             # a task with no dependencies is ready at once
-            ready = await repo.transition_many(
-                [fsm.plan(pending[0], State.READY, "resumed: no dependencies")], conn
+            ready = await tx.tasks.transition_many(
+                [fsm.plan(pending[0], State.READY, "resumed: no dependencies")]
             )
         await queue.push(ready)
         return ready[0]
@@ -117,7 +117,7 @@ async def resume(repo: PgTaskRepo, queue: ReadyQueue, task_id: UUID) -> Task:
 
 
 async def set_priority(
-    repo: PgTaskRepo, queue: ReadyQueue | None, task_id: UUID, priority: int
+    store: Store, queue: ReadyQueue | None, task_id: UUID, priority: int
 ) -> list[Task]:
     """Change a non-terminal task's own priority. For a workflow task the effective priorities
     are recomputed (its upstreams inherit it, brief §7); the Ready tasks among those that moved
@@ -125,9 +125,9 @@ async def set_priority(
     task itself first."""
     if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
         raise InvalidSpec(f"priority must be within [{MIN_PRIORITY}, {MAX_PRIORITY}]: {priority}")
-    task = await repo.get(task_id)
+    task = await store.tasks.get(task_id)
     _refuse("reprioritise", task)
-    changed = await repo.reprioritise(task, priority)
+    changed = await store.tasks.reprioritise(task, priority)
     if queue is not None:
         # re-scored in place (ZADD); one popped meanwhile is gone from the queue already and
         # comes back, if at all, only as a stale entry that dispatch drops

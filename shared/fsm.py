@@ -56,6 +56,8 @@ S = State
 ALWAYS_TERMINAL = frozenset({S.SUCCESS, S.CANCELED, S.SKIPPED})
 _RETRYABLE = (S.FAILED, S.TIMED_OUT)  # a tuple: the diagram must not depend on hash order
 RETRYABLE = frozenset(_RETRYABLE)
+# An attempt holds its node's slot and resources, and its workflow resources, in these states.
+HOLDS_SLOT = frozenset({S.SCHEDULING, S.RUNNING})
 
 
 @dataclass(frozen=True)

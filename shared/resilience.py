@@ -1,23 +1,22 @@
 """Riding out Postgres, Redis and RabbitMQ outages: supervised loops and a LISTEN that reconnects.
 
-A service's loop that hits a connection error does not crash the process: `supervise` logs it,
-waits with capped exponential backoff and jitter (tenacity's wait strategy), and starts the
-loop again, so work stalls while a server is down and resumes by itself. Anything else is a bug
-and still stops the service with a non-zero exit. `PgListener` keeps a LISTEN connection up and,
-after every reconnect, calls back so the service can sweep for what it missed meanwhile.
+A service's loop that hits a transient error does not crash the process: `supervise` logs it,
+waits with capped exponential backoff and jitter, and starts the loop again, so work stalls
+while a server is down and resumes by itself. Anything else is a bug and still stops the
+service with a non-zero exit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 
 import aiormq.exceptions
 import asyncpg
 import redis.exceptions
-from tenacity import wait_exponential_jitter
 
+from shared.backoff import retry_delay
 from shared.runtime import wait_any
 
 log = logging.getLogger(__name__)
@@ -64,12 +63,10 @@ TRANSIENT: tuple[type[BaseException], ...] = (
     aiormq.exceptions.DeliveryError,  # a publish nacked (a resource alarm) or returned
 )
 
-_JITTERED = wait_exponential_jitter(multiplier=0.2, max=5.0, jitter=0.5)
 
-
-def _wait(failures: int) -> float:
-    """Seconds before try number `failures` + 1: 0.2 s doubling to 5 s, plus up to 0.5 s."""
-    return float(_JITTERED(_RetryState(failures)))  # type: ignore[arg-type]
+def backoff_s(failures: int) -> float:
+    """Seconds before try number `failures` + 1: from 0.1-0.2 s, doubling, to 2.5-5 s."""
+    return retry_delay(failures - 1, base_s=0.2, cap_s=5.0)
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -87,7 +84,7 @@ async def supervise(
             return
         except TRANSIENT as exc:
             failures += 1
-            delay = _wait(failures)
+            delay = backoff_s(failures)
             log.warning(
                 "%s: %s: %s; retrying in %.1f s",
                 name,
@@ -97,66 +94,6 @@ async def supervise(
                 exc_info=log.isEnabledFor(logging.DEBUG),
             )
             await wait_any(stopping, timeout=delay)
-
-
-class _RetryState:
-    """The one field tenacity's wait strategies read (we use the strategy, not its retry
-    loop: our loops restart whole passes and must stop on shutdown)."""
-
-    def __init__(self, attempt_number: int) -> None:
-        self.attempt_number = attempt_number
-
-
-Handler = Callable[[object, int, str, str], None]
-
-
-class PgListener:
-    """LISTEN on channels over one dedicated connection, re-established after it drops."""
-
-    def __init__(
-        self,
-        dsn: str,
-        handlers: Sequence[tuple[str, Handler]],
-        on_reconnect: Callable[[], None] | None = None,
-    ) -> None:
-        self.dsn = dsn
-        self.handlers = handlers
-        self.on_reconnect = on_reconnect
-        self.connected = asyncio.Event()
-
-    async def run(self, stopping: asyncio.Event) -> None:
-        first = True
-        failures = 0
-        while not stopping.is_set():
-            dropped = asyncio.Event()
-            try:
-                conn: asyncpg.Connection = await asyncpg.connect(self.dsn)
-            except TRANSIENT as exc:
-                failures += 1
-                delay = _wait(failures)
-                log.warning("LISTEN: cannot connect (%s); retrying in %.1f s", exc, delay)
-                await wait_any(stopping, timeout=delay)
-                continue
-            try:
-                conn.add_termination_listener(lambda _c, ev=dropped: ev.set())
-                for channel, handler in self.handlers:
-                    await conn.add_listener(channel, handler)
-                failures = 0
-                self.connected.set()
-                if not first:
-                    log.warning("LISTEN re-established; sweeping for what was missed")
-                    if self.on_reconnect is not None:
-                        self.on_reconnect()
-                first = False
-                await wait_any(dropped, stopping)
-                if dropped.is_set():
-                    log.warning("LISTEN connection lost")
-            except TRANSIENT as exc:
-                log.warning("LISTEN: %s", exc)
-            finally:
-                self.connected.clear()
-                if not conn.is_closed():
-                    conn.terminate()
 
 
 async def retrying(
@@ -174,7 +111,7 @@ async def retrying(
             if stopping.is_set() and failures > 3:
                 log.error("%s: giving up while stopping: %s", name, exc)
                 return False
-            delay = _wait(failures)
+            delay = backoff_s(failures)
             log.warning("%s: %s: %s; retrying in %.1f s", name, type(exc).__name__, exc, delay)
             if stopping.is_set():
                 await asyncio.sleep(delay)  # draining on shutdown: still worth a few tries

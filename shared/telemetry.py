@@ -12,11 +12,18 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from uuid import UUID
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind
+
+from shared import hooks
+
+if TYPE_CHECKING:
+    from shared.fsm import Move
+    from shared.models import Task
 
 TRACER = "sked"
 _enabled = False
@@ -43,9 +50,12 @@ def setup(service_name: str) -> None:
 
 
 def use(provider: Any) -> None:
-    """Make `provider` the tracer provider (tests pass one with an in-memory exporter)."""
+    """Make `provider` the tracer provider (tests pass one with an in-memory exporter), and
+    plug tracing into sked's hooks."""
     global _enabled
     trace.set_tracer_provider(provider)
+    if not _enabled:
+        hooks.install(TracingHook())
     _enabled = True
 
 
@@ -112,13 +122,9 @@ def headers_for(current: Span, headers: dict[str, Any] | None = None) -> dict[st
 
 
 def transitions(moves: Sequence[tuple[Any, Any]], start_ns: int, end_ns: int) -> None:
-    """One span per recorded transition, under its task's trace: (task after, move) pairs.
-
-    Called by the repository after a CAS statement, with the statement's own start and end,
-    so every state change of every task shows in its trace however it was made.
-    """
-    if not _enabled:
-        return
+    """One span per recorded transition, under its task's trace: (task after, move) pairs,
+    with the statement's own start and end, so every state change of every task shows in its
+    trace however it was made."""
     t = tracer()
     for task, move in moves:
         s = t.start_span(
@@ -154,3 +160,78 @@ def messaging(destination: str, operation: str, task_id: Any, **more: Any) -> di
 
 def _clean(attributes: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in attributes.items() if v is not None}
+
+
+class TracingHook(hooks.Hook):
+    """Tracing at sked's seams: a span per transition, per submission received, per dispatch
+    sent, and around each attempt, all in the task's trace."""
+
+    def transitions(self, moved: Sequence[tuple[Task, Move]], start_ns: int, end_ns: int) -> None:
+        transitions(moved, start_ns, end_ns)
+
+    def received(
+        self, queue: str, task_ids: Sequence[UUID], parents: Sequence[str | None]
+    ) -> tuple[list[str | None], list[Any]]:
+        contexts: list[str | None] = []
+        handles: list[Any] = []
+        for task_id, parent in zip(task_ids, parents, strict=True):
+            if parent is None:  # a producer without tracing: the task's trace starts here
+                with span("sked task", attributes={"sked.task_id": str(task_id)}) as root:
+                    parent = traceparent_of(root)
+            contexts.append(parent)
+            handles.append(
+                start(
+                    f"{queue} receive",
+                    parent,
+                    SpanKind.CONSUMER,
+                    messaging(queue, "receive", task_id),
+                )
+            )
+        return contexts, handles
+
+    def dispatching(self, tasks: Sequence[Task]) -> tuple[list[dict[str, Any]], list[Any]]:
+        spans = [
+            start(
+                "sked.dispatch publish",
+                t.traceparent,
+                SpanKind.PRODUCER,
+                messaging("sked.dispatch", "publish", t.id, node=t.node, attempt=t.attempt),
+            )
+            for t in tasks
+        ]
+        return [headers_for(s) for s in spans], spans
+
+    def finished(self, handles: Sequence[Any]) -> None:
+        for handle in handles:
+            if isinstance(handle, Span):
+                handle.end()
+
+    @contextmanager
+    def attempt(
+        self, task: Task, node: str, headers: Mapping[str, Any] | None
+    ) -> Iterator[hooks.Attempt]:
+        queue = f"sked.node.{node}"
+        received = start(
+            f"{queue} receive",
+            extract(headers),
+            SpanKind.CONSUMER,
+            messaging(queue, "receive", task.id, attempt=task.attempt),
+        )
+        received.end()
+        parent = trace.set_span_in_context(received) if headers else task.traceparent
+        with span(
+            f"attempt {task.attempt} run",
+            parent,
+            attributes={"sked.task_id": str(task.id), "sked.node": node},
+        ) as run:
+            yield _SpanAttempt(run)
+
+
+class _SpanAttempt(hooks.Attempt):
+    def __init__(self, run: Span) -> None:
+        self.run = run
+
+    def ended(self, ok: bool, error: str | None) -> None:
+        self.run.set_attribute("sked.ok", ok)
+        if error:
+            self.run.set_attribute("sked.error", error)

@@ -1,9 +1,9 @@
-"""Running workflows on the repository: admit a whole DAG at once, and release or skip a task
-when its upstreams finish (the decisions are shared.dag's; the writes go through the FSM).
+"""Running workflows on the store: admit a whole DAG at once, and release or skip a task when
+its upstreams finish (the decisions are shared.dag's; the writes go through the FSM).
 
-Release is decided under the downstream task's row lock (`repo.LOCK_PENDING`), in the same
-transaction as its CAS: of two deciders woken by two upstreams finishing at once, the second
-waits for the first and then finds the task no longer Pending — it is released exactly once.
+Release is decided under the downstream task's row lock (`lock_pending`, sql/workflows.sql), in
+the same transaction as its CAS: of two deciders woken by two upstreams finishing at once, the
+second waits for the first and then finds the task no longer Pending: it is released once.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from shared.dag import Condition, Verdict, WorkflowSpec, decide, effective_prior
 from shared.errors import InvalidSpec
 from shared.fsm import State
 from shared.models import Task
-from shared.repo import PgTaskRepo
+from shared.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def task_id(workflow_id: UUID, name: str) -> UUID:
 
 
 async def admit(
-    repo: PgTaskRepo, workflow_id: UUID, spec: WorkflowSpec, traceparent: str | None = None
+    store: Store, workflow_id: UUID, spec: WorkflowSpec, traceparent: str | None = None
 ) -> list[Task]:
     """Write the whole workflow in one transaction (or nothing, if it exists already): tasks
     without dependencies go to Ready, the others wait in Pending. Returns the Ready ones."""
@@ -43,9 +43,9 @@ async def admit(
     roots = [t for t in spec.tasks if not t.needs]
     dependents = [t for t in spec.tasks if t.needs]
     submitted = spec.model_dump(mode="json")
-    async with repo.pool.acquire() as conn, conn.transaction():
-        if not await repo.insert_workflow(conn, workflow_id, spec.name, submitted):
-            stored = await repo.workflow_spec(conn, workflow_id)
+    async with store.transaction() as tx:
+        if not await tx.workflows.insert(workflow_id, spec.name, submitted):
+            stored = await tx.workflows.spec(workflow_id)
             if stored != submitted:
                 raise InvalidSpec(
                     f"workflow id {workflow_id} already names a different workflow: a message id "
@@ -56,10 +56,9 @@ async def admit(
         for group, walk in ((roots, ROOT_WALK), (dependents, DEPENDENT_WALK)):
             if not group:
                 continue
-            tasks = await repo.create_many(
+            tasks = await tx.tasks.create_many(
                 [t.spec() for t in group],
                 [ids[t.name] for t in group],
-                conn,
                 walk,
                 [traceparent] * len(group),
                 workflow_id,
@@ -74,8 +73,7 @@ async def admit(
                     )
             if walk is ROOT_WALK:
                 ready = tasks
-        await repo.insert_deps(
-            conn,
+        await tx.workflows.insert_deps(
             [
                 (
                     ids[t.name],
@@ -92,19 +90,19 @@ async def admit(
     return ready
 
 
-async def resolve(repo: PgTaskRepo, candidates: Sequence[UUID]) -> tuple[list[Task], list[Task]]:
+async def resolve(store: Store, candidates: Sequence[UUID]) -> tuple[list[Task], list[Task]]:
     """Decide Pending workflow tasks: Pending -> Ready when every edge holds, Pending ->
     Skipped when one can no longer hold; the rest keep waiting. Returns (ready, skipped)."""
     if not candidates:
         return [], []
-    async with repo.pool.acquire() as conn, conn.transaction():
-        pending = await repo.lock_pending(conn, candidates)
+    async with store.transaction() as tx:
+        pending = await tx.workflows.lock_pending(candidates)
         if not pending:
             return [], []
         edges: dict[UUID, list[tuple[Condition, State, str | None]]] = {t.id: [] for t in pending}
         upstreams: dict[UUID, list[dict[str, Any]]] = {t.id: [] for t in pending}
         timed_out: list[tuple[UUID, UUID]] = []
-        for row in await repo.edges_of(conn, [t.id for t in pending]):
+        for row in await tx.workflows.edges_of([t.id for t in pending]):
             upstream = State(row["status"])
             # an upstream that will still move (Failed with a retry left) has not finished
             finished = fsm.is_terminal(upstream, row["retry_count"] < row["max_retries"])
@@ -118,7 +116,7 @@ async def resolve(repo: PgTaskRepo, candidates: Sequence[UUID]) -> tuple[list[Ta
                 (Condition(row["condition"]), upstream if finished else State.RUNNING, policy)
             )
             upstreams[row["task_id"]].append({**row, "policy": policy})
-        await repo.mark_timed_out(conn, timed_out)
+        await tx.workflows.mark_timed_out(timed_out)
         for task_id, upstream_id in timed_out:
             log.warning("task %s: its dependency on %s timed out", task_id, upstream_id)
         moves = []
@@ -131,7 +129,7 @@ async def resolve(repo: PgTaskRepo, candidates: Sequence[UUID]) -> tuple[list[Ta
                 moves.append(fsm.plan(task, State.SKIPPED, why))
             elif verdict is Verdict.FAIL:  # terminal at once: the FSM rule ends its retries
                 moves.append(fsm.plan(task, State.FAILED, why, error=why))
-        moved = await repo.transition_many(moves, conn)
+        moved = await tx.tasks.transition_many(moves)
     ready = [t for t in moved if t.status is State.READY]
     ended = [t for t in moved if t.status in (State.SKIPPED, State.FAILED)]
     return ready, ended

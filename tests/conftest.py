@@ -18,9 +18,10 @@ import asyncpg
 import pytest
 from redis.asyncio import Redis
 
-from shared.migrate import migrate
-from shared.repo import PgTaskRepo, create_pool
 from shared.settings import Settings
+from shared.store import Store
+from shared.store.db import create_pool
+from shared.store.migrate import migrate
 
 PG_ADMIN = os.environ.get("SKED_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
 PG_BASE = PG_ADMIN.rsplit("/", 1)[0]
@@ -111,8 +112,9 @@ async def pool(dsn: str) -> AsyncIterator[asyncpg.Pool]:
 
 
 @pytest.fixture
-def repo(pool: asyncpg.Pool) -> PgTaskRepo:
-    return PgTaskRepo(pool)
+def store(pool: asyncpg.Pool, dsn: str) -> Store:
+    """The store on this test's database (tests may also query `pool` directly)."""
+    return Store(pool, dsn)
 
 
 def _rabbitmqctl(*args: str) -> None:

@@ -58,7 +58,7 @@ async def main(settings: Settings) -> None:
             env_pass=settings.task_env_pass,
             freeze_max_s=settings.freeze_max_s,
         )
-        await serve(Executor(settings, b.tasks, b.nodes, b.bus, backend, b.ready_queue))
+        await serve(Executor(settings, b.store, b.bus, backend, b.ready_queue))
 
 
 def run(argv: list[str] | None = None) -> int:

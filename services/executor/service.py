@@ -23,27 +23,22 @@ import time
 from dataclasses import dataclass
 from uuid import UUID, uuid4
 
-import asyncpg
 from aio_pika.abc import AbstractIncomingMessage
-from opentelemetry import trace
-from opentelemetry.context import Context
-from opentelemetry.trace import SpanKind
 from pydantic import ValidationError
 
 from services.executor.backends import Backend, Key, Launch, Outcome
-from shared import fsm, heartbeat, lease, telemetry
-from shared.bus import PROBE_EXCHANGE, AmqpBus, node_queue
+from shared import fsm, heartbeat, hooks, lease
+from shared.bus import PROBE_EXCHANGE, AmqpBus
 from shared.errors import one_line
 from shared.fsm import State
 from shared.models import Dispatch, Task
-from shared.nodes import PgNodeRepo
 from shared.outcome import Report, end_move, retries, storable
 from shared.policy import JobPolicy
 from shared.queues import ReadyQueue
-from shared.repo import TASK_CHANNEL, PgTaskRepo, parse_notify
-from shared.resilience import TRANSIENT, PgListener, retrying, supervise
+from shared.resilience import TRANSIENT, retrying, supervise
 from shared.runtime import next_batch, wait_any
 from shared.settings import Settings
+from shared.store import TASK_CHANNEL, Store, parse_notify
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +50,6 @@ TAKEN_AWAY = {s.value for s in (State.PAUSED, State.CANCELED, State.LOST, State.
 class Attempt:
     task: Task  # as it stood after this executor's Scheduling -> Running CAS
     message: AbstractIncomingMessage
-    trace: Context | None = None  # the dispatch's consumer span, parent of the run span
     # monotonic time before the statement that last renewed its lease was sent
     renewed_at: float = 0.0
 
@@ -66,8 +60,7 @@ class Executor:
     def __init__(
         self,
         settings: Settings,
-        repo: PgTaskRepo,
-        nodes: PgNodeRepo,
+        store: Store,
         bus: AmqpBus,
         backend: Backend,
         queue: ReadyQueue,
@@ -75,8 +68,7 @@ class Executor:
         self.settings = settings
         self.secret = settings.require_heartbeat_secret()
         self.node_id = settings.node_id
-        self.repo = repo
-        self.nodes = nodes
+        self.store = store
         self.bus = bus
         self.backend = backend
         self.queue = queue
@@ -91,7 +83,7 @@ class Executor:
         self._stopping = asyncio.Event()
         self._look = asyncio.Event()  # the watch loop has suspects to check
         self._suspects: set[UUID] = set()
-        self._lease_conn: asyncpg.Connection | None = None
+        self._leases = store.lease_link()
         self.ready = asyncio.Event()
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -101,7 +93,7 @@ class Executor:
         await self.backend.start()
         channel = await self.bus.consumer_channel(prefetch=s.slots)
         queue = await self.bus.declare_node_queue(channel, self.node_id)
-        await self.nodes.register(
+        await self.store.nodes.register(
             self.node_id,
             s.slots,
             s.node_cpu,
@@ -110,8 +102,8 @@ class Executor:
             s.node_labels,
             self.boot_id,
         )
-        listener = PgListener(
-            s.database_url, [(TASK_CHANNEL, self._on_task_notify)], on_reconnect=self._look.set
+        listener = self.store.listener(
+            [(TASK_CHANNEL, self._on_task_notify)], on_reconnect=self._look.set
         )
         probes = await channel.declare_queue(exclusive=True, auto_delete=True)
         await probes.bind(PROBE_EXCHANGE, self.node_id)
@@ -143,7 +135,7 @@ class Executor:
                 await stop.wait()
                 # stop taking work, let what runs finish (bounded), then stop the rest
                 with contextlib.suppress(*TRANSIENT):
-                    await self.nodes.set_ready(self.node_id, self.boot_id, False)
+                    await self.store.nodes.set_ready(self.node_id, self.boot_id, False)
                     await queue.cancel(tag)
                 await self._drain_runs()
                 self._outcomes.put_nowait(None)
@@ -151,8 +143,7 @@ class Executor:
         finally:
             with contextlib.suppress(*TRANSIENT):
                 await channel.close()
-            if self._lease_conn is not None:
-                self._lease_conn.terminate()
+            self._leases.close()
             await self.backend.close()
 
     def stop(self) -> None:
@@ -243,7 +234,7 @@ class Executor:
         async def claim() -> None:
             nonlocal tries
             tries += 1
-            claimed[:] = await self.repo.transition_many(moves)
+            claimed[:] = await self.store.tasks.transition_many(moves)
 
         if not await retrying("start", claim, self._stopping):
             return 0  # shutting down with Postgres away: the dispatches are redelivered
@@ -252,7 +243,7 @@ class Executor:
         if lost and tries > 1:
             # A try whose COMMIT went through but whose reply was lost makes the next try lose
             # to it: a task Running in this attempt under this incarnation's lease is ours.
-            for task in await self.repo.get_many([d.task_id for d in lost]):
+            for task in await self.store.tasks.get_many([d.task_id for d in lost]):
                 mine = task.status is State.RUNNING and task.lease_owner == self.boot_id
                 if mine and any(d.task_id == task.id and d.attempt == task.attempt for d in lost):
                     won[task.id] = task
@@ -267,33 +258,16 @@ class Executor:
                 await _ack(message)
         for task in won.values():
             message = messages[task.id]
-            attempt = Attempt(task, message, self._received(task, message), sent_at)
+            attempt = Attempt(task, message, sent_at)
             self.active[(task.id, task.attempt)] = attempt
             run = asyncio.create_task(self._run(attempt))
             self._runs.add(run)
             run.add_done_callback(self._runs.discard)
         return len(won)
 
-    def _received(self, task: Task, message: AbstractIncomingMessage) -> Context | None:
-        """The consumer span of a dispatch (under the producer span in its headers)."""
-        if not telemetry.enabled():
-            return None
-        received = telemetry.start(
-            f"{node_queue(self.node_id)} receive",
-            telemetry.extract(message.headers),
-            SpanKind.CONSUMER,
-            telemetry.messaging(node_queue(self.node_id), "receive", task.id, attempt=task.attempt),
-        )
-        received.end()
-        return trace.set_span_in_context(received)
-
     async def _run(self, attempt: Attempt) -> None:
         task = attempt.task
-        with telemetry.span(
-            f"attempt {task.attempt} run",
-            attempt.trace or task.traceparent,
-            attributes={"sked.task_id": str(task.id), "sked.node": self.node_id},
-        ) as span:
+        with hooks.attempt(task, self.node_id, attempt.message.headers) as seen:
             refused = self.policy.refuses(task.spec.job)
             if refused:  # the scheduler checks too; this node does not take its word for it
                 outcome = Outcome.failed(refused)
@@ -316,9 +290,7 @@ class Executor:
                         lease_s,
                     )
                 )
-            span.set_attribute("sked.ok", outcome.ok)
-            if outcome.error:
-                span.set_attribute("sked.error", outcome.error)
+            seen.ended(outcome.ok, outcome.error)
         self.unreported[(task.id, task.attempt)] = outcome
         await self._outcomes.put((attempt, outcome))
 
@@ -335,7 +307,7 @@ class Executor:
                 continue
             # best effort: if a server is away, recovery's stuck-in-Scheduling sweep does it
             with contextlib.suppress(*TRANSIENT):
-                moved = await self.repo.transition(
+                moved = await self.store.tasks.transition(
                     fsm.plan(dispatch, State.READY, f"node {self.node_id} shut down before start")
                 )
                 if moved is not None:
@@ -355,25 +327,19 @@ class Executor:
             await wait_any(self._stopping, timeout=period)
             try:
                 await self.renew_once(timeout=period)
-            except (*TRANSIENT, asyncpg.PostgresError) as exc:
+            except Exception as exc:  # the next period tries again; the watchdog covers a gap
                 log.warning("lease renewal failed: %s", one_line(exc))
-                if self._lease_conn is not None:
-                    self._lease_conn.terminate()
-                    self._lease_conn = None
 
     async def renew_once(self, timeout: float = 2.0) -> int:
         """One renewal of every lease held here; returns how many Postgres renewed.
 
-        Its own connection, closed on a timeout: a partition that swallows packets must not
-        leave a renewal hanging for minutes while the watchdog's clock runs."""
+        On a link of its own (store.LeaseLink), dropped on a timeout: a partition that swallows
+        packets must not leave a renewal hanging while the watchdog's clock runs."""
         keys = list(self.active)
         if not keys:
             return 0
         sent_at = time.monotonic()
-        async with asyncio.timeout(max(timeout, 0.5)):
-            if self._lease_conn is None or self._lease_conn.is_closed():
-                self._lease_conn = await asyncpg.connect(self.settings.database_url)
-            renewed = await self.repo.renew_leases(self.boot_id, keys, self._lease_conn)
+        renewed = await self._leases.renew(self.boot_id, keys, max(timeout, 0.5))
         now = time.monotonic()
         for key in keys:
             attempt = self.active.get(key)
@@ -470,29 +436,26 @@ class Executor:
         where = f"on {self.node_id}"
         reason = f"ended {where}"
         ends = [end_move(a.task, r, reason) for a, r in current]
-        async with self.repo.pool.acquire() as conn, conn.transaction():
-            ended = await self.repo.transition_many(ends, conn)
-            await self.repo.transition_many(retries(ended), conn)
+        async with self.store.transaction() as tx:
+            ended = await tx.tasks.transition_many(ends)
+            await tx.tasks.transition_many(retries(ended))
             won = {t.id for t in ended}
             late = [(a.task, r) for a, r in current if a.task.id not in won]
             if late:
                 # a retry of a write whose COMMIT went through but whose reply was lost loses
                 # its CAS to itself: that outcome is applied already, not late
-                mine = await self.repo.ended_with(
-                    conn, [(t.id, t.version) for t, _ in late], reason
-                )
+                mine = await tx.tasks.ended_with([(t.id, t.version) for t, _ in late], reason)
                 late = [(t, r) for t, r in late if t.id not in mine]
             late += [(a.task, r) for a, r in superseded]
             # the task moved on (canceled, paused, lost and retried): keep, do not apply
-            await self.repo.record_late_results(
+            await tx.late.record(
                 [
                     (t.id, t.attempt, r.ok, r.result, r.error, f"attempt superseded {where}")
                     for t, r in late
-                ],
-                conn,
+                ]
             )
             # their processes are gone: a next attempt need not wait for their leases to lapse
-            await self.repo.release_leases(self.boot_id, [(t.id, t.attempt) for t, _ in late], conn)
+            await tx.leases.release(self.boot_id, [(t.id, t.attempt) for t, _ in late])
         return late
 
     # -- watching what runs here -------------------------------------------------------------
@@ -521,7 +484,7 @@ class Executor:
             mine = [(i, a) for i, a in self.active if i in suspects]
             if not mine:
                 continue
-            current = {t.id: t for t in await self.repo.get_many([i for i, _ in mine])}
+            current = {t.id: t for t in await self.store.tasks.get_many([i for i, _ in mine])}
             for task_id, attempt in mine:
                 task = current.get(task_id)
                 if task is None or (task.status is State.RUNNING and task.attempt == attempt):
@@ -544,7 +507,7 @@ class Executor:
             if self._stopping.is_set():
                 return
             load = len(self.active) / self.settings.slots
-            if not await self.nodes.heartbeat(self.node_id, self.boot_id, load):
+            if not await self.store.nodes.heartbeat(self.node_id, self.boot_id, load):
                 log.error("node %s was taken over by another executor; stopping", self.node_id)
                 self.stop()
                 return

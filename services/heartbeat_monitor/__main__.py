@@ -13,7 +13,7 @@ from shared.wiring import backends
 
 async def main(settings: Settings) -> None:
     async with backends(settings) as b:
-        await serve(HeartbeatMonitor(settings, b.tasks, b.nodes, b.bus))
+        await serve(HeartbeatMonitor(settings, b.store, b.bus))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

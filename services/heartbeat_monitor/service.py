@@ -30,12 +30,11 @@ from shared.errors import one_line
 from shared.fsm import State
 from shared.heartbeat import Beat, BeatMessage, Evidence, ProbeAnswer, Rung, next_rung
 from shared.models import Task
-from shared.nodes import NodeRow, PgNodeRepo
 from shared.outcome import end_move, retries
-from shared.repo import PgTaskRepo
 from shared.resilience import TRANSIENT, supervise
 from shared.runtime import wait_any
 from shared.settings import Settings
+from shared.store import NodeRow, Store
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +51,10 @@ MAX_PENDING = 100_000
 
 
 class HeartbeatMonitor:
-    def __init__(
-        self, settings: Settings, repo: PgTaskRepo, nodes: PgNodeRepo, bus: AmqpBus
-    ) -> None:
+    def __init__(self, settings: Settings, store: Store, bus: AmqpBus) -> None:
         self.settings = settings
         self.secret = settings.require_heartbeat_secret()
-        self.repo = repo
-        self.nodes = nodes
+        self.store = store
         self.bus = bus
         self._pending: dict[tuple[uuid.UUID, int], int] = {}  # (task, attempt) -> highest seq
         self.max_pending = MAX_PENDING
@@ -196,7 +192,7 @@ class HeartbeatMonitor:
         if not beats:
             return 0
         try:
-            return len(await self.repo.apply_heartbeats(beats))
+            return len(await self.store.leases.apply_heartbeats(beats))
         except TRANSIENT:
             raise
         except Exception as exc:
@@ -227,11 +223,11 @@ class HeartbeatMonitor:
         while not self._stopping.is_set():
             try:
                 if restart:
-                    n = await self.repo.restart_deadlines()
+                    n = await self.store.leases.restart_deadlines()
                     log.info("deadlines restarted: %d Running attempt(s) get a timeout anew", n)
                     restart = False
                 handled = await self.sweep_once()
-                wait_s, started = await self.repo.next_deadline()
+                wait_s, started = await self.store.leases.next_deadline()
             except TRANSIENT:
                 restart = True
                 raise
@@ -248,10 +244,10 @@ class HeartbeatMonitor:
         # beats that arrived up to now count before anything is judged overdue
         await self.flush()
         lease = self.settings.probe_timeout_s + 5.0
-        overdue = await self.repo.lease_overdue(100, lease)
+        overdue = await self.store.leases.overdue(100, lease)
         if not overdue:
             return 0
-        nodes = {n.id: n for n in await self.nodes.all()}
+        nodes = {n.id: n for n in await self.store.nodes.all()}
         verdicts = await asyncio.gather(
             *(self.climb(task, silent_s, nodes) for task, silent_s in overdue)
         )
@@ -279,7 +275,7 @@ class HeartbeatMonitor:
                 # its row still looks fresh, but no executor of it is connected: take it out
                 # of placement now rather than when its row goes stale (it re-asserts itself
                 # on its next heartbeat if it was only reconnecting)
-                await self.nodes.set_ready(node.id, node.boot_id, False)
+                await self.store.nodes.set_ready(node.id, node.boot_id, False)
                 log.warning("node %s has no executor connected: marked not ready", node.id)
         alive = answer is not UNREACHABLE
         said = answer.state if isinstance(answer, ProbeAnswer) else None
@@ -291,11 +287,11 @@ class HeartbeatMonitor:
         rung = next_rung(Evidence(overdue, timeout, alive, said))
         if rung is Rung.GRACE:
             rungs.append(f"node {task.node} ready: grace to {2 * timeout:g} s")
-            await self.repo.grace(task.id, task.attempt)
+            await self.store.leases.grace(task.id, task.attempt)
         elif rung is Rung.RESTORE:
             rungs.append("backend reports it running: deadline restored")
             log.warning("%s attempt %d: %s", task.id, task.attempt, "; ".join(rungs))
-            await self.repo.restore(task.id, task.attempt)
+            await self.store.leases.restore(task.id, task.attempt)
             self.rungs.pop(key, None)
         elif rung is Rung.RECONCILE:
             assert isinstance(answer, ProbeAnswer)
@@ -319,10 +315,10 @@ class HeartbeatMonitor:
         reconciled failures earn); a lost CAS (the task moved on) is fine."""
         if not moves:
             return
-        async with self.repo.pool.acquire() as conn, conn.transaction():
+        async with self.store.transaction() as tx:
             # a Lost whose lease was renewed meanwhile loses its CAS: the lease rules
-            moved = await self.repo.transition_many(moves, conn)
-            await self.repo.transition_many(retries(moved), conn)
+            moved = await tx.tasks.transition_many(moves)
+            await tx.tasks.transition_many(retries(moved))
         reasons = {m.task_id: m.reason for m in moves}
         for task in moved:
             log.warning(

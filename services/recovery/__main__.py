@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from services.recovery.service import Recovery
-from services.relay.service import Relay
+from shared.relay import OutboxRelay
 from shared.runtime import run_service, serve, service_args
 from shared.settings import Settings
 from shared.wiring import backends
@@ -13,8 +13,8 @@ from shared.wiring import backends
 
 async def main(settings: Settings) -> None:
     async with backends(settings) as b:
-        relay = Relay(settings, b.pool, b.bus)
-        await serve(Recovery(settings, b.tasks, b.ready_queue, relay))
+        relay = OutboxRelay(b.store, b.bus, settings.relay_batch)
+        await serve(Recovery(settings, b.store, b.ready_queue, relay))
 
 
 def run(argv: list[str] | None = None) -> int:

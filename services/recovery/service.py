@@ -16,25 +16,25 @@ import asyncio
 import logging
 import random
 
-from services.relay.service import Relay
 from shared.fsm import State
 from shared.models import Task
 from shared.outcome import retry_or_fail
 from shared.queues import ReadyQueue, reconcile
-from shared.repo import TASK_CHANNEL, PgTaskRepo, parse_notify
-from shared.resilience import PgListener, supervise
+from shared.relay import OutboxRelay
+from shared.resilience import supervise
 from shared.runtime import wait_any
 from shared.settings import Settings
+from shared.store import TASK_CHANNEL, Store, parse_notify
 
 log = logging.getLogger(__name__)
 
 
 class Recovery:
     def __init__(
-        self, settings: Settings, repo: PgTaskRepo, queue: ReadyQueue, relay: Relay
+        self, settings: Settings, store: Store, queue: ReadyQueue, relay: OutboxRelay
     ) -> None:
         self.settings = settings
-        self.repo = repo
+        self.store = store
         self.queue = queue
         self.relay = relay
         self._stopping = asyncio.Event()
@@ -42,9 +42,7 @@ class Recovery:
         self.ready = asyncio.Event()
 
     async def run(self) -> None:
-        listener = PgListener(
-            self.settings.database_url, [(TASK_CHANNEL, self._on_notify)], self._wake.set
-        )
+        listener = self.store.listener([(TASK_CHANNEL, self._on_notify)], self._wake.set)
         log.info("recovery running every %g s", self.settings.recovery_period_s)
         self.ready.set()
         async with asyncio.TaskGroup() as group:
@@ -70,7 +68,7 @@ class Recovery:
         done = {
             "lost": len(await self.recover_lost()),
             "stuck": len(await self.requeue_stuck()),
-            "queue": await reconcile(self.queue, self.repo, self.settings.reconcile_s),
+            "queue": await reconcile(self.queue, self.store.tasks, self.settings.reconcile_s),
             "outbox": await self.relay.drain(),
         }
         if done["lost"] or done["stuck"]:
@@ -78,9 +76,11 @@ class Recovery:
         return done
 
     async def recover_lost(self) -> list[Task]:
-        return await self.repo.recover_lost(100, lambda t: retry_or_fail(t, "lost"))
+        return await self.store.claims.recover_lost(100, lambda t: retry_or_fail(t, "lost"))
 
     async def requeue_stuck(self) -> list[Task]:
-        stuck = await self.repo.requeue_stuck_scheduling(100, self.settings.stuck_scheduling_s)
+        stuck = await self.store.claims.requeue_stuck_scheduling(
+            100, self.settings.stuck_scheduling_s
+        )
         await self.queue.push(stuck)
         return stuck

@@ -12,7 +12,7 @@ from shared.wiring import backends
 
 async def main(settings: Settings) -> None:
     async with backends(settings) as b:
-        await serve(Relay(settings, b.pool, b.bus))
+        await serve(Relay(settings, b.store, b.bus))
 
 
 def run(argv: list[str] | None = None) -> int:

@@ -12,7 +12,7 @@ from shared.wiring import backends
 
 async def main(settings: Settings) -> None:
     async with backends(settings) as b:
-        await serve(Scheduler(settings, b.tasks, b.nodes, b.bus, b.ready_queue))
+        await serve(Scheduler(settings, b.store, b.bus, b.ready_queue))
 
 
 def run(argv: list[str] | None = None) -> int:

@@ -19,27 +19,25 @@ import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 from uuid import UUID
 
-import asyncpg
 from aio_pika.abc import AbstractIncomingMessage
-from opentelemetry.trace import Span, SpanKind
 
 from services.scheduler.intake import Accepted, Rejected, judge, read_json, same_spec, traceparent
-from shared import fsm, telemetry, workflows
+from shared import fsm, hooks, workflows
 from shared.bus import DISPATCH_EXCHANGE, SUBMIT_QUEUE, WORKFLOW_KEY, AmqpBus, Outgoing
 from shared.dag import WorkflowSpec
 from shared.errors import InvalidSpec, one_line
 from shared.fsm import State
 from shared.models import Dispatch, Task, TaskSpec, task_id_for_workflow
-from shared.nodes import NODE_CHANNEL, PgNodeRepo
 from shared.placement import Choice, Need, NodeState, place_many
 from shared.policy import JobPolicy
 from shared.queues import RESOURCE_KEY, ReadyQueue, rebuild, reconcile
-from shared.repo import TASK_CHANNEL, PgTaskRepo, parse_notify
-from shared.resilience import TRANSIENT, PgListener, supervise
+from shared.resilience import TRANSIENT, supervise
 from shared.runtime import next_batch, wait_any
 from shared.settings import Settings
+from shared.store import NODE_CHANNEL, TASK_CHANNEL, Store, Tx, parse_notify
 
 log = logging.getLogger(__name__)
 
@@ -84,14 +82,12 @@ class Scheduler:
     def __init__(
         self,
         settings: Settings,
-        repo: PgTaskRepo,
-        nodes: PgNodeRepo,
+        store: Store,
         bus: AmqpBus,
         queue: ReadyQueue,
     ) -> None:
         self.settings = settings
-        self.repo = repo
-        self.nodes = nodes
+        self.store = store
         self.bus = bus
         self.queue = queue
         self.policy = JobPolicy.of(settings.allowed_handlers, settings.allowed_commands)
@@ -119,8 +115,7 @@ class Scheduler:
     async def run(self) -> None:
         stop = self._stopping
         await supervise("rebuild the ready queue", self._rebuild_once, stop)
-        listener = PgListener(
-            self.settings.database_url,
+        listener = self.store.listener(
             [(TASK_CHANNEL, self._on_task_notify), (NODE_CHANNEL, self._on_node_notify)],
             on_reconnect=self._missed_notifications,
         )
@@ -243,33 +238,13 @@ class Scheduler:
     async def _admit_submissions(
         self, subs: list[_Submission]
     ) -> tuple[list[Task], list[tuple[AbstractIncomingMessage, str]]]:
-        spans: list[Span] = []
-        traceparents: list[str | None] = []
-        for sub in subs:
-            parent = traceparent(sub.message.headers)
-            if telemetry.enabled():
-                task_id = sub.accepted.task_id
-                if parent is None:  # a producer without tracing: the trace starts here
-                    with telemetry.span(
-                        "sked task", attributes={"sked.task_id": str(task_id)}
-                    ) as root:
-                        parent = telemetry.traceparent_of(root)
-                spans.append(
-                    telemetry.start(
-                        f"{SUBMIT_QUEUE} receive",
-                        parent,
-                        SpanKind.CONSUMER,
-                        telemetry.messaging(SUBMIT_QUEUE, "receive", task_id),
-                    )
-                )
-            traceparents.append(parent)
+        task_ids = [s.accepted.task_id for s in subs]
+        parents = [traceparent(s.message.headers) for s in subs]
+        contexts, handles = hooks.received(SUBMIT_QUEUE, task_ids, parents)
         try:
-            ready, existing = await self.admit(
-                [s.accepted.spec for s in subs], [s.accepted.task_id for s in subs], traceparents
-            )
+            ready, existing = await self.admit([s.accepted.spec for s in subs], task_ids, contexts)
         finally:
-            for span in spans:
-                span.end()
+            hooks.finished(handles)
         # a task id that named a task already: the same submission again is harmless; another
         # spec under the same idempotency key (or message id) is refused, not swallowed
         refused = [
@@ -296,7 +271,7 @@ class Scheduler:
                     raise InvalidSpec(f"task {task.name!r}: {refused}")
             workflow_id = task_id_for_workflow(message.message_id)
             ready = await workflows.admit(
-                self.repo, workflow_id, spec, traceparent(message.headers)
+                self.store, workflow_id, spec, traceparent(message.headers)
             )
         except TRANSIENT:
             raise
@@ -328,14 +303,14 @@ class Scheduler:
             return [], {}
         direct = not await self.queue.size()
         ends = self._ends
-        async with self.repo.pool.acquire() as conn, conn.transaction():
-            admitted = await self.repo.admit_many(specs, ids, ADMISSION, conn, traceparents)
+        async with self.store.transaction() as tx:
+            admitted = await tx.tasks.admit_many(specs, ids, ADMISSION, traceparents)
             ready = [t for t, new in admitted if new and t.status is State.READY]
             existing = {t.id: t for t, new in admitted if not new}
             moved: list[Task] = []
             waiting = {t.id: Choice(None, fits_later=True) for t in ready}
             if direct and ready:
-                moved, waiting = await self._place(conn, ready)
+                moved, waiting = await self._place(tx, ready)
         await self._hand_over(moved, ready, waiting, ends)
         if waiting:
             self._new_work.set()
@@ -377,18 +352,18 @@ class Scheduler:
         ends = self._ends
         ids: list[UUID] = []
         try:
-            async with self.repo.pool.acquire() as conn, conn.transaction():
-                nodes = [n.state() for n in await self.nodes.lock_and_read(conn)]
+            async with self.store.transaction() as tx:
+                nodes = [n.state() for n in await tx.nodes.lock_and_read()]
                 free = sum(max(n.slots - n.used_slots, 0) for n in nodes if n.ready)
                 if free <= 0:
                     return 0
                 ids = await self.queue.pop(min(free, self.settings.dispatch_batch))
                 if not ids:
                     return 0
-                tasks, fenced = await self.repo.get_ready(ids, conn)
+                tasks, fenced = await tx.tasks.get_ready(ids)
                 order = {task_id: i for i, task_id in enumerate(ids)}
                 tasks.sort(key=lambda t: order[t.id])
-                moved, waiting = await self._place(conn, tasks, nodes)
+                moved, waiting = await self._place(tx, tasks, nodes)
         except TRANSIENT:
             await self._put_back(ids)
             raise
@@ -408,21 +383,20 @@ class Scheduler:
         if not ids:
             return
         with contextlib.suppress(*TRANSIENT):
-            async with self.repo.pool.acquire() as conn:
-                free, fenced = await self.repo.get_ready(ids, conn)
-                await self.queue.push(free + fenced)
+            free, fenced = await self.store.tasks.get_ready(ids)
+            await self.queue.push(free + fenced)
 
     async def _place(
         self,
-        conn: asyncpg.Connection,
+        tx: Tx,
         tasks: list[Task],
         nodes: list[NodeState] | None = None,
     ) -> tuple[list[Task], dict[UUID, Choice]]:
         """Inside a transaction: place `tasks` in order on the locked nodes and CAS the placed
         ones Ready -> Scheduling. Returns them, and {task id: why not} for the rest."""
         if nodes is None:
-            nodes = [n.state() for n in await self.nodes.lock_and_read(conn)]
-        tasks, blocked = await self._within_resources(conn, tasks)
+            nodes = [n.state() for n in await tx.nodes.lock_and_read()]
+        tasks, blocked = await self._within_resources(tx, tasks)
         placed, unplaced = place_many([(t.id, need_of(t)) for t in tasks], nodes)
         unplaced.update(blocked)
         moves = [
@@ -430,11 +404,11 @@ class Scheduler:
             for t in tasks
             if t.id in placed
         ]
-        moved = await self.repo.transition_many(moves, conn)
+        moved = await tx.tasks.transition_many(moves)
         return moved, unplaced
 
     async def _within_resources(
-        self, conn: asyncpg.Connection, tasks: list[Task]
+        self, tx: Tx, tasks: list[Task]
     ) -> tuple[list[Task], dict[UUID, Choice]]:
         """Hold back the workflow tasks whose named resources are all taken: they wait in line
         (a holder's end frees a unit and wakes dispatch). Counted under the placement locks,
@@ -442,7 +416,7 @@ class Scheduler:
         users = [t for t in tasks if t.uses and t.workflow_id is not None]
         if not users:
             return tasks, {}
-        held = await self.repo.resources_held(conn, list({t.workflow_id for t in users}))  # type: ignore[misc]
+        held = await tx.workflows.resources_held(list({t.workflow_id for t in users}))  # type: ignore[misc]
         allowed: list[Task] = []
         blocked: dict[UUID, Choice] = {}
         for task in tasks:
@@ -470,16 +444,15 @@ class Scheduler:
         Dispatches go out only after the commit: an executor whose CAS ran before it would not
         see the Scheduling row (its snapshot predates the commit) and would drop the attempt.
         """
-        spans = [_dispatch_span(t) for t in moved] if telemetry.enabled() else []
-        messages = [_dispatch(t, spans[i] if spans else None) for i, t in enumerate(moved)]
+        headers, handles = hooks.dispatching(moved) if hooks.installed else ([{}] * len(moved), [])
+        messages = [_dispatch(t, h) for t, h in zip(moved, headers, strict=True)]
         try:
             await self.bus.publish(DISPATCH_EXCHANGE, messages)
         except TRANSIENT:
             await self._take_back(moved)
             raise
         finally:
-            for span in spans:
-                span.end()
+            hooks.finished(handles)
         await self._queue_waiting(tasks, waiting, ends)
 
     async def _take_back(self, moved: list[Task]) -> None:
@@ -487,7 +460,7 @@ class Scheduler:
         rather than leave them to the stuck-in-Scheduling sweep. A dispatch that did arrive
         then loses its start CAS, so nothing runs twice."""
         with contextlib.suppress(*TRANSIENT):
-            back = await self.repo.transition_many(
+            back = await self.store.tasks.transition_many(
                 [fsm.plan(t, State.READY, "dispatch not confirmed") for t in moved]
             )
             await self.queue.push(back)
@@ -518,21 +491,23 @@ class Scheduler:
             # they left the queue: the tasks behind them get the slots they were popped for
             self._wake_dispatch.set()
             self._new_work.set()
-        await self.repo.set_wait_reasons({k: c.reason for k, c in waiting.items() if c.reason})
+        await self.store.tasks.set_wait_reasons(
+            {k: c.reason for k, c in waiting.items() if c.reason}
+        )
 
     # -- retries ------------------------------------------------------------------------------
 
     async def _retry_loop(self) -> None:
         while not self._stopping.is_set():
             self._wake_retry.clear()
-            moved = await self.repo.sweep_due_retries(self.settings.dispatch_batch)
+            moved = await self.store.claims.sweep_due_retries(self.settings.dispatch_batch)
             if moved:
                 await self.queue.push(moved)
                 self._wake_dispatch.set()
                 continue
             # how long until the next is due, by Postgres's clock: a local clock that is off
             # would shift every retry by its error
-            due_in = await self.repo.next_retry_due()
+            due_in = await self.store.tasks.next_retry_due()
             wait = self.settings.reconcile_s
             if due_in is not None:
                 wait = min(wait, max(due_in, 0.0))
@@ -541,10 +516,10 @@ class Scheduler:
     # -- reconciliation -----------------------------------------------------------------------
 
     async def rebuild_queue(self) -> int:
-        return await rebuild(self.queue, self.repo)
+        return await rebuild(self.queue, self.store.tasks)
 
     async def reconcile_once(self) -> int:
-        n = await reconcile(self.queue, self.repo, self.settings.reconcile_s)
+        n = await reconcile(self.queue, self.store.tasks, self.settings.reconcile_s)
         # the backstop for resource waiters, whichever scheduler parked them (one that died
         # before a holder ended, or a pass that raced with another)
         n += await self.queue.unpark(RESOURCE_KEY)
@@ -568,12 +543,12 @@ class Scheduler:
             self._wake_resolve.clear()
             if self._resolve_all:
                 self._resolve_all = False
-                candidates = await self.repo.pending_with_deps(10_000)
+                candidates = await self.store.workflows.pending_with_deps(10_000)
             else:
                 named, self._finished = self._finished, set()
-                candidates = [*await self.repo.downstream_of(list(named)), *named]
+                candidates = [*await self.store.workflows.downstream_of(list(named)), *named]
             if candidates:
-                ready, skipped = await workflows.resolve(self.repo, candidates)
+                ready, skipped = await workflows.resolve(self.store, candidates)
                 if ready:
                     await self.queue.push(ready)
                     self._new_work.set()
@@ -626,18 +601,7 @@ def _conflict(accepted: Accepted, existing: Task | None = None) -> str:
     )
 
 
-def _dispatch_span(task: Task) -> Span:
-    return telemetry.start(
-        f"{DISPATCH_EXCHANGE} publish",
-        task.traceparent,
-        SpanKind.PRODUCER,
-        telemetry.messaging(
-            DISPATCH_EXCHANGE, "publish", task.id, node=task.node, attempt=task.attempt
-        ),
-    )
-
-
-def _dispatch(task: Task, span: Span | None = None) -> Outgoing:
+def _dispatch(task: Task, headers: dict[str, Any]) -> Outgoing:
     assert task.node is not None
     body = Dispatch(
         task_id=task.id,
@@ -647,5 +611,4 @@ def _dispatch(task: Task, span: Span | None = None) -> Outgoing:
         max_retries=task.max_retries,
         node=task.node,
     )
-    headers = telemetry.headers_for(span) if span is not None else {}
     return Outgoing(task.node, body.model_dump_json().encode(), headers)

@@ -13,7 +13,8 @@ import asyncpg
 from shared.client import SkedClient
 from shared.errors import NotFound
 from shared.fsm import State
-from shared.nodes import PgNodeRepo
+from shared.store import Tx
+from shared.store.db import Db
 from tests.e2e.checks import check_all_histories
 from tests.e2e.conftest import Deployment
 from tests.helpers import SKED, eventually
@@ -53,7 +54,7 @@ def recorded(pids: Path) -> dict[int, int]:
 
 
 async def usage_is_zero(pool: asyncpg.Pool) -> bool:
-    nodes = await PgNodeRepo(pool, 10).all()
+    nodes = await Tx(Db(pool, 0.5), 10.0).nodes.all()
     return all(n.used_slots == 0 for n in nodes)
 
 
@@ -214,7 +215,7 @@ async def test_a_task_paused_in_retry_wait_or_ready_never_starts_until_resumed(
 
 
 async def _node_count(pool: asyncpg.Pool, n: int) -> bool:
-    return len(await PgNodeRepo(pool, 10).all()) >= n
+    return len(await Tx(Db(pool, 0.5), 10.0).nodes.all()) >= n
 
 
 async def _stays(probe: Any, seconds: float) -> bool:

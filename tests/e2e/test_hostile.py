@@ -33,7 +33,7 @@ from shared.fsm import State
 from shared.settings import Settings
 from tests.e2e.checks import check_all_histories
 from tests.e2e.conftest import Deployment
-from tests.helpers import SKED
+from tests.helpers import SKED, eventually
 
 VALID = {
     "name": "valid",
@@ -117,12 +117,16 @@ async def publish(
 async def dead_letters(channel: aio_pika.abc.AbstractChannel, n: int) -> dict[bytes, str]:
     """The next `n` messages of `sked.dead`: {body: reason}."""
     dead = await channel.get_queue(DEAD_QUEUE)
-    out = {}
-    for _ in range(n):
-        message = await dead.get(timeout=30)
-        assert message is not None
-        out[message.body] = str((message.headers or {}).get(REASON_HEADER))
-        await message.ack()
+    out: dict[bytes, str] = {}
+
+    async def one_more() -> bool:
+        message = await dead.get(fail=False)  # None while the queue is empty
+        if message is not None:
+            out[message.body] = str((message.headers or {}).get(REASON_HEADER))
+            await message.ack()
+        return len(out) >= n
+
+    await eventually(one_more, timeout=30, interval=0.02, what=f"{n} dead letters")
     return out
 
 

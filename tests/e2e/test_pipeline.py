@@ -113,7 +113,7 @@ async def test_priority_order_on_one_slot(deployment: Deployment, client: SkedCl
     await deployment.executor("one", 1)
 
     async def some_started() -> bool:
-        tasks = await (await client._repo()).get_many(lows)
+        tasks = await (await client._db()).tasks.get_many(lows)
         return any(t.started_at for t in tasks)
 
     await eventually(some_started, timeout=30, what="the first lows to start")
@@ -130,7 +130,7 @@ async def test_priority_order_on_one_slot(deployment: Deployment, client: SkedCl
 
 
 async def _all_ready(client: SkedClient, ids: list[Any]) -> bool:
-    tasks = await (await client._repo()).get_many(ids)
+    tasks = await (await client._db()).tasks.get_many(ids)
     return len(tasks) == len(ids) and all(t.status is State.READY for t in tasks)
 
 

@@ -29,8 +29,8 @@ from shared.client import SkedClient, WaitTimeout
 from shared.errors import NotFound
 from shared.fsm import State
 from shared.models import Task
-from shared.nodes import NodeRow, PgNodeRepo
-from shared.repo import PgTaskRepo
+from shared.store import NodeRow, Store, Tx
+from shared.store.db import Db
 from tests.e2e.checks import check_all_histories
 from tests.e2e.conftest import Deployment
 from tests.helpers import SKED, ServiceProcess, eventually, spec
@@ -213,7 +213,7 @@ def assert_within_capacity(nodes: dict[str, NodeRow], **holds: list[Hold]) -> No
 
 
 async def node_rows(pool: asyncpg.Pool) -> dict[str, NodeRow]:
-    return {n.id: n for n in await PgNodeRepo(pool, 10).all()}
+    return {n.id: n for n in await Tx(Db(pool, 0.5), 10.0).nodes.all()}
 
 
 async def sked(env: dict[str, str], *args: str) -> str:
@@ -542,23 +542,23 @@ async def test_tasks_no_node_can_take_do_not_block_tasks_that_fit(
 
 
 async def test_a_placement_that_waited_for_the_node_locks_sees_the_reservations_made_meanwhile(
-    pool: asyncpg.Pool,
+    pool: asyncpg.Pool, store: Store
 ) -> None:
     """Two placements, as two schedulers run them: A holds the node locks and reserves the
     node's only slot; B asks for the locks meanwhile and waits; A commits. B must then see A's
     reservation, or it places a second task in the slot."""
-    nodes, repo = PgNodeRepo(pool, 10), PgTaskRepo(pool)
-    await nodes.register("n", 1, 1.0, 1024, 0, {}, uuid4())
-    [(task, _)] = await repo.admit_many([spec("t")], [uuid4()], (State.PENDING, State.READY))
+    await store.nodes.register("n", 1, 1.0, 1024, 0, {}, uuid4())
+    [(task, _)] = await store.tasks.admit_many([spec("t")], [uuid4()], (State.PENDING, State.READY))
     async with pool.acquire() as a, pool.acquire() as b:
         async with a.transaction():
-            [seen_by_a] = await nodes.lock_and_read(a)
+            tx_a, tx_b = Tx(Db(a, 0.5), 10.0), Tx(Db(b, 0.5), 10.0)
+            [seen_by_a] = await tx_a.nodes.lock_and_read()
             assert seen_by_a.used_slots == 0
-            [moved] = await repo.transition_many([fsm.plan(task, State.SCHEDULING, node="n")], a)
+            [moved] = await tx_a.tasks.transition_many([fsm.plan(task, State.SCHEDULING, node="n")])
             assert moved.node == "n"
             b_tx = b.transaction()
             await b_tx.start()
-            b_read = asyncio.ensure_future(nodes.lock_and_read(b))
+            b_read = asyncio.ensure_future(tx_b.nodes.lock_and_read())
 
             async def b_waits_for_the_locks() -> bool:
                 return bool(

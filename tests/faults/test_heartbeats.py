@@ -30,8 +30,8 @@ from shared.client import SkedClient
 from shared.errors import NotFound
 from shared.fsm import State
 from shared.models import Task
-from shared.repo import PgTaskRepo
 from shared.settings import Settings
+from shared.store import Store
 from tests.e2e.checks import check_all_histories
 from tests.faults.conftest import Deployment, Row
 from tests.helpers import ServiceProcess, eventually, spec
@@ -142,10 +142,10 @@ async def publish_beats(settings: Settings, message: heartbeat.BeatMessage) -> N
         await connection.close()
 
 
-async def get_or_none(repo: PgTaskRepo, task_id: UUID) -> Task | None:
+async def get_or_none(store: Store, task_id: UUID) -> Task | None:
     """The task, or None while the scheduler has not taken in its submission yet."""
     try:
-        return await repo.get(task_id)
+        return await store.tasks.get(task_id)
     except NotFound:
         return None
 
@@ -166,7 +166,7 @@ async def test_stale_heartbeats_change_nothing_and_bad_tokens_are_refused(
     deployment: Deployment,
     client: SkedClient,
     pool: asyncpg.Pool,
-    repo: PgTaskRepo,
+    store: Store,
     settings: Settings,
     tmp_path: Path,
     record: list[Row],
@@ -194,18 +194,18 @@ async def test_stale_heartbeats_change_nothing_and_bad_tokens_are_refused(
         )
 
         async def attempt_two_running() -> Task | None:
-            t = await get_or_none(repo, task_id)
+            t = await get_or_none(store, task_id)
             return t if t is not None and t.status is State.RUNNING and t.attempt == 2 else None
 
         before = await found(attempt_two_running, timeout=30, what="attempt 2 running")
-        statuses = [(e.to_status, e.attempt) for e in await repo.history(task_id)]
+        statuses = [(e.to_status, e.attempt) for e in await store.tasks.history(task_id)]
         assert (State.FAILED, 1) in statuses, statuses
         tok1, tok2 = mon.token(task_id, 1), mon.token(task_id, 2)
         h = await mon.healthz()
         assert h["received"] == h["applied"] == h["not_applied"] == h["pending"] == 0, h
 
         async def unchanged(what: str) -> Task:
-            now = await repo.get(task_id)
+            now = await store.tasks.get(task_id)
             assert now.status is State.RUNNING, what
             assert now.attempt == 2, what
             assert now.version == before.version, f"{what}: the task changed state"
@@ -217,7 +217,7 @@ async def test_stale_heartbeats_change_nothing_and_bad_tokens_are_refused(
         assert await mon.beat(task_id, 2, 1000, tok2) == 202
         h = await mon.settled("the warm-up beat flushed", applied=1)
         assert (h["received"], h["applied"], h["not_applied"]) == (1, 1, 0), h
-        before = await repo.get(task_id)
+        before = await store.tasks.get(task_id)
         assert before.hb_seq == 1000
 
         # (a) attempt 1's beats, with attempt 1's own valid token and a huge seq: accepted
@@ -285,7 +285,7 @@ async def test_stale_heartbeats_change_nothing_and_bad_tokens_are_refused(
         assert await mon.beat(task_id, 2, HUGE, tok2) == 202
         h = await mon.settled("the valid beat flushed", applied=2)
         assert (h["received"], h["applied"], h["not_applied"]) == (7, 2, 3), h
-        after = await repo.get(task_id)
+        after = await store.tasks.get(task_id)
         assert after.hb_seq == HUGE
         assert (after.status, after.attempt, after.version) == (State.RUNNING, 2, before.version)
         assert after.hb_at is not None
@@ -304,11 +304,11 @@ async def test_stale_heartbeats_change_nothing_and_bad_tokens_are_refused(
         )
         h = await mon.settled("the second bus replay flushed", received=8, not_applied=4)
         assert (h["received"], h["applied"], h["not_applied"]) == (8, 2, 4), h
-        assert (await repo.get(task_id)).hb_seq == HUGE
+        assert (await store.tasks.get(task_id)).hb_seq == HUGE
 
         # lost: the task no longer Running in attempt 2 (a stale beat that moved it would
         # already have failed an assertion above)
-        final = await repo.get(task_id)
+        final = await store.tasks.get(task_id)
         lost = int(final.status is not State.RUNNING or final.attempt != 2)
         record.append(
             Row(
@@ -322,7 +322,7 @@ async def test_stale_heartbeats_change_nothing_and_bad_tokens_are_refused(
         await client.cancel(task_id, reason="test over")
         executor = deployment.procs[-1]
         await executor.wait_for_log(f"stopped {task_id} attempt 2", timeout=20)
-        assert (await repo.get(task_id)).status is State.CANCELED
+        assert (await store.tasks.get(task_id)).status is State.CANCELED
         assert "not applied (stale attempt or seq)" in mon.proc.log()
         assert "bad token" in mon.proc.log()
         await check_all_histories(pool)
@@ -400,7 +400,7 @@ def rss_mb(pid: int) -> float:
 async def test_a_flood_of_heartbeats(
     deployment: Deployment,
     pool: asyncpg.Pool,
-    repo: PgTaskRepo,
+    store: Store,
     settings: Settings,
     record: list[Row],
 ) -> None:
@@ -414,9 +414,9 @@ async def test_a_flood_of_heartbeats(
         # marks them Lost at once (no executor to ask)
         kept = [spec(f"flooded-{i}", heartbeat_timeout_s=5) for i in range(195)]
         lapsing = [spec(f"lapsing-{i}", heartbeat_timeout_s=3 + i) for i in range(5)]
-        tasks = await repo.create_many([*kept, *lapsing], walk=[State.PENDING, State.READY])
-        tasks = await repo.transition_many([fsm.plan(t, State.SCHEDULING) for t in tasks])
-        tasks = await repo.transition_many(
+        tasks = await store.tasks.create_many([*kept, *lapsing], walk=[State.PENDING, State.READY])
+        tasks = await store.tasks.transition_many([fsm.plan(t, State.SCHEDULING) for t in tasks])
+        tasks = await store.tasks.transition_many(
             [fsm.plan(t, State.RUNNING, "started by the test") for t in tasks]
         )
         assert len(tasks) == 200
@@ -428,7 +428,7 @@ async def test_a_flood_of_heartbeats(
             assert t.hb_at is not None
             assert t.hb_deadline is not None
             # first looked at once the lease (the timeout) has run out by the margin
-            expected = t.hb_at.timestamp() + t.heartbeat_timeout_s + repo.lease_margin_s
+            expected = t.hb_at.timestamp() + t.heartbeat_timeout_s + store.lease_margin_s
             assert abs(t.hb_deadline.timestamp() - expected) < 1e-3
             deadlines[t.id] = t.hb_deadline
         targets = [

@@ -11,7 +11,7 @@ import asyncpg
 
 from shared.client import SkedClient
 from shared.fsm import State
-from shared.repo import PgTaskRepo
+from shared.store import Store
 from tests.e2e.checks import check_all_histories
 from tests.faults.conftest import Deployment, Row
 from tests.faults.jobs import FAST
@@ -23,7 +23,7 @@ async def test_processes_that_finish_while_their_executor_is_cut_off_keep_their_
     deployment: Deployment,
     client: SkedClient,
     pool: asyncpg.Pool,
-    repo: PgTaskRepo,
+    store: Store,
     record: list[Row],
     service_env: dict[str, str],
     tmp_path: Path,
@@ -50,7 +50,7 @@ async def test_processes_that_finish_while_their_executor_is_cut_off_keep_their_
         )
 
         async def both_running() -> bool:
-            tasks = await repo.get_many([fails, works])
+            tasks = await store.tasks.get_many([fails, works])
             return len(tasks) == 2 and all(t.status is State.RUNNING for t in tasks)
 
         await eventually(both_running, timeout=30, what="both tasks running")
@@ -68,7 +68,7 @@ async def test_processes_that_finish_while_their_executor_is_cut_off_keep_their_
     )
     assert (done[works].status, done[works].attempt) == (State.SUCCESS, 1)
     for task_id in (fails, works):
-        states = [e.to_status for e in await repo.history(task_id)]
+        states = [e.to_status for e in await store.tasks.history(task_id)]
         assert State.LOST not in states
         assert State.RETRY_WAIT not in states
     assert "reconciled to its outcome" in monitor.log()

@@ -51,34 +51,34 @@ async def executor(settings: Settings, tmp_path: Path) -> AsyncIterator[Executor
         backend = LocalBackend(2, tmp_path, warm_workers=0)
         await backend.start()
         try:
-            yield Executor(node, b.tasks, b.nodes, b.bus, backend, b.ready_queue)
+            yield Executor(node, b.store, b.bus, backend, b.ready_queue)
         finally:
             await backend.close()
 
 
 async def scheduled(executor: Executor) -> Task:
-    task = await executor.repo.create(spec("claimed"))
+    task = await executor.store.tasks.create(spec("claimed"))
     for target in (State.PENDING, State.READY):
-        task = await fsm.apply(executor.repo, task, target)
-    return await fsm.apply(executor.repo, task, State.SCHEDULING, node="n1")
+        task = await fsm.apply(executor.store.tasks, task, target)
+    return await fsm.apply(executor.store.tasks, task, State.SCHEDULING, node="n1")
 
 
 async def test_a_claim_whose_reply_was_lost_is_still_ours(
     executor: Executor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     task = await scheduled(executor)
-    real = executor.repo.transition_many
+    real = executor.store.tasks.transition_many
     calls = 0
 
-    async def reply_lost(moves: Any, conn: Any = None) -> list[Task]:
+    async def reply_lost(moves: Any) -> list[Task]:
         nonlocal calls
         calls += 1
-        moved = await real(moves, conn)
+        moved = await real(moves)
         if calls == 1:
             raise ConnectionResetError("the COMMIT went through; its reply did not")
         return moved
 
-    monkeypatch.setattr(executor.repo, "transition_many", reply_lost)
+    monkeypatch.setattr(executor.store.tasks, "transition_many", reply_lost)
     message = dispatch_of(task)
     assert await executor.start([message]) == 1  # type: ignore[list-item]
     assert calls == 2
@@ -91,8 +91,8 @@ async def test_a_claim_whose_reply_was_lost_is_still_ours(
 
 async def test_the_newer_of_two_dispatches_in_a_batch_is_claimed(executor: Executor) -> None:
     first = await scheduled(executor)
-    back = await fsm.apply(executor.repo, first, State.READY, reason="dispatch lost")
-    second = await fsm.apply(executor.repo, back, State.SCHEDULING, node="n1")
+    back = await fsm.apply(executor.store.tasks, first, State.READY, reason="dispatch lost")
+    second = await fsm.apply(executor.store.tasks, back, State.SCHEDULING, node="n1")
     old, new = dispatch_of(first), dispatch_of(second)
     assert await executor.start([old, new]) == 1  # type: ignore[list-item]
     assert old.acked == 1  # the stale one is dropped

@@ -20,6 +20,7 @@ from shared.fsm import State
 from shared.models import Task
 from shared.outcome import Report
 from shared.settings import Settings
+from shared.store.tasks import Tasks
 from shared.wiring import backends
 from tests.helpers import spec
 
@@ -37,14 +38,16 @@ class Message:
 async def executor(settings: Settings, tmp_path: Path) -> AsyncIterator[Executor]:
     node = settings.model_copy(update={"node_id": "n1", "slots": 1})
     async with backends(node) as b:
-        yield Executor(node, b.tasks, b.nodes, b.bus, LocalBackend(1, tmp_path), b.ready_queue)
+        yield Executor(node, b.store, b.bus, LocalBackend(1, tmp_path), b.ready_queue)
 
 
 async def running(executor: Executor, name: str, **kw: Any) -> Task:
-    task = await executor.repo.create(spec(name, **kw))
+    task = await executor.store.tasks.create(spec(name, **kw))
     for target in (State.PENDING, State.READY, State.SCHEDULING):
-        task = await fsm.apply(executor.repo, task, target)
-    return await fsm.apply(executor.repo, task, State.RUNNING, lease_owner=str(executor.boot_id))
+        task = await fsm.apply(executor.store.tasks, task, target)
+    return await fsm.apply(
+        executor.store.tasks, task, State.RUNNING, lease_owner=str(executor.boot_id)
+    )
 
 
 async def late_rows(pool: asyncpg.Pool) -> list[Any]:
@@ -69,19 +72,19 @@ async def test_a_retried_write_after_a_lost_reply_is_not_late(
     # the failure, whose event reason goes on with its error
     assert await executor._write_outcomes(batch, []) == []
     assert await late_rows(pool) == []
-    assert (await executor.repo.get(mine.id)).result == 42
-    assert (await executor.repo.get(failing.id)).status is State.FAILED
+    assert (await executor.store.tasks.get(mine.id)).result == 42
+    assert (await executor.store.tasks.get(failing.id)).status is State.FAILED
 
     # an attempt that lost its task to someone else (canceled) is kept, not applied, and its
     # lease given back: the process is gone
-    await fsm.apply(executor.repo, moved_on, State.CANCELED, reason="operator")
-    assert (await executor.repo.get(moved_on.id)).lease_attempt == 1  # Canceled keeps it
+    await fsm.apply(executor.store.tasks, moved_on, State.CANCELED, reason="operator")
+    assert (await executor.store.tasks.get(moved_on.id)).lease_attempt == 1  # Canceled keeps it
     late = await executor._write_outcomes([(attempt(moved_on), ok)], [])
     assert [t.id for t, _ in late] == [moved_on.id]
     assert [(r["task_id"], r["attempt"], r["ok"]) for r in await late_rows(pool)] == [
         (moved_on.id, 1, True)
     ]
-    after = await executor.repo.get(moved_on.id)
+    after = await executor.store.tasks.get(moved_on.id)
     assert after.status is State.CANCELED
     assert (after.lease_owner, after.lease_attempt, after.lease_until) == (None, None, None)
 
@@ -98,7 +101,7 @@ async def test_hostile_outcomes_are_written_and_the_rest_of_the_batch_lands(
         Outcome(True, 7, None, False, False, "fine"),
     ]
     await executor.finish([(attempt(t), o) for t, o in zip(tasks, outcomes, strict=True)])
-    nan, escaped, large, long_error, fine = [await executor.repo.get(t.id) for t in tasks]
+    nan, escaped, large, long_error, fine = [await executor.store.tasks.get(t.id) for t in tasks]
     assert (nan.status, nan.result) == (State.FAILED, None)
     assert nan.error is not None
     assert nan.error.startswith("result cannot be stored: nan is not a JSON number")
@@ -120,16 +123,16 @@ async def test_two_attempts_of_one_task_in_one_batch(
 ) -> None:
     first = await running(executor, "retried", max_retries=1)
     # attempt 1 is declared lost and retried; attempt 2 runs here too; both end together
-    ended = await fsm.apply(executor.repo, first, State.FAILED, reason="test")
-    waiting = await fsm.apply(executor.repo, ended, State.RETRY_WAIT, retry_in_s=0)
-    ready = await fsm.apply(executor.repo, waiting, State.READY)
-    scheduled = await fsm.apply(executor.repo, ready, State.SCHEDULING)
+    ended = await fsm.apply(executor.store.tasks, first, State.FAILED, reason="test")
+    waiting = await fsm.apply(executor.store.tasks, ended, State.RETRY_WAIT, retry_in_s=0)
+    ready = await fsm.apply(executor.store.tasks, waiting, State.READY)
+    scheduled = await fsm.apply(executor.store.tasks, ready, State.SCHEDULING)
     second = await fsm.apply(
-        executor.repo, scheduled, State.RUNNING, lease_owner=str(executor.boot_id)
+        executor.store.tasks, scheduled, State.RUNNING, lease_owner=str(executor.boot_id)
     )
     ok = Outcome(True, 1, None, False, False, "")
     await executor.finish([(attempt(second), ok), (attempt(first), ok)])
-    final = await executor.repo.get(first.id)
+    final = await executor.store.tasks.get(first.id)
     assert (final.status, final.attempt) == (State.SUCCESS, 2)
     assert [(r["attempt"], r["ok"]) for r in await late_rows(pool)] == [(1, True)]
 
@@ -142,20 +145,20 @@ async def test_an_outcome_postgres_refuses_fails_alone(
     the batch lands."""
     tasks = [await running(executor, f"t{i}") for i in range(6)]
     poison = tasks[3].id
-    real = executor.repo.transition_many
+    real = Tasks.transition_many
 
-    async def refusing(moves: Any, conn: Any = None) -> list[Task]:
+    async def refusing(self: Tasks, moves: Any) -> list[Task]:
         if any(m.task_id == poison and m.patch.get("result") == "poison" for m in moves):
             raise asyncpg.exceptions.DataError("invalid input for this row")
-        return await real(moves, conn)
+        return await real(self, moves)
 
-    monkeypatch.setattr(executor.repo, "transition_many", refusing)
+    monkeypatch.setattr(Tasks, "transition_many", refusing)
     outcomes = [
         Outcome(True, "poison" if t.id == poison else i, None, False, False, "")
         for i, t in enumerate(tasks)
     ]
     await executor.finish([(attempt(t), o) for t, o in zip(tasks, outcomes, strict=True)])
-    final = {t.id: await executor.repo.get(t.id) for t in tasks}
+    final = {t.id: await executor.store.tasks.get(t.id) for t in tasks}
     assert final[poison].status is State.FAILED
     assert (
         final[poison].error == "outcome could not be stored: DataError: invalid input for this row"

@@ -1,18 +1,22 @@
-"""`sked migrate`: concurrent runs, idempotence, and every query prepared against the schema."""
+"""The schema and the SQL: `sked migrate` under concurrent runs, schema.sql equal to what the
+migrations build, every named statement prepared against it, and the state lists written in
+SQL equal to the FSM's."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import sys
+from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 
-from services.relay import service as relay_service
-from shared import migrate as migrate_module
-from shared import nodes as nodes_module
-from shared import repo as repo_module
+from shared import fsm
+from shared.store import migrate as migrate_module
+from shared.store.queries import Q, load
 from tests.conftest import PG_ADMIN, PG_BASE, RUN
 
 SKED = str(Path(sys.executable).with_name("sked"))
@@ -56,21 +60,91 @@ async def test_two_concurrent_migrates_leave_one_version() -> None:
         await admin.close()
 
 
-async def test_every_query_prepares(pool: asyncpg.Pool) -> None:
-    """A typo in any SQL constant fails here, not in production."""
-    queries = {
-        f"{module.__name__}.{name}": value
-        for module in (repo_module, relay_service, migrate_module, nodes_module)
-        for name, value in vars(module).items()
-        if name.isupper()
-        and isinstance(value, str)
-        and value.lstrip().split(" ")[0].upper()
-        in {"SELECT", "INSERT", "UPDATE", "WITH", "DELETE", "CREATE"}
-    }
-    assert len(queries) >= 10
+CATALOGUE = {
+    "columns": """
+        SELECT table_name, column_name, data_type, udt_name, is_nullable, column_default,
+               generation_expression, is_identity
+        FROM information_schema.columns WHERE table_schema = 'public'
+        AND table_name <> 'schema_migrations'
+    """,
+    "constraints": """
+        SELECT conrelid::regclass::text AS tbl, contype, pg_get_constraintdef(oid) AS def
+        FROM pg_constraint WHERE connamespace = 'public'::regnamespace
+        AND conrelid::regclass::text <> 'schema_migrations'
+    """,
+    "indexes": """
+        SELECT tablename, indexdef FROM pg_indexes WHERE schemaname = 'public'
+        AND tablename <> 'schema_migrations'
+    """,
+}
+
+
+async def catalogue(dsn: str) -> dict[str, set[tuple[Any, ...]]]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return {k: {tuple(r) for r in await conn.fetch(sql)} for k, sql in CATALOGUE.items()}
+    finally:
+        await conn.close()
+
+
+async def test_schema_sql_is_what_the_migrations_build(dsn: str) -> None:
+    """The migrated test database against an empty one given schema.sql: the same tables,
+    columns, types, defaults, constraints and indexes."""
+    name = f"{RUN}_schema_sql"
+    admin = await asyncpg.connect(PG_ADMIN)
+    try:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.execute(f'CREATE DATABASE "{name}"')
+        conn = await asyncpg.connect(f"{PG_BASE}/{name}")
+        try:
+            schema = resources.files("shared.store").joinpath("schema.sql").read_text("utf-8")
+            await conn.execute(schema)
+        finally:
+            await conn.close()
+        migrated, written = await catalogue(dsn), await catalogue(f"{PG_BASE}/{name}")
+        for part in CATALOGUE:
+            assert migrated[part] - written[part] == set(), f"{part}: missing in schema.sql"
+            assert written[part] - migrated[part] == set(), f"{part}: not in the migrations"
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
+
+
+async def test_every_statement_is_named_described_and_prepares(pool: asyncpg.Pool) -> None:
+    """A typo in any SQL statement fails here, not in production."""
+    assert len(Q) >= 50
     async with pool.acquire() as conn:
-        for where, sql in queries.items():
+        for query in Q.values():
+            assert query.doc, f"{query.name} says nothing of itself"
+            assert "{{" not in query.sql, f"{query.name}: a fragment was not expanded"
+            if query.name in {"create_ledger"}:
+                continue  # DDL does not prepare; migrate runs it
             try:
-                await conn.prepare(sql)
+                await conn.prepare(query.sql)
             except asyncpg.PostgresError as exc:  # pragma: no cover - the failure message
-                raise AssertionError(f"{where} does not prepare: {exc}") from exc
+                raise AssertionError(f"{query.name} ({query.source}): {exc}") from exc
+
+
+def _states(sql_list: str) -> set[str]:
+    return set(re.findall(r"'(\w+)'", sql_list))
+
+
+def test_the_state_lists_in_sql_are_the_fsm_s() -> None:
+    fragments = {b.name: b.body for b in _fragments()}
+    assert _states(fragments["terminal_states"]) == {s.value for s in fsm.ALWAYS_TERMINAL}
+    assert _states(fragments["retryable_states"]) == {s.value for s in fsm.RETRYABLE}
+    assert _states(fragments["slot_states"]) == {s.value for s in fsm.HOLDS_SLOT}
+    # the fields a move may patch are exactly the ones the CAS statement reads from its patch
+    read = set(re.findall(r"u\.p (?:\?|->>?) '(\w+)'", Q.transition.sql))
+    assert read == set(fsm.PATCHABLE)
+
+
+def _fragments() -> list[Any]:
+    from shared.store import queries
+
+    out = []
+    for entry in resources.files("shared.store").joinpath("sql").iterdir():
+        if entry.name.endswith(".sql"):
+            out.extend(b for b in queries._blocks(entry.read_text("utf-8"), entry.name))
+    load()
+    return [b for b in out if b.kind == "fragment"]

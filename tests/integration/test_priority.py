@@ -18,7 +18,7 @@ from shared.dag import WorkflowSpec
 from shared.errors import InvalidSpec
 from shared.fsm import State
 from shared.queues import ReadyQueue
-from shared.repo import PgTaskRepo
+from shared.store import Store
 from tests.helpers import SKED, spec
 
 
@@ -33,34 +33,36 @@ def task(name: str, priority: int, *needs: str) -> dict[str, Any]:
     return {"name": name, "command": ["true"], "priority": priority, "needs": list(needs)}
 
 
-async def admit(repo: PgTaskRepo, queue: ReadyQueue, *tasks: dict[str, Any]) -> dict[str, Any]:
+async def admit(store: Store, queue: ReadyQueue, *tasks: dict[str, Any]) -> dict[str, Any]:
     workflow_id = uuid4()
     ready = await workflows.admit(
-        repo, workflow_id, WorkflowSpec.parse({"name": "w", "tasks": tasks})
+        store, workflow_id, WorkflowSpec.parse({"name": "w", "tasks": tasks})
     )
     await queue.push(ready)
-    rows = await repo.pool.fetch(
+    rows = await store.pool.fetch(
         "SELECT wf_task, id FROM tasks WHERE workflow_id = $1", workflow_id
     )
-    return {r["wf_task"]: await repo.get(r["id"]) for r in rows}
+    return {r["wf_task"]: await store.tasks.get(r["id"]) for r in rows}
 
 
-async def priorities(repo: PgTaskRepo, tasks: dict[str, Any]) -> dict[str, tuple[int, int]]:
+async def priorities(store: Store, tasks: dict[str, Any]) -> dict[str, tuple[int, int]]:
     """{name: (effective priority, own priority)}"""
     out = {}
     for name, t in tasks.items():
-        now = await repo.get(t.id)
+        now = await store.tasks.get(t.id)
         out[name] = (now.priority, now.spec.priority)
     return out
 
 
 async def test_raising_a_downstream_task_lifts_its_upstreams_and_requeues_them(
-    repo: PgTaskRepo, queue: ReadyQueue
+    store: Store, queue: ReadyQueue
 ) -> None:
-    other = await repo.create_many([spec("mid", priority=5)], walk=(State.PENDING, State.READY))
+    other = await store.tasks.create_many(
+        [spec("mid", priority=5)], walk=(State.PENDING, State.READY)
+    )
     await queue.push(other)
     tasks = await admit(
-        repo,
+        store,
         queue,
         task("extract", 1),
         task("clean", 0, "extract"),
@@ -70,10 +72,10 @@ async def test_raising_a_downstream_task_lifts_its_upstreams_and_requeues_them(
     assert await queue.pop(1) == [other[0].id]  # priority 5 ahead of the workflow's 1
     await queue.push(other)
 
-    changed = await control.set_priority(repo, queue, tasks["report"].id, 9)
+    changed = await control.set_priority(store, queue, tasks["report"].id, 9)
     assert changed[0].wf_task == "report"  # the task itself first
     assert {t.wf_task for t in changed} == {"report", "clean", "extract"}
-    assert await priorities(repo, tasks) == {
+    assert await priorities(store, tasks) == {
         "extract": (9, 1),
         "clean": (9, 0),
         "report": (9, 9),
@@ -83,8 +85,8 @@ async def test_raising_a_downstream_task_lifts_its_upstreams_and_requeues_them(
     assert await queue.pop(1) == [tasks["extract"].id]
 
     # lowering it again hands each task back the highest of its own and its downstream's
-    await control.set_priority(repo, queue, tasks["report"].id, 0)
-    assert await priorities(repo, tasks) == {
+    await control.set_priority(store, queue, tasks["report"].id, 0)
+    assert await priorities(store, tasks) == {
         "extract": (1, 1),
         "clean": (0, 0),
         "report": (0, 0),
@@ -93,25 +95,29 @@ async def test_raising_a_downstream_task_lifts_its_upstreams_and_requeues_them(
 
 
 async def test_a_plain_task_and_the_requests_that_are_refused(
-    repo: PgTaskRepo, queue: ReadyQueue, pool: asyncpg.Pool
+    store: Store, queue: ReadyQueue, pool: asyncpg.Pool
 ) -> None:
-    [plain] = await repo.create_many([spec("p", priority=2)], walk=(State.PENDING, State.READY))
-    changed = await control.set_priority(repo, queue, plain.id, -3)
+    [plain] = await store.tasks.create_many(
+        [spec("p", priority=2)], walk=(State.PENDING, State.READY)
+    )
+    changed = await control.set_priority(store, queue, plain.id, -3)
     assert [(t.id, t.priority, t.spec.priority) for t in changed] == [(plain.id, -3, -3)]
 
     with pytest.raises(InvalidSpec, match="priority must be within"):
-        await control.set_priority(repo, queue, plain.id, 5000)
-    done = await fsm.apply(repo, await repo.get(plain.id), State.CANCELED, reason="test")
+        await control.set_priority(store, queue, plain.id, 5000)
+    done = await fsm.apply(
+        store.tasks, await store.tasks.get(plain.id), State.CANCELED, reason="test"
+    )
     before = await pool.fetchrow("SELECT priority, spec FROM tasks WHERE id = $1", done.id)
     with pytest.raises(NotAllowed, match="Canceled, a terminal state"):
-        await control.set_priority(repo, queue, done.id, 7)
+        await control.set_priority(store, queue, done.id, 7)
     assert await pool.fetchrow("SELECT priority, spec FROM tasks WHERE id = $1", done.id) == before
 
 
 async def test_the_priority_command(
-    repo: PgTaskRepo, queue: ReadyQueue, service_env: dict[str, str]
+    store: Store, queue: ReadyQueue, service_env: dict[str, str]
 ) -> None:
-    tasks = await admit(repo, queue, task("up", 0), task("down", 0, "up"))
+    tasks = await admit(store, queue, task("up", 0), task("down", 0, "up"))
 
     def sked(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 from shared import fsm, queues
 from shared.fsm import State
 from shared.queues import PARKED_KEY, RESOURCE_KEY, ReadyQueue
-from shared.repo import PgTaskRepo
+from shared.store import Store
 from tests.helpers import spec
 
 
@@ -88,19 +88,19 @@ async def test_unpark_moves_large_sets_and_keeps_the_better_score(queue: ReadyQu
 
 
 async def test_reconcile_finds_every_lost_ready_task_however_many(
-    queue: ReadyQueue, repo: PgTaskRepo, monkeypatch: pytest.MonkeyPatch
+    queue: ReadyQueue, store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The reconciler reads stale Ready tasks a page at a time, to the end: with pages of 5,
     all 12 tasks Redis lost come back (it read only the first page before)."""
     monkeypatch.setattr(queues, "PAGE", 5)
-    tasks = await repo.create_many([spec(f"r{i}") for i in range(12)], walk=[State.PENDING])
+    tasks = await store.tasks.create_many([spec(f"r{i}") for i in range(12)], walk=[State.PENDING])
     for task in tasks:
-        await repo.transition(fsm.plan(task, State.READY))
+        await store.tasks.transition(fsm.plan(task, State.READY))
     await queue.mark_built()
     assert await queue.size() == 0
-    assert await queues.reconcile(queue, repo, older_than_s=0.0) == 12
+    assert await queues.reconcile(queue, store.tasks, older_than_s=0.0) == 12
     assert await queue.size() == 12
-    assert await queues.reconcile(queue, repo, older_than_s=0.0) == 0
+    assert await queues.reconcile(queue, store.tasks, older_than_s=0.0) == 0
     await queue.redis.delete(queues.BUILT_KEY)  # Redis lost everything: a rebuild, all pages
     await queue.redis.delete(queues.READY_KEY)
-    assert await queues.reconcile(queue, repo, older_than_s=0.0) == 12
+    assert await queues.reconcile(queue, store.tasks, older_than_s=0.0) == 12

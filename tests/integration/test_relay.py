@@ -20,8 +20,8 @@ from shared import fsm
 from shared.bus import EVENTS_EXCHANGE, AmqpBus
 from shared.fsm import State
 from shared.models import EventMessage, Task
-from shared.repo import PgTaskRepo
 from shared.settings import Settings
+from shared.store import Store
 from tests.helpers import ServiceProcess, eventually, spec
 
 LIFE = [State.PENDING, State.READY, State.SCHEDULING, State.RUNNING, State.SUCCESS]
@@ -65,7 +65,7 @@ async def sink(settings: Settings) -> AsyncIterator[EventSink]:
         await task
 
 
-async def drive(repo: PgTaskRepo, tasks: list[Task], steps: list[State], seed: int) -> None:
+async def drive(store: Store, tasks: list[Task], steps: list[State], seed: int) -> None:
     """Move every task through `steps`, interleaving tasks, batch sizes and 4 concurrent movers."""
     rnd = random.Random(seed)
     current = {t.id: t for t in tasks}
@@ -90,7 +90,7 @@ async def drive(repo: PgTaskRepo, tasks: list[Task], steps: list[State], seed: i
                     task = current[tid]
                     nxt = steps[LIFE.index(task.status) + 1] if task.status in LIFE else steps[0]
                     moves.append(fsm.plan(task, nxt))
-                moved = await repo.transition_many(moves)
+                moved = await store.tasks.transition_many(moves)
                 assert len(moved) == len(moves)
                 for t in moved:
                     current[t.id] = t
@@ -116,15 +116,15 @@ async def unpublished(pool: asyncpg.Pool) -> int:
 
 
 async def test_thousand_transitions_arrive_in_order(
-    settings: Settings, repo: PgTaskRepo, pool: asyncpg.Pool, sink: EventSink
+    settings: Settings, store: Store, pool: asyncpg.Pool, sink: EventSink
 ) -> None:
     bus = AmqpBus(settings.rabbitmq_url)
     await bus.connect()
-    relay = Relay(settings.model_copy(update={"relay_batch": 100}), pool, bus)
+    relay = Relay(settings.model_copy(update={"relay_batch": 100}), store, bus)
     runner = asyncio.create_task(relay.run())
     try:
-        tasks = await repo.create_many([spec(f"r{i}") for i in range(200)])
-        await drive(repo, tasks, LIFE, seed=1)
+        tasks = await store.tasks.create_many([spec(f"r{i}") for i in range(200)])
+        await drive(store, tasks, LIFE, seed=1)
         expected = {t.id: 6 for t in tasks}  # Created + 5 moves
         await eventually(lambda: _count(sink, 1200), timeout=60, what="1,200 events")
         assert len(sink.arrivals) == 1200  # no crash, so no duplicate
@@ -144,7 +144,7 @@ async def _count(sink: EventSink, n: int) -> bool:
 async def test_killed_relay_loses_nothing(
     settings: Settings,
     service_env: dict[str, str],
-    repo: PgTaskRepo,
+    store: Store,
     pool: asyncpg.Pool,
     sink: EventSink,
     tmp_path: Path,
@@ -154,8 +154,8 @@ async def test_killed_relay_loses_nothing(
     second = None
     try:
         await first.wait_for_log("relay listening")
-        tasks = await repo.create_many([spec(f"k{i}") for i in range(200)])
-        mover = asyncio.create_task(drive(repo, tasks, LIFE, seed=2))
+        tasks = await store.tasks.create_many([spec(f"k{i}") for i in range(200)])
+        mover = asyncio.create_task(drive(store, tasks, LIFE, seed=2))
 
         async def midway() -> bool:
             return len(sink.arrivals) > 100

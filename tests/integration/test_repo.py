@@ -1,4 +1,4 @@
-"""The CAS repository against real Postgres: races, side effects, batches, claims, reads."""
+"""The task store against real Postgres: races, side effects, batches, claims, reads."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from shared.client import is_done
 from shared.errors import IllegalTransition, InvalidSpec, NotFound, StaleWrite, UnknownState
 from shared.fsm import State
 from shared.models import TaskSpec
-from shared.repo import APPLY_HEARTBEATS, PgTaskRepo, parse_notify
+from shared.store import Store, Tx, parse_notify
+from shared.store.db import Db
+from shared.store.queries import Q
 from tests.helpers import spec
 
 
@@ -23,36 +25,36 @@ async def counts(pool: asyncpg.Pool) -> tuple[int, int]:
     return tasks, events
 
 
-async def test_create_records_the_created_event(repo: PgTaskRepo) -> None:
-    task = await repo.create(spec("hello", priority=3, max_retries=2))
+async def test_create_records_the_created_event(store: Store) -> None:
+    task = await store.tasks.create(spec("hello", priority=3, max_retries=2))
     assert (task.status, task.version, task.attempt, task.priority) == (State.CREATED, 1, 0, 3)
-    history = await repo.history(task.id)
+    history = await store.tasks.history(task.id)
     assert [(e.from_status, e.to_status, e.version) for e in history] == [(None, State.CREATED, 1)]
 
 
-async def test_idempotency_key_gives_the_same_task(repo: PgTaskRepo, pool: asyncpg.Pool) -> None:
-    first = await repo.create(spec("a", idempotency_key="k-1"))
-    again = await repo.create_many([spec("a", idempotency_key="k-1"), spec("b")])
+async def test_idempotency_key_gives_the_same_task(store: Store, pool: asyncpg.Pool) -> None:
+    first = await store.tasks.create(spec("a", idempotency_key="k-1"))
+    again = await store.tasks.create_many([spec("a", idempotency_key="k-1"), spec("b")])
     assert again[0].id == first.id
     assert again[1].id != first.id
     assert await counts(pool) == (2, 2)
 
 
-async def test_fifty_racers_one_winner(repo: PgTaskRepo, pool: asyncpg.Pool) -> None:
+async def test_fifty_racers_one_winner(store: Store, pool: asyncpg.Pool) -> None:
     """50 coroutines on 10 connections apply the same transition: exactly one wins."""
-    task = await repo.create(spec())
+    task = await store.tasks.create(spec())
     assert pool.get_max_size() == 10
 
     async def racer() -> bool:
         try:
-            await fsm.apply(repo, task, State.PENDING, reason="race")
+            await fsm.apply(store.tasks, task, State.PENDING, reason="race")
         except StaleWrite:
             return False
         return True
 
     results = await asyncio.gather(*(racer() for _ in range(50)))
     assert results.count(True) == 1
-    after = await repo.get(task.id)
+    after = await store.tasks.get(task.id)
     assert (after.status, after.version) == (State.PENDING, task.version + 1)
     rows = await pool.fetch(
         "SELECT * FROM task_events WHERE task_id = $1 AND to_status = 'pending'", task.id
@@ -60,52 +62,50 @@ async def test_fifty_racers_one_winner(repo: PgTaskRepo, pool: asyncpg.Pool) -> 
     assert len(rows) == 1
 
 
-async def test_failing_side_effect_changes_nothing(repo: PgTaskRepo, pool: asyncpg.Pool) -> None:
-    task = await repo.create(spec())
+async def test_failing_side_effect_changes_nothing(store: Store, pool: asyncpg.Pool) -> None:
+    task = await store.tasks.create(spec())
     before = await counts(pool)
 
     async def boom() -> None:
         raise RuntimeError("the backend refused")
 
     with pytest.raises(RuntimeError, match="refused"):
-        await fsm.apply(repo, task, State.PENDING, effect=boom)
-    after = await repo.get(task.id)
+        await fsm.apply(store.tasks, task, State.PENDING, effect=boom)
+    after = await store.tasks.get(task.id)
     assert after == task
     assert await counts(pool) == before
 
 
-async def test_side_effect_runs_before_the_cas(repo: PgTaskRepo) -> None:
-    task = await repo.create(spec())
+async def test_side_effect_runs_before_the_cas(store: Store) -> None:
+    task = await store.tasks.create(spec())
     seen: list[State] = []
 
     async def look() -> None:
-        seen.append((await repo.get(task.id)).status)
+        seen.append((await store.tasks.get(task.id)).status)
 
-    await fsm.apply(repo, task, State.PENDING, effect=look)
+    await fsm.apply(store.tasks, task, State.PENDING, effect=look)
     assert seen == [State.CREATED]
 
 
-async def test_illegal_and_unknown_moves_write_nothing(
-    repo: PgTaskRepo, pool: asyncpg.Pool
-) -> None:
-    task = await repo.create(spec())
+async def test_illegal_and_unknown_moves_write_nothing(store: Store, pool: asyncpg.Pool) -> None:
+    task = await store.tasks.create(spec())
     before = await counts(pool)
     with pytest.raises(IllegalTransition, match="Created -> Running"):
-        await fsm.apply(repo, task, State.RUNNING)
+        await fsm.apply(store.tasks, task, State.RUNNING)
     with pytest.raises(UnknownState, match="'exploded'"):
-        await fsm.apply(repo, task, "exploded")
-    assert await repo.get(task.id) == task
+        await fsm.apply(store.tasks, task, "exploded")
+    assert await store.tasks.get(task.id) == task
     assert await counts(pool) == before
 
 
-async def test_terminal_task_rejects_every_move(repo: PgTaskRepo, pool: asyncpg.Pool) -> None:
-    task = await repo.create(spec())
-    task = await fsm.apply(repo, task, State.CANCELED, reason="operator")
+async def test_terminal_task_rejects_every_move(store: Store, pool: asyncpg.Pool) -> None:
+    task = await store.tasks.create(spec())
+    task = await fsm.apply(store.tasks, task, State.CANCELED, reason="operator")
     before = await counts(pool)
     for target in State:
         with pytest.raises(IllegalTransition, match="Canceled -> "):
-            await fsm.apply(repo, task, target)
-    assert await repo.get(task.id) == task
+            await fsm.apply(store.tasks, task, target)
+    assert await store.tasks.get(task.id) == task
     assert await counts(pool) == before
 
 
@@ -122,12 +122,12 @@ async def test_invalid_spec_is_a_clear_error(pool: asyncpg.Pool) -> None:
     assert await counts(pool) == before
 
 
-async def test_batched_moves_return_only_winners(repo: PgTaskRepo, pool: asyncpg.Pool) -> None:
-    tasks = await repo.create_many([spec(f"t{i}") for i in range(100)])
+async def test_batched_moves_return_only_winners(store: Store, pool: asyncpg.Pool) -> None:
+    tasks = await store.tasks.create_many([spec(f"t{i}") for i in range(100)])
     stale = tasks[:10]
-    await repo.transition_many([fsm.plan(t, State.PENDING) for t in stale])
+    await store.tasks.transition_many([fsm.plan(t, State.PENDING) for t in stale])
     _, events_before = await counts(pool)
-    moved = await repo.transition_many([fsm.plan(t, State.PENDING) for t in tasks])
+    moved = await store.tasks.transition_many([fsm.plan(t, State.PENDING) for t in tasks])
     assert len(moved) == 90
     assert {t.id for t in moved} == {t.id for t in tasks[10:]}
     assert all(t.status is State.PENDING and t.version == 2 for t in moved)
@@ -135,77 +135,79 @@ async def test_batched_moves_return_only_winners(repo: PgTaskRepo, pool: asyncpg
     assert events_after - events_before == 90
 
 
-async def test_patch_fields_and_retry_bookkeeping(repo: PgTaskRepo) -> None:
-    task = await repo.create(spec(max_retries=1))
+async def test_patch_fields_and_retry_bookkeeping(store: Store) -> None:
+    task = await store.tasks.create(spec(max_retries=1))
     for target in (State.PENDING, State.READY):
-        task = await fsm.apply(repo, task, target)
-    [task] = await repo.pick_runnable(10, node="n1")
+        task = await fsm.apply(store.tasks, task, target)
+    [task] = await store.claims.pick_runnable(10, node="n1")
     assert (task.status, task.attempt, task.node) == (State.SCHEDULING, 1, "n1")
-    task = await fsm.apply(repo, task, State.RUNNING)
-    task = await fsm.apply(repo, task, State.FAILED, error="exit 1")
+    task = await fsm.apply(store.tasks, task, State.RUNNING)
+    task = await fsm.apply(store.tasks, task, State.FAILED, error="exit 1")
     # the delay travels as a duration: Postgres computes the due time on its own clock
-    task = await fsm.apply(repo, task, State.RETRY_WAIT, retry_in_s=30.0)
+    task = await fsm.apply(store.tasks, task, State.RETRY_WAIT, retry_in_s=30.0)
     assert (task.retry_count, task.error) == (1, "exit 1")
     assert task.next_retry_at is not None
     assert 29.0 < (task.next_retry_at - task.updated_at).total_seconds() <= 30.0
-    due_in = await repo.next_retry_due()
+    due_in = await store.tasks.next_retry_due()
     assert due_in is not None
     assert 29.0 < due_in <= 30.0
-    assert await repo.sweep_due_retries(10) == []  # not due yet
-    task = await fsm.apply(repo, task, State.PAUSED, reason="x", paused_by="me")
+    assert await store.claims.sweep_due_retries(10) == []  # not due yet
+    task = await fsm.apply(store.tasks, task, State.PAUSED, reason="x", paused_by="me")
     assert task.paused_at == task.updated_at  # Postgres's time, not the caller's
-    task = await fsm.apply(repo, task, State.PENDING)
-    task = await fsm.apply(repo, task, State.READY)
-    [task] = await repo.pick_runnable(10)
+    task = await fsm.apply(store.tasks, task, State.PENDING)
+    task = await fsm.apply(store.tasks, task, State.READY)
+    [task] = await store.claims.pick_runnable(10)
     assert task.attempt == 2
-    task = await fsm.apply(repo, task, State.RUNNING)
-    task = await fsm.apply(repo, task, State.FAILED, error="exit 1 again")
+    task = await fsm.apply(store.tasks, task, State.RUNNING)
+    task = await fsm.apply(store.tasks, task, State.FAILED, error="exit 1 again")
     assert task.retry_count == 1
     with pytest.raises(IllegalTransition, match="retries spent"):
-        await fsm.apply(repo, task, State.RETRY_WAIT)
-    history = await repo.history(task.id)
+        await fsm.apply(store.tasks, task, State.RETRY_WAIT)
+    history = await store.tasks.history(task.id)
     assert [e.version for e in history] == list(range(1, task.version + 1))
 
 
-async def test_retries_come_due_by_postgres_time(repo: PgTaskRepo) -> None:
-    task = await repo.create(spec(max_retries=1))
+async def test_retries_come_due_by_postgres_time(store: Store) -> None:
+    task = await store.tasks.create(spec(max_retries=1))
     for target in (State.PENDING, State.READY, State.SCHEDULING, State.RUNNING, State.FAILED):
-        task = await fsm.apply(repo, task, target)
-    task = await fsm.apply(repo, task, State.RETRY_WAIT, retry_in_s=0.0)
-    [task] = await repo.sweep_due_retries(10)
+        task = await fsm.apply(store.tasks, task, target)
+    task = await fsm.apply(store.tasks, task, State.RETRY_WAIT, retry_in_s=0.0)
+    [task] = await store.claims.sweep_due_retries(10)
     assert task.status is State.READY
-    [task] = await repo.pick_runnable(10)
+    [task] = await store.claims.pick_runnable(10)
     assert task.attempt == 2
-    task = await fsm.apply(repo, task, State.RUNNING)
-    task = await fsm.apply(repo, task, State.FAILED, error="exit 1 again")
+    task = await fsm.apply(store.tasks, task, State.RUNNING)
+    task = await fsm.apply(store.tasks, task, State.FAILED, error="exit 1 again")
     with pytest.raises(IllegalTransition, match="retries spent"):
-        await fsm.apply(repo, task, State.RETRY_WAIT)
+        await fsm.apply(store.tasks, task, State.RETRY_WAIT)
     assert fsm.is_terminal(task.status, fsm.has_retry_left(task))
-    history = await repo.history(task.id)
+    history = await store.tasks.history(task.id)
     assert [e.version for e in history] == list(range(1, task.version + 1))
 
 
-async def test_pick_runnable_order_and_no_double_pick(repo: PgTaskRepo) -> None:
+async def test_pick_runnable_order_and_no_double_pick(store: Store) -> None:
     specs = [spec(f"p{p}-{i}", priority=p) for i in range(20) for p in (0, 5, 1)]
-    tasks = await repo.create_many(specs)
-    pend = await repo.transition_many([fsm.plan(t, State.PENDING) for t in tasks])
+    tasks = await store.tasks.create_many(specs)
+    pend = await store.tasks.transition_many([fsm.plan(t, State.PENDING) for t in tasks])
     for t in pend:  # one at a time, so queued_at follows submission order
-        await repo.transition(fsm.plan(t, State.READY))
-    picks = await asyncio.gather(*(repo.pick_runnable(7) for _ in range(10)))
+        await store.tasks.transition(fsm.plan(t, State.READY))
+    picks = await asyncio.gather(*(store.claims.pick_runnable(7) for _ in range(10)))
     picked = [t for batch in picks for t in batch]
     assert len(picked) == 60
     assert len({t.id for t in picked}) == 60
-    ordered = await _pick_all(repo, specs)
+    ordered = await _pick_all(store, specs)
     assert [t.priority for t in ordered] == sorted((t.priority for t in ordered), reverse=True)
 
 
-async def _pick_all(repo: PgTaskRepo, specs: list[TaskSpec]) -> list:
-    tasks = await repo.create_many([s.model_copy(update={"name": s.name + "b"}) for s in specs])
+async def _pick_all(store: Store, specs: list[TaskSpec]) -> list:
+    tasks = await store.tasks.create_many(
+        [s.model_copy(update={"name": s.name + "b"}) for s in specs]
+    )
     for t in tasks:
-        t = await repo.transition(fsm.plan(t, State.PENDING))
-        await repo.transition(fsm.plan(t, State.READY))
+        t = await store.tasks.transition(fsm.plan(t, State.PENDING))
+        await store.tasks.transition(fsm.plan(t, State.READY))
     out = []
-    while batch := await repo.pick_runnable(5):
+    while batch := await store.claims.pick_runnable(5):
         out.extend(batch)
     # FIFO within one priority
     for p in (0, 1, 5):
@@ -214,35 +216,35 @@ async def _pick_all(repo: PgTaskRepo, specs: list[TaskSpec]) -> list:
     return out
 
 
-async def test_reads(repo: PgTaskRepo) -> None:
-    a = await repo.create(spec("a"))
-    b = await repo.create(spec("b"))
-    await fsm.apply(repo, b, State.PENDING)
-    assert [t.id for t in await repo.list_tasks(statuses=["Pending"])] == [b.id]
-    assert [t.id for t in await repo.list_tasks(name="a")] == [a.id]
-    assert len(await repo.list_tasks(limit=1)) == 1
+async def test_reads(store: Store) -> None:
+    a = await store.tasks.create(spec("a"))
+    b = await store.tasks.create(spec("b"))
+    await fsm.apply(store.tasks, b, State.PENDING)
+    assert [t.id for t in await store.tasks.list_tasks(statuses=["Pending"])] == [b.id]
+    assert [t.id for t in await store.tasks.list_tasks(name="a")] == [a.id]
+    assert len(await store.tasks.list_tasks(limit=1)) == 1
     with pytest.raises(UnknownState):
-        await repo.list_tasks(statuses=["nope"])
+        await store.tasks.list_tasks(statuses=["nope"])
     with pytest.raises(NotFound):
-        await repo.get(UUID(int=0))
+        await store.tasks.get(UUID(int=0))
     with pytest.raises(NotFound):
-        await repo.history(UUID(int=0))
+        await store.tasks.history(UUID(int=0))
 
 
-async def test_a_move_with_a_wrong_source_loses(repo: PgTaskRepo) -> None:
+async def test_a_move_with_a_wrong_source_loses(store: Store) -> None:
     """The SQL guards status too: a Move built from a wrong snapshot cannot jump states."""
-    task = await repo.create(spec())
+    task = await store.tasks.create(spec())
     forged = fsm.Move(task.id, task.version, State.PENDING, State.READY, "forged")
-    assert await repo.transition(forged) is None
-    assert (await repo.get(task.id)).status is State.CREATED
+    assert await store.tasks.transition(forged) is None
+    assert (await store.tasks.get(task.id)).status is State.CREATED
 
 
-async def test_terminal_query_agrees_with_the_fsm(repo: PgTaskRepo, pool: asyncpg.Pool) -> None:
-    """repo.TERMINAL_AMONG is fsm.is_terminal written in SQL; they must never disagree."""
+async def test_terminal_query_agrees_with_the_fsm(store: Store, pool: asyncpg.Pool) -> None:
+    """`terminal_among` is fsm.is_terminal written in SQL; they must never disagree."""
     tasks = []
     for state in State:
         for retry_count in (0, 2):
-            task = await repo.create(spec(f"{state}-{retry_count}", max_retries=2))
+            task = await store.tasks.create(spec(f"{state}-{retry_count}", max_retries=2))
             # test-only: put the row straight into each (state, retries) combination
             await pool.execute(
                 "UPDATE tasks SET status = $2, retry_count = $3 WHERE id = $1",
@@ -251,32 +253,34 @@ async def test_terminal_query_agrees_with_the_fsm(repo: PgTaskRepo, pool: asyncp
                 retry_count,
             )
             tasks.append(task.id)
-    terminal = {t.id for t in await repo.terminal_among(tasks)}
-    for task in await repo.get_many(tasks):
+    terminal = {t.id for t in await store.tasks.terminal_among(tasks)}
+    for task in await store.tasks.get_many(tasks):
         assert (task.id in terminal) == is_done(task), (task.status, task.retry_count)
 
 
-async def test_admission_walks_the_fsm_in_one_statement(
-    repo: PgTaskRepo, pool: asyncpg.Pool
-) -> None:
+async def test_admission_walks_the_fsm_in_one_statement(store: Store, pool: asyncpg.Pool) -> None:
     first = spec("walk")
     task_id = UUID(int=42)
-    [(task, created)] = await repo.admit_many([first], [task_id], (State.PENDING, State.READY))
+    [(task, created)] = await store.tasks.admit_many(
+        [first], [task_id], (State.PENDING, State.READY)
+    )
     assert created
     assert (task.status, task.version, task.attempt) == (State.READY, 3, 0)
     assert task.queued_at is not None
-    history = await repo.history(task_id)
+    history = await store.tasks.history(task_id)
     assert [(e.from_status, e.to_status, e.version) for e in history] == [
         (None, State.CREATED, 1),
         (State.CREATED, State.PENDING, 2),
         (State.PENDING, State.READY, 3),
     ]
     # a redelivered submission creates nothing and returns the task as it is
-    [(again, created)] = await repo.admit_many([first], [task_id], (State.PENDING, State.READY))
+    [(again, created)] = await store.tasks.admit_many(
+        [first], [task_id], (State.PENDING, State.READY)
+    )
     assert (again, created) == (task, False)
     assert await counts(pool) == (1, 3)
     with pytest.raises(IllegalTransition, match="Created -> Running"):
-        await repo.admit_many([spec("bad")], [UUID(int=43)], (State.RUNNING,))
+        await store.tasks.admit_many([spec("bad")], [UUID(int=43)], (State.RUNNING,))
     assert await counts(pool) == (1, 3)
 
 
@@ -299,7 +303,7 @@ async def _blocked_on(pool: asyncpg.Pool, pid: int) -> bool:
 
 @pytest.mark.parametrize("statement", ["transition", "heartbeat"])
 async def test_batches_lock_rows_in_id_order(
-    repo: PgTaskRepo, pool: asyncpg.Pool, statement: str
+    store: Store, pool: asyncpg.Pool, statement: str
 ) -> None:
     """A batch locks its rows in id order whatever order it lists them: while it waits for a
     row another transaction holds, it holds none of the rows above it. So that holder can take
@@ -307,11 +311,11 @@ async def test_batches_lock_rows_in_id_order(
     schedulers' batches did, in CI, before this)."""
     # created high id first, so the table's physical order and the batch's order below both
     # visit the highest row first: whatever plan Postgres picks, only id order avoids it
-    created = [await repo.create(spec(f"t{i}"), UUID(int=i)) for i in (3, 2, 1)]
+    created = [await store.tasks.create(spec(f"t{i}"), UUID(int=i)) for i in (3, 2, 1)]
     running = []
     for task in created:
         for target in (State.PENDING, State.READY, State.SCHEDULING, State.RUNNING):
-            task = await fsm.apply(repo, task, target)
+            task = await fsm.apply(store.tasks, task, target)
         running.append(task)
     low, mid, high = sorted(running, key=lambda t: t.id)
     async with pool.acquire() as holder, pool.acquire() as batcher:
@@ -321,12 +325,17 @@ async def test_batches_lock_rows_in_id_order(
         order = [high, mid, low]  # the reverse of id order
         if statement == "transition":
             batch = asyncio.ensure_future(
-                repo.transition_many([fsm.plan(t, State.SUCCESS, "done") for t in order], batcher)
+                Tx(Db(batcher, 0.5), 10.0).tasks.transition_many(
+                    [fsm.plan(t, State.SUCCESS, "done") for t in order]
+                )
             )
         else:
             batch = asyncio.ensure_future(
                 batcher.fetch(
-                    APPLY_HEARTBEATS, [t.id for t in order], [t.attempt for t in order], [1] * 3
+                    Q.apply_heartbeats.sql,
+                    [t.id for t in order],
+                    [t.attempt for t in order],
+                    [1] * 3,
                 )
             )
         pid = batcher.get_server_pid()

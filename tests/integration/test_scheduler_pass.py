@@ -18,9 +18,9 @@ from tests.helpers import spec
 
 async def test_a_failed_pass_puts_the_popped_tasks_back(settings: Settings) -> None:
     async with backends(settings) as b:
-        scheduler = Scheduler(settings, b.tasks, b.nodes, b.bus, b.ready_queue)
-        await b.nodes.register("n1", 4, 2.0, 1024, 0, {}, uuid4())
-        ready = await b.tasks.create_many(
+        scheduler = Scheduler(settings, b.store, b.bus, b.ready_queue)
+        await b.store.nodes.register("n1", 4, 2.0, 1024, 0, {}, uuid4())
+        ready = await b.store.tasks.create_many(
             [spec(f"t{i}") for i in range(3)], walk=(State.PENDING, State.READY)
         )
         await scheduler.queue.push(ready)
@@ -34,4 +34,6 @@ async def test_a_failed_pass_puts_the_popped_tasks_back(settings: Settings) -> N
             await scheduler.dispatch_once()
         assert await scheduler.queue.size() == 3  # back in line, not lost until reconcile
         assert await scheduler.queue.absent([t.id for t in ready]) == []
-        assert {t.status for t in await b.tasks.list_tasks()} == {State.READY}  # none committed
+        assert {t.status for t in await b.store.tasks.list_tasks()} == {
+            State.READY
+        }  # none committed

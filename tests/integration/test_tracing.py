@@ -52,10 +52,8 @@ async def test_one_trace_holds_producer_scheduler_and_executor_spans_in_order(
 ) -> None:
     node_settings = settings.model_copy(update={"node_id": "traced", "slots": 1})
     async with backends(settings) as s, backends(node_settings) as e:
-        scheduler = Scheduler(settings, s.tasks, s.nodes, s.bus, s.ready_queue)
-        executor = Executor(
-            node_settings, e.tasks, e.nodes, e.bus, LocalBackend(1, tmp_path), e.ready_queue
-        )
+        scheduler = Scheduler(settings, s.store, s.bus, s.ready_queue)
+        executor = Executor(node_settings, e.store, e.bus, LocalBackend(1, tmp_path), e.ready_queue)
         running = [asyncio.create_task(scheduler.run()), asyncio.create_task(executor.run())]
         try:
             await asyncio.wait_for(scheduler.ready.wait(), 30)

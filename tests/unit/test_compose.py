@@ -638,7 +638,8 @@ def test_dockerfile_copies_what_the_package_build_reads() -> None:
     needed |= {
         p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
     }
-    needed |= set(pyproject["tool"]["setuptools"].get("package-data", {}))  # e.g. shared (SQL)
+    # package data (shared.store's SQL) lives under its top-level package's folder
+    needed |= {p.split(".")[0] for p in pyproject["tool"]["setuptools"].get("package-data", {})}
     copied = set()
     for stage in dockerfile_stages():
         for word, args in stage:
@@ -679,7 +680,8 @@ def test_dockerignore_keeps_the_context_small_but_complete() -> None:
             for p in (ROOT / package).rglob("*")
             if p.is_file() and "__pycache__" not in p.parts
         ]
-    assert "shared/migrations/0001_tasks_and_events.sql" in needed
+    assert "shared/store/migrations/0001_tasks_and_events.sql" in needed
+    assert "shared/store/sql/tasks.sql" in needed
     kept_out = [path for path in needed if _ignored(path, patterns)]
     assert not kept_out, f".dockerignore keeps the build from seeing {kept_out}"
     assert _ignored("README.md", [*patterns, "*.md"]), "the check itself must see an exclusion"

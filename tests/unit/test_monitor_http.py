@@ -20,7 +20,7 @@ SECRET = "test-secret-of-some-length"
 
 @pytest.fixture
 async def monitor() -> AsyncIterator[tuple[HeartbeatMonitor, TestClient[Any, Any]]]:
-    mon = HeartbeatMonitor(Settings(heartbeat_secret=SECRET), None, None, None)  # type: ignore[arg-type]
+    mon = HeartbeatMonitor(Settings(heartbeat_secret=SECRET), None, None)  # type: ignore[arg-type]
     async with TestClient(TestServer(mon.app())) as client:
         yield mon, client
 

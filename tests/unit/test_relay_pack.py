@@ -9,9 +9,9 @@ from uuid import UUID, uuid4
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.relay.logic import pack
 from shared.fsm import State
 from shared.models import Event
+from shared.outbox_pack import pack
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 

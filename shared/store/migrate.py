@@ -15,23 +15,13 @@ from urllib.parse import unquote, urlsplit
 
 import asyncpg
 
+from shared.store.queries import Q
+
 log = logging.getLogger(__name__)
 
-# Any constant will do as long as nothing else in the database uses it for an advisory lock.
-MIGRATION_LOCK_KEY = 0x5CED_0001
 
 _DB_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
-
-CREATE_LEDGER = """
-CREATE TABLE IF NOT EXISTS schema_migrations (
-    version    integer PRIMARY KEY,
-    name       text NOT NULL,
-    applied_at timestamptz NOT NULL DEFAULT now()
-)
-"""
-APPLIED = "SELECT version FROM schema_migrations"
-RECORD = "INSERT INTO schema_migrations (version, name) VALUES ($1, $2)"
 
 
 @dataclass(frozen=True)
@@ -42,9 +32,9 @@ class Migration:
 
 
 def available() -> list[Migration]:
-    """The migration files shipped in shared/migrations, in version order."""
+    """The migration files shipped in shared/store/migrations, in version order."""
     found = []
-    for entry in resources.files("shared.migrations").iterdir():
+    for entry in resources.files("shared.store.migrations").iterdir():
         match = _FILE.match(entry.name)
         if match:
             found.append(Migration(int(match[1]), match[2], entry.read_text("utf-8")))
@@ -81,20 +71,20 @@ async def migrate(dsn: str) -> int:
     await ensure_database(dsn)
     conn = await asyncpg.connect(dsn)
     try:
-        await conn.execute("SELECT pg_advisory_lock($1)", MIGRATION_LOCK_KEY)
+        await conn.execute(Q.lock_migrations.sql)
         try:
-            await conn.execute(CREATE_LEDGER)
-            done = {row["version"] for row in await conn.fetch(APPLIED)}
+            await conn.execute(Q.create_ledger.sql)
+            done = {row["version"] for row in await conn.fetch(Q.applied_migrations.sql)}
             for migration in available():
                 if migration.version in done:
                     continue
                 async with conn.transaction():
                     await conn.execute(migration.sql)
-                    await conn.execute(RECORD, migration.version, migration.name)
+                    await conn.execute(Q.record_migration.sql, migration.version, migration.name)
                 log.info("applied migration %04d_%s", migration.version, migration.name)
                 done.add(migration.version)
             return max(done, default=0)
         finally:
-            await conn.execute("SELECT pg_advisory_unlock($1)", MIGRATION_LOCK_KEY)
+            await conn.execute(Q.unlock_migrations.sql)
     finally:
         await conn.close()

@@ -1,4 +1,5 @@
-"""Packing outbox events into as few messages as per-task order allows (pure)."""
+"""Packing outbox events into as few messages as per-task order allows (pure): the relay's
+messages keep each task's events in version order while unrelated events share them."""
 
 from __future__ import annotations
 

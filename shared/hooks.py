@@ -1,0 +1,103 @@
+"""Seams where observers plug in — tracing today, metrics next — so that neither is woven into
+the store, the scheduler or the executor. A hook implements the calls it cares about (the
+base class does nothing); `install` adds one; the code at each seam calls the module functions
+below, which cost one empty-list check when nothing is installed."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+from uuid import UUID
+
+if TYPE_CHECKING:
+    from shared.fsm import Move
+    from shared.models import Task
+
+
+class Attempt:
+    """What an attempt's hooks learn while it runs."""
+
+    def ended(self, ok: bool, error: str | None) -> None:
+        """The attempt ended (ok, or failed with `error`)."""
+
+
+class Hook:
+    def transitions(self, moved: Sequence[tuple[Task, Move]], start_ns: int, end_ns: int) -> None:
+        """Tasks moved by one statement that ran from `start_ns` to `end_ns`."""
+
+    def received(
+        self, queue: str, task_ids: Sequence[UUID], parents: Sequence[str | None]
+    ) -> tuple[list[str | None], list[Any]]:
+        """Submissions taken from `queue`, with the trace contexts they came with. Returns
+        the contexts to store with the tasks (a hook may start traces), and handles to end
+        once they are admitted."""
+        return list(parents), []
+
+    def dispatching(self, tasks: Sequence[Task]) -> tuple[list[dict[str, Any]], list[Any]]:
+        """Dispatch messages about to go out: headers for each, and handles to end once sent."""
+        return [{} for _ in tasks], []
+
+    def finished(self, handles: Sequence[Any]) -> None:
+        """End what `received` or `dispatching` started."""
+
+    @contextlib.contextmanager
+    def attempt(
+        self, task: Task, node: str, headers: Mapping[str, Any] | None
+    ) -> Iterator[Attempt]:
+        """Around one attempt's run on `node` (the dispatch's headers, if any)."""
+        yield Attempt()
+
+
+installed: list[Hook] = []
+
+
+def install(hook: Hook) -> None:
+    installed.append(hook)
+
+
+def transitions(moved: Sequence[tuple[Task, Move]], start_ns: int, end_ns: int) -> None:
+    for hook in installed:
+        hook.transitions(moved, start_ns, end_ns)
+
+
+def received(
+    queue: str, task_ids: Sequence[UUID], parents: Sequence[str | None]
+) -> tuple[list[str | None], list[Any]]:
+    contexts, handles = list(parents), []
+    for hook in installed:
+        contexts, more = hook.received(queue, task_ids, contexts)
+        handles.extend(more)
+    return contexts, handles
+
+
+def dispatching(tasks: Sequence[Task]) -> tuple[list[dict[str, Any]], list[Any]]:
+    headers: list[dict[str, Any]] = [{} for _ in tasks]
+    handles: list[Any] = []
+    for hook in installed:
+        more_headers, more = hook.dispatching(tasks)
+        for mine, theirs in zip(headers, more_headers, strict=True):
+            mine.update(theirs)
+        handles.extend(more)
+    return headers, handles
+
+
+def finished(handles: Sequence[Any]) -> None:
+    if handles:
+        for hook in installed:
+            hook.finished(handles)
+
+
+class _Attempts(Attempt):
+    def __init__(self, parts: list[Attempt]) -> None:
+        self.parts = parts
+
+    def ended(self, ok: bool, error: str | None) -> None:
+        for part in self.parts:
+            part.ended(ok, error)
+
+
+@contextlib.contextmanager
+def attempt(task: Task, node: str, headers: Mapping[str, Any] | None) -> Iterator[Attempt]:
+    with contextlib.ExitStack() as stack:
+        yield _Attempts([stack.enter_context(h.attempt(task, node, headers)) for h in installed])

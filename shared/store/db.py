@@ -1,0 +1,65 @@
+"""What every aggregate of the store runs its statements on: a pool (each statement on a
+connection of its own, in its own transaction) or one connection inside a transaction."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import asyncpg
+
+from shared.models import Task
+from shared.store.queries import Query
+
+
+async def _init_connection(conn: asyncpg.Connection) -> None:
+    await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
+
+
+async def create_pool(dsn: str, size: int = 8) -> asyncpg.Pool:
+    pool = await asyncpg.create_pool(
+        dsn, min_size=1, max_size=size, init=_init_connection, command_timeout=60
+    )
+    assert pool is not None
+    return pool
+
+
+class Db:
+    """A pool, or a connection in a transaction; runs named statements on it."""
+
+    def __init__(self, target: asyncpg.Pool | asyncpg.Connection, lease_margin_s: float) -> None:
+        self.target = target
+        self.lease_margin_s = lease_margin_s
+
+    @property
+    def in_transaction(self) -> bool:
+        return isinstance(self.target, asyncpg.Connection)
+
+    async def fetch(self, query: Query, *args: Any) -> list[asyncpg.Record]:
+        return list(await self.target.fetch(query.sql, *args))
+
+    async def fetchrow(self, query: Query, *args: Any) -> asyncpg.Record | None:
+        row: asyncpg.Record | None = await self.target.fetchrow(query.sql, *args)
+        return row
+
+    async def fetchval(self, query: Query, *args: Any) -> Any:
+        return await self.target.fetchval(query.sql, *args)
+
+    async def execute(self, query: Query, *args: Any) -> str:
+        status: str = await self.target.execute(query.sql, *args)
+        return status
+
+    @asynccontextmanager
+    async def atomic(self) -> AsyncIterator[Db]:
+        """One transaction: a new one on a pooled connection, or the one already open."""
+        if isinstance(self.target, asyncpg.Connection):
+            yield self
+            return
+        async with self.target.acquire() as conn, conn.transaction():
+            yield Db(conn, self.lease_margin_s)
+
+
+def task(row: asyncpg.Record) -> Task:
+    return Task.from_row(row)

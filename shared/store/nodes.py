@@ -1,0 +1,111 @@
+"""Nodes: executors register and refresh themselves; placement reads them with their usage,
+under their row locks. A node's usage is not a counter that could drift: it is the sum over the
+attempts that hold it (Scheduling or Running on it), released by the very CAS that ends them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+from shared.placement import NodeState
+from shared.store.db import Db
+from shared.store.queries import Q
+
+NODE_CHANNEL = "sked_node"  # NOTIFY when a node joins, leaves or changes readiness
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    id: str
+    slots: int
+    cpu: float
+    memory_mb: int
+    gpu: int
+    labels: Mapping[str, str]
+    ready: bool
+    live: bool
+    load: float
+    boot_id: UUID
+    registered_at: datetime
+    heartbeat_at: datetime
+    used_slots: int
+    used_cpu: float
+    used_memory_mb: int
+    used_gpu: int
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> NodeRow:
+        values = dict(row)
+        values["used_cpu"] = float(values["used_cpu"])
+        values["used_memory_mb"] = int(values["used_memory_mb"])
+        values["used_gpu"] = int(values["used_gpu"])
+        return cls(**values)
+
+    def state(self) -> NodeState:
+        """What placement sees: a node that stopped heartbeating is not ready."""
+        return NodeState(
+            id=self.id,
+            slots=self.slots,
+            cpu=self.cpu,
+            memory_mb=self.memory_mb,
+            gpu=self.gpu,
+            labels=self.labels,
+            ready=self.ready and self.live,
+            load=self.load,
+            used_slots=self.used_slots,
+            used_cpu=self.used_cpu,
+            used_memory_mb=self.used_memory_mb,
+            used_gpu=self.used_gpu,
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        out = dict(vars(self))
+        for key in ("boot_id", "registered_at", "heartbeat_at"):
+            out[key] = str(out[key]) if key == "boot_id" else out[key].isoformat()
+        out["labels"] = dict(self.labels)
+        return out
+
+
+class Nodes:
+    def __init__(self, db: Db, ttl_s: float) -> None:
+        self.db = db
+        self.ttl_s = ttl_s  # a node silent this long is not live
+
+    async def register(
+        self,
+        node_id: str,
+        slots: int,
+        cpu: float,
+        memory_mb: int,
+        gpu: int,
+        labels: Mapping[str, str],
+        boot_id: UUID,
+    ) -> None:
+        await self.db.execute(
+            Q.register_node, node_id, slots, cpu, memory_mb, gpu, dict(labels), boot_id
+        )
+
+    async def heartbeat(self, node_id: str, boot_id: UUID, load: float) -> bool:
+        """Refresh the node; False if another executor has since taken over this node id."""
+        return await self.db.fetchval(Q.node_heartbeat, node_id, boot_id, load) is not None
+
+    async def set_ready(self, node_id: str, boot_id: UUID, ready: bool) -> None:
+        await self.db.execute(Q.set_node_ready, node_id, boot_id, ready)
+
+    async def all(self) -> list[NodeRow]:
+        return [NodeRow.from_row(r) for r in await self.db.fetch(Q.nodes_with_usage, self.ttl_s)]
+
+    async def lock_and_read(self) -> list[NodeRow]:
+        """Inside a transaction: lock the live nodes, then read every node with its usage.
+
+        Only the nodes locked here count as live: one that turned live between the lock and
+        the read waits for the next pass rather than being placed on unlocked.
+        """
+        assert self.db.in_transaction, "placement locks nodes inside a transaction"
+        locked = {r["id"] for r in await self.db.fetch(Q.lock_live_nodes, self.ttl_s)}
+        rows = [NodeRow.from_row(r) for r in await self.db.fetch(Q.nodes_with_usage, self.ttl_s)]
+        return [r if r.id in locked else replace(r, live=False) for r in rows]

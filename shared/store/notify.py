@@ -1,0 +1,101 @@
+"""State-change notifications: the payload sked's statements send on `sked_task`, its parser,
+and a LISTEN connection that comes back after it drops (then tells its service to sweep for
+what it missed)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from uuid import UUID
+
+import asyncpg
+
+from shared.resilience import TRANSIENT, backoff_s
+from shared.runtime import wait_any
+
+log = logging.getLogger(__name__)
+
+# One notification per statement that moves tasks (sql/fragments.sql, `notify`): every
+# notifying commit serialises on Postgres's notification queue. Payload: "<id>:<version>:<state>"
+# for each task moved, space-separated, up to NOTIFY_LIST_MAX tasks (about 5 KB, under the 8 KB
+# limit); a bigger batch sends only "*:<count>:<state,state...>".
+TASK_CHANNEL = "sked_task"
+NOTIFY_LIST_MAX = 100
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A parsed state-change notification: which tasks (None: too many to list), which states."""
+
+    ids: frozenset[UUID] | None
+    states: frozenset[str]
+
+
+def parse_notify(payload: str) -> Notice:
+    """Read a payload; entries that are not sked's (anyone may NOTIFY) are skipped."""
+    if payload.startswith("*:"):
+        return Notice(None, frozenset(payload.rsplit(":", 1)[-1].split(",")))
+    ids, states = set(), set()
+    for entry in payload.split():
+        task_id, _, state = entry.partition(":")
+        state = state.rpartition(":")[2]
+        try:
+            ids.add(UUID(task_id))
+        except ValueError:
+            continue
+        states.add(state)
+    return Notice(frozenset(ids), frozenset(states))
+
+
+Handler = Callable[[object, int, str, str], None]
+
+
+class PgListener:
+    """LISTEN on channels over one dedicated connection, re-established after it drops."""
+
+    def __init__(
+        self,
+        dsn: str,
+        handlers: Sequence[tuple[str, Handler]],
+        on_reconnect: Callable[[], None] | None = None,
+    ) -> None:
+        self.dsn = dsn
+        self.handlers = handlers
+        self.on_reconnect = on_reconnect
+        self.connected = asyncio.Event()
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        first = True
+        failures = 0
+        while not stopping.is_set():
+            dropped = asyncio.Event()
+            try:
+                conn: asyncpg.Connection = await asyncpg.connect(self.dsn)
+            except TRANSIENT as exc:
+                failures += 1
+                delay = backoff_s(failures)
+                log.warning("LISTEN: cannot connect (%s); retrying in %.1f s", exc, delay)
+                await wait_any(stopping, timeout=delay)
+                continue
+            try:
+                conn.add_termination_listener(lambda _c, ev=dropped: ev.set())
+                for channel, handler in self.handlers:
+                    await conn.add_listener(channel, handler)
+                failures = 0
+                self.connected.set()
+                if not first:
+                    log.warning("LISTEN re-established; sweeping for what was missed")
+                    if self.on_reconnect is not None:
+                        self.on_reconnect()
+                first = False
+                await wait_any(dropped, stopping)
+                if dropped.is_set():
+                    log.warning("LISTEN connection lost")
+            except TRANSIENT as exc:
+                log.warning("LISTEN: %s", exc)
+            finally:
+                self.connected.clear()
+                if not conn.is_closed():
+                    conn.terminate()

@@ -1,0 +1,38 @@
+"""The outbox: task_events not yet published. A relay locks the free shards, reads their
+oldest events (rendered as JSON by Postgres), publishes them and marks them, in one
+transaction: a crash before the commit leaves them for the next pass."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from uuid import UUID
+
+from shared.fsm import State
+from shared.store.db import Db
+from shared.store.queries import Q
+
+
+@dataclass(frozen=True)
+class OutboxRow:
+    id: int
+    task_id: UUID
+    to_status: State
+    body: str  # the event as JSON (models.Event's fields)
+
+
+class Outbox:
+    def __init__(self, db: Db) -> None:
+        self.db = db
+
+    async def lock_free_shards(self) -> list[int]:
+        """Inside a transaction: the shards no other relay drains now, locked."""
+        assert self.db.in_transaction, "shards are locked inside a transaction"
+        return [r["shard"] for r in await self.db.fetch(Q.lock_free_shards)]
+
+    async def unpublished(self, shards: Sequence[int], limit: int) -> list[OutboxRow]:
+        rows = await self.db.fetch(Q.unpublished, list(shards), limit)
+        return [OutboxRow(r["id"], r["task_id"], State(r["to_status"]), r["body"]) for r in rows]
+
+    async def mark_published(self, ids: Sequence[int]) -> None:
+        await self.db.execute(Q.mark_published, list(ids))

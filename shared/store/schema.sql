@@ -1,0 +1,135 @@
+-- The schema as it stands after every migration: what shared/store/migrations builds, step by
+-- step, written out whole for a reader (tests/integration/test_migrate.py checks that the two
+-- yield the same catalogue). Change the schema with a new migration, then here.
+
+-- Workflows: a DAG of tasks submitted together, and one row per edge.
+CREATE TABLE workflows (
+    id         uuid PRIMARY KEY,
+    name       text NOT NULL,
+    spec       jsonb NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- One row per task: its spec, where it is in its lifecycle, and its current attempt.
+CREATE TABLE tasks (
+    id                  uuid PRIMARY KEY,
+    name                text NOT NULL,
+    kind                text NOT NULL CHECK (kind IN ('command', 'handler')),
+    spec                jsonb NOT NULL,
+    status              text NOT NULL CHECK (status IN (
+                            'created', 'pending', 'ready', 'scheduling', 'running', 'success',
+                            'failed', 'retry_wait', 'lost', 'timed_out', 'paused', 'canceled',
+                            'skipped')),
+    status_reason       text NOT NULL DEFAULT '',
+    version             integer NOT NULL DEFAULT 1 CHECK (version >= 1),  -- the CAS token
+    attempt             integer NOT NULL DEFAULT 0 CHECK (attempt >= 0),
+    priority            integer NOT NULL DEFAULT 0,  -- effective (inherited) priority
+    retry_count         integer NOT NULL DEFAULT 0 CHECK (retry_count >= 0),
+    max_retries         integer NOT NULL DEFAULT 0 CHECK (max_retries >= 0),
+    next_retry_at       timestamptz,
+    timeout_s           double precision CHECK (timeout_s > 0),
+    heartbeat_timeout_s double precision NOT NULL CHECK (heartbeat_timeout_s > 0),
+    node                text,
+    idempotency_key     text UNIQUE,
+    paused_by           text,
+    paused_reason       text,
+    paused_at           timestamptz,
+    result              jsonb,
+    error               text,
+    created_at          timestamptz NOT NULL DEFAULT now(),
+    updated_at          timestamptz NOT NULL DEFAULT now(),
+    queued_at           timestamptz,
+    started_at          timestamptz,
+    finished_at         timestamptz,
+    log_tail            text,
+    -- resources asked for, as columns, so that a node's usage is a plain aggregate
+    cpu                 double precision NOT NULL DEFAULT 0 CHECK (cpu >= 0),
+    memory_mb           bigint NOT NULL DEFAULT 0 CHECK (memory_mb >= 0),
+    gpu                 integer NOT NULL DEFAULT 0 CHECK (gpu >= 0),
+    traceparent         text,  -- the producer's W3C trace context
+    -- heartbeats: the monitor's next look, the last beat, the highest sequence applied
+    hb_deadline         timestamptz,
+    hb_at               timestamptz,
+    hb_seq              bigint NOT NULL DEFAULT 0,
+    -- workflows
+    workflow_id         uuid REFERENCES workflows (id) ON DELETE CASCADE,
+    wf_task             text,
+    uses                text[] NOT NULL DEFAULT '{}',
+    inputs              jsonb,
+    -- the attempt lease: which attempt's process may be alive, whose, until when
+    lease_owner         uuid,
+    lease_attempt       integer,
+    lease_until         timestamptz
+);
+
+CREATE INDEX tasks_runnable ON tasks (priority DESC, queued_at, id) WHERE status = 'ready';
+CREATE INDEX tasks_retry_due ON tasks (next_retry_at) WHERE status = 'retry_wait';
+CREATE INDEX tasks_status_created ON tasks (status, created_at DESC);
+CREATE INDEX tasks_active_by_node ON tasks (node) WHERE status IN ('scheduling', 'running');
+CREATE INDEX tasks_hb_deadline ON tasks (hb_deadline) WHERE status = 'running';
+CREATE INDEX tasks_scheduling_since ON tasks (updated_at) WHERE status = 'scheduling';
+CREATE INDEX tasks_lost_since ON tasks (updated_at) WHERE status = 'lost';
+CREATE INDEX tasks_workflow ON tasks (workflow_id) WHERE workflow_id IS NOT NULL;
+CREATE INDEX tasks_active_uses ON tasks (workflow_id)
+    WHERE status IN ('scheduling', 'running') AND uses <> '{}';
+
+-- The transition history and the outbox at once.
+CREATE TABLE task_events (
+    id           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    task_id      uuid NOT NULL REFERENCES tasks (id) ON DELETE CASCADE,
+    from_status  text,
+    to_status    text NOT NULL,
+    version      integer NOT NULL,
+    attempt      integer NOT NULL,
+    reason       text NOT NULL DEFAULT '',
+    at           timestamptz NOT NULL DEFAULT clock_timestamp(),
+    shard        smallint NOT NULL GENERATED ALWAYS AS (get_byte(uuid_send(task_id), 15) % 16) STORED,
+    published_at timestamptz,
+    UNIQUE (task_id, version)
+);
+CREATE INDEX task_events_unpublished ON task_events (shard, id) WHERE published_at IS NULL;
+
+-- One row per outbox shard: a relay locks the shards it drains.
+CREATE TABLE outbox_shards (
+    shard smallint PRIMARY KEY
+);
+
+-- One row per executor (node).
+CREATE TABLE nodes (
+    id            text PRIMARY KEY CHECK (id ~ '^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$'),
+    slots         integer NOT NULL CHECK (slots >= 1),
+    cpu           double precision NOT NULL CHECK (cpu >= 0),
+    memory_mb     bigint NOT NULL CHECK (memory_mb >= 0),
+    gpu           integer NOT NULL CHECK (gpu >= 0),
+    labels        jsonb NOT NULL DEFAULT '{}',
+    ready         boolean NOT NULL DEFAULT true,
+    load          double precision NOT NULL DEFAULT 0,
+    boot_id       uuid NOT NULL,
+    registered_at timestamptz NOT NULL DEFAULT now(),
+    heartbeat_at  timestamptz NOT NULL DEFAULT now()
+);
+
+-- Outcomes of attempts that no longer owned their task: kept, never applied.
+CREATE TABLE late_results (
+    id        bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    task_id   uuid NOT NULL REFERENCES tasks (id) ON DELETE CASCADE,
+    attempt   integer NOT NULL,
+    ok        boolean NOT NULL,
+    result    jsonb,
+    error     text,
+    note      text NOT NULL,
+    at        timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX late_results_task ON late_results (task_id);
+
+CREATE TABLE task_deps (
+    task_id       uuid NOT NULL REFERENCES tasks (id) ON DELETE CASCADE,
+    upstream_id   uuid NOT NULL REFERENCES tasks (id) ON DELETE CASCADE,
+    condition     text NOT NULL CHECK (condition IN ('on_success', 'on_failure', 'always')),
+    timeout_s     double precision CHECK (timeout_s > 0),
+    on_timeout    text NOT NULL DEFAULT 'fail' CHECK (on_timeout IN ('skip', 'default', 'fail')),
+    default_value jsonb,
+    timed_out_at  timestamptz,
+    PRIMARY KEY (task_id, upstream_id)
+);
+CREATE INDEX task_deps_upstream ON task_deps (upstream_id);

@@ -1,0 +1,63 @@
+-- Pieces of SQL that several statements share, each defined once. A statement uses one as
+-- {{name}} or, with an argument, {{name(argument)}}; `shared.store.queries` expands them.
+
+-- fragment: task_columns(p)
+-- Every column a Task is read from (models.Task), each prefixed with `p` (a table alias and
+-- a dot, or nothing).
+{{p}}id, {{p}}name, {{p}}kind, {{p}}spec::text AS spec_json, {{p}}status, {{p}}status_reason,
+{{p}}version, {{p}}attempt, {{p}}priority, {{p}}retry_count, {{p}}max_retries,
+{{p}}next_retry_at, {{p}}timeout_s, {{p}}heartbeat_timeout_s, {{p}}node, {{p}}idempotency_key,
+{{p}}paused_by, {{p}}paused_reason, {{p}}paused_at, {{p}}result, {{p}}error, {{p}}created_at,
+{{p}}updated_at, {{p}}queued_at, {{p}}started_at, {{p}}finished_at, {{p}}log_tail, {{p}}cpu,
+{{p}}memory_mb, {{p}}gpu, {{p}}traceparent, {{p}}hb_at, {{p}}hb_deadline, {{p}}hb_seq,
+{{p}}workflow_id, {{p}}wf_task, {{p}}uses, {{p}}inputs, {{p}}lease_owner, {{p}}lease_attempt,
+{{p}}lease_until
+
+-- fragment: event_columns
+-- Every column an Event is read from (models.Event).
+id, task_id, from_status, to_status, version, attempt, reason, at, published_at
+
+-- fragment: locked_in_id_order(where)
+-- The body of a CTE that locks the tasks a statement's CTE `u` names, in id order. An UPDATE
+-- locks rows in whatever order its join visits them, so two batches over overlapping rows
+-- could each hold one the other waits for; locked in one order, they queue instead. After a
+-- wait FOR UPDATE re-checks `where` on the newest row, so a row that no longer qualifies is
+-- not written.
+SELECT t.id FROM tasks t JOIN u ON u.id = t.id WHERE {{where}} ORDER BY t.id FOR UPDATE OF t
+
+-- fragment: skip_locked_in_id_order(where)
+-- The same for writes that may be dropped: rows another statement holds are passed over.
+SELECT t.id FROM tasks t JOIN u ON u.id = t.id WHERE {{where}}
+ORDER BY t.id FOR UPDATE OF t SKIP LOCKED
+
+-- fragment: notify(moved)
+-- The one NOTIFY of a statement that moved the rows of CTE `moved`, on channel sked_task
+-- (repo.TASK_CHANNEL): "<id>:<version>:<state>" per task, space-separated, up to 100 tasks;
+-- beyond that "*:<count>:<state,state...>". One per transaction: every notifying commit
+-- serialises on Postgres's notification queue.
+SELECT pg_notify('sked_task',
+                 CASE WHEN count(*) <= 100
+                      THEN string_agg(id::text || ':' || version || ':' || status, ' ')
+                      ELSE '*:' || count(*) || ':' || string_agg(DISTINCT status, ',') END)
+FROM {{moved}}
+HAVING count(*) > 0
+
+-- fragment: slot_states
+-- The states in which an attempt holds its node's slot and resources (fsm.HOLDS_SLOT).
+'scheduling', 'running'
+
+-- fragment: terminal_states
+-- The states that end a task outright (fsm.ALWAYS_TERMINAL).
+'success', 'canceled', 'skipped'
+
+-- fragment: retryable_states
+-- The states that end a task once its retries are spent (fsm.RETRYABLE).
+'failed', 'timed_out'
+
+-- fragment: ends_lease
+-- A move out of Running that proves the attempt's process ended; Paused and Canceled do not.
+u.from_status = 'running' AND u.to_status NOT IN ('paused', 'canceled')
+
+-- fragment: lease_over(margin)
+-- The lease has run out by the safety margin: the attempt's processes are frozen or dead.
+(t.lease_until IS NULL OR t.lease_until + make_interval(secs => {{margin}}) < now())

@@ -1,0 +1,57 @@
+-- Nodes: executors register and refresh themselves; placement reads them with their usage. A
+-- node's usage is not a counter that could drift: it is the sum over the tasks that hold it.
+
+-- name: register_node
+-- Insert or refresh a node (a restarted executor takes its node over with a new boot id), and
+-- tell the schedulers (NOTIFY sked_node: parked tasks may fit now).
+WITH up AS (
+    INSERT INTO nodes (id, slots, cpu, memory_mb, gpu, labels, ready, boot_id)
+    VALUES ($1, $2, $3, $4, $5, $6::jsonb, true, $7)
+    ON CONFLICT (id) DO UPDATE SET
+        slots = EXCLUDED.slots, cpu = EXCLUDED.cpu, memory_mb = EXCLUDED.memory_mb,
+        gpu = EXCLUDED.gpu, labels = EXCLUDED.labels, ready = true, boot_id = EXCLUDED.boot_id,
+        registered_at = now(), heartbeat_at = now()
+    RETURNING id
+)
+SELECT pg_notify('sked_node', id) FROM up
+
+-- name: node_heartbeat
+-- An executor's heartbeat, which also re-asserts that it is ready (a monitor may have marked
+-- it not ready while it was only reconnecting); nothing if another executor took the node over.
+UPDATE nodes SET heartbeat_at = now(), load = $3, ready = true
+WHERE id = $1 AND boot_id = $2
+RETURNING ready
+
+-- name: set_node_ready
+-- Mark a node ready or not (draining; no executor connected), and tell the schedulers.
+WITH up AS (
+    UPDATE nodes SET ready = $3, heartbeat_at = now() WHERE id = $1 AND boot_id = $2
+    RETURNING id
+)
+SELECT pg_notify('sked_node', id) FROM up
+
+-- name: nodes_with_usage
+-- Every node with its usage: the attempts that hold it (Scheduling or Running there) and what
+-- they asked for; `live`: it heartbeat within $1 seconds.
+SELECT n.id, n.slots, n.cpu, n.memory_mb, n.gpu, n.labels, n.ready, n.load, n.boot_id,
+       n.registered_at, n.heartbeat_at,
+       n.heartbeat_at > now() - make_interval(secs => $1) AS live,
+       COALESCE(u.used_slots, 0) AS used_slots, COALESCE(u.used_cpu, 0) AS used_cpu,
+       COALESCE(u.used_memory_mb, 0) AS used_memory_mb, COALESCE(u.used_gpu, 0) AS used_gpu
+FROM nodes n
+LEFT JOIN (
+    SELECT node, count(*) AS used_slots, sum(cpu) AS used_cpu,
+           sum(memory_mb) AS used_memory_mb, sum(gpu) AS used_gpu
+    FROM tasks WHERE status IN ({{slot_states}}) GROUP BY node
+) u ON u.node = n.id
+ORDER BY n.id
+
+-- name: lock_live_nodes
+-- Placement runs with the live nodes' rows locked, in id order: two schedulers placing at
+-- once serialise here and each sees the other's reservations. The usage must be read by a
+-- second statement: at READ COMMITTED a statement reads as of its own start, so usage read by
+-- the statement that waited for the lock would miss what the previous holder committed.
+SELECT id FROM nodes
+WHERE ready AND heartbeat_at > now() - make_interval(secs => $1)
+ORDER BY id
+FOR UPDATE

@@ -1,0 +1,191 @@
+-- Tasks: creation, the CAS that moves them, and reads.
+
+-- name: insert_tasks
+-- Create tasks and walk them through their first moves in one statement: each row is inserted
+-- in the last state of the walk ($13-$15, planned and checked by fsm.walk), with one event per
+-- step. A redelivered submission (same id) or a taken idempotency key creates nothing; no
+-- CAS is needed, as nobody else can hold a row this statement creates.
+WITH w AS (
+    SELECT * FROM unnest($13::text[], $14::text[], $15::text[]) WITH ORDINALITY
+                  AS w(from_status, to_status, reason, version)
+), last AS (
+    SELECT to_status, reason, version FROM w ORDER BY version DESC LIMIT 1
+), ins AS (
+    INSERT INTO tasks (id, name, kind, spec, status, status_reason, version, priority,
+                       max_retries, timeout_s, heartbeat_timeout_s, idempotency_key, cpu,
+                       memory_mb, gpu, traceparent, queued_at, workflow_id, wf_task, uses)
+    SELECT u.id, u.name, u.kind, u.spec::jsonb, last.to_status, last.reason, last.version,
+           u.priority, u.max_retries, u.timeout_s, u.hb, u.ikey, u.cpu, u.memory_mb, u.gpu,
+           u.traceparent, CASE WHEN last.to_status = 'ready' THEN now() END, $17::uuid,
+           CASE WHEN $17::uuid IS NULL THEN NULL ELSE u.name END,
+           ARRAY(SELECT jsonb_array_elements_text(u.uses::jsonb))
+    FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int[], $6::int[],
+                $7::float8[], $8::float8[], $9::text[], $10::float8[], $11::bigint[],
+                $12::int[], $16::text[], $18::text[])
+         AS u(id, name, kind, spec, priority, max_retries, timeout_s, hb, ikey, cpu, memory_mb,
+              gpu, traceparent, uses)
+    CROSS JOIN last
+    ON CONFLICT DO NOTHING
+    RETURNING {{task_columns()}}
+), ev AS (
+    INSERT INTO task_events (task_id, from_status, to_status, version, attempt, reason)
+    SELECT ins.id, w.from_status, w.to_status, w.version, 0, w.reason FROM ins CROSS JOIN w
+), note AS ({{notify(ins)}})
+SELECT ins.*, (SELECT count(*) FROM note) AS _notified FROM ins
+
+-- name: existing_tasks
+-- The tasks these ids or idempotency keys already name (what an insert did not create).
+SELECT {{task_columns()}} FROM tasks
+WHERE id = ANY($1::uuid[]) OR idempotency_key = ANY($2::text[])
+
+-- name: transition
+-- The CAS: each move applies only if the task is still at its version and state. `u.p` is
+-- the move's patch (a key present sets its column). The event row and the NOTIFY go in the
+-- same statement, so a state change and its event can never diverge. $7 is the lease margin.
+-- Leases (docs/architecture.md, "At most one live attempt"): a move into Running takes one
+-- for the attempt; a move out of Running that proves the process ended ends it; Paused and
+-- Canceled keep it until the executor gives it back. Lost, and the start of a next attempt,
+-- wait until the lease has run out by the margin.
+WITH u AS (
+    SELECT id, version, from_status, to_status, reason, patch::jsonb AS p
+    FROM unnest($1::uuid[], $2::int[], $3::text[], $4::text[], $5::text[], $6::text[])
+         AS u(id, version, from_status, to_status, reason, patch)
+), locked AS (
+    {{locked_in_id_order(t.version = u.version AND t.status = u.from_status)}}
+), moved AS (
+    UPDATE tasks t SET
+        status = u.to_status,
+        status_reason = u.reason,
+        version = t.version + 1,
+        updated_at = now(),
+        attempt = COALESCE((u.p ->> 'attempt')::int, t.attempt),
+        retry_count = COALESCE((u.p ->> 'retry_count')::int, t.retry_count),
+        node = CASE WHEN u.p ? 'node' THEN u.p ->> 'node' ELSE t.node END,
+        next_retry_at = CASE WHEN u.p ? 'retry_in_s'
+                             THEN now() + make_interval(secs => (u.p ->> 'retry_in_s')::float8)
+                             ELSE t.next_retry_at END,
+        result = CASE WHEN u.p ? 'result' THEN NULLIF(u.p -> 'result', 'null'::jsonb)
+                      ELSE t.result END,
+        error = CASE WHEN u.p ? 'error' THEN u.p ->> 'error' ELSE t.error END,
+        log_tail = CASE WHEN u.p ? 'log_tail' THEN u.p ->> 'log_tail' ELSE t.log_tail END,
+        inputs = CASE WHEN u.p ? 'inputs' THEN u.p -> 'inputs' ELSE t.inputs END,
+        paused_by = CASE WHEN u.p ? 'paused_by' THEN u.p ->> 'paused_by' ELSE t.paused_by END,
+        paused_reason = CASE WHEN u.p ? 'paused_reason' THEN u.p ->> 'paused_reason'
+                             ELSE t.paused_reason END,
+        paused_at = CASE WHEN u.to_status = 'paused' THEN now() ELSE t.paused_at END,
+        queued_at = CASE WHEN u.to_status = 'ready' THEN now() ELSE t.queued_at END,
+        started_at = CASE WHEN u.to_status = 'running' THEN now() ELSE t.started_at END,
+        hb_at = CASE WHEN u.to_status = 'running' THEN now() ELSE t.hb_at END,
+        hb_deadline = CASE WHEN u.to_status = 'running'
+                           THEN now() + make_interval(secs => t.heartbeat_timeout_s + $7)
+                           ELSE t.hb_deadline END,
+        hb_seq = CASE WHEN u.to_status = 'running' THEN 0 ELSE t.hb_seq END,
+        lease_owner = CASE WHEN u.to_status = 'running' THEN (u.p ->> 'lease_owner')::uuid
+                           WHEN {{ends_lease}} THEN NULL ELSE t.lease_owner END,
+        lease_attempt = CASE WHEN u.to_status = 'running' THEN t.attempt
+                             WHEN {{ends_lease}} THEN NULL ELSE t.lease_attempt END,
+        lease_until = CASE WHEN u.to_status = 'running'
+                           THEN now() + make_interval(secs => t.heartbeat_timeout_s)
+                           WHEN {{ends_lease}} THEN NULL ELSE t.lease_until END,
+        finished_at = CASE WHEN u.to_status IN ({{terminal_states}}, {{retryable_states}})
+                           THEN now() ELSE t.finished_at END
+    FROM u JOIN locked USING (id)
+    WHERE t.id = u.id AND t.version = u.version AND t.status = u.from_status
+      AND (u.to_status NOT IN ('lost', 'running') OR {{lease_over($7)}})
+    RETURNING {{task_columns(t.)}}, u.from_status AS _from, u.reason AS _reason
+), ev AS (
+    INSERT INTO task_events (task_id, from_status, to_status, version, attempt, reason)
+    SELECT id, _from, status, version, attempt, _reason FROM moved
+), note AS ({{notify(moved)}})
+SELECT moved.*, (SELECT count(*) FROM note) AS _notified FROM moved
+
+-- name: get_task
+-- One task by id.
+SELECT {{task_columns()}} FROM tasks WHERE id = $1
+
+-- name: get_tasks
+-- Tasks by id.
+SELECT {{task_columns()}} FROM tasks WHERE id = ANY($1::uuid[])
+
+-- name: get_ready
+-- Those of these tasks still Ready; `_fenced`: an earlier attempt still holds a lease (paused
+-- while its executor could not hear it), so this one may not start yet. $2: the lease margin.
+SELECT {{task_columns()}}, NOT {{lease_over($2)}} AS _fenced
+FROM tasks t WHERE id = ANY($1::uuid[]) AND status = 'ready'
+
+-- name: ready_for_queue
+-- What the ready queue needs to (re)score Ready tasks queued more than $1 seconds ago, oldest
+-- first, a page of $2 after ($3, $4): the reconciler reads only tasks a live scheduler would
+-- have popped already.
+SELECT id, priority, queued_at FROM tasks
+WHERE status = 'ready' AND queued_at < now() - make_interval(secs => $1)
+  AND (queued_at, id) > ($3::timestamptz, $4::uuid)
+ORDER BY queued_at, id
+LIMIT $2
+
+-- name: set_wait_reasons
+-- Why a Ready task waits (written only when the reason changes). A row another statement
+-- holds is skipped: the reason is cosmetic, the holder is likely placing it right now, and
+-- waiting for it here could deadlock with that holder's batch.
+WITH u AS (SELECT * FROM unnest($1::uuid[], $2::text[]) AS u(id, reason)),
+free AS (
+    {{skip_locked_in_id_order(t.status = 'ready' AND t.status_reason IS DISTINCT FROM u.reason)}}
+)
+UPDATE tasks t SET status_reason = u.reason
+FROM u JOIN free USING (id)
+WHERE t.id = u.id
+
+-- name: terminal_among
+-- Which of these tasks are terminal: ended outright, or failed with no retry left (the FSM's
+-- is_terminal in SQL, so that waiters fetch only finished rows).
+SELECT {{task_columns()}} FROM tasks
+WHERE id = ANY($1::uuid[])
+  AND (status IN ({{terminal_states}})
+       OR (status IN ({{retryable_states}}) AND retry_count >= max_retries))
+
+-- name: list_tasks
+-- Tasks, newest first, optionally of some states ($1) and one name ($2).
+SELECT {{task_columns()}} FROM tasks
+WHERE ($1::text[] IS NULL OR status = ANY($1))
+  AND ($2::text IS NULL OR name = $2)
+ORDER BY created_at DESC, id
+LIMIT $3
+
+-- name: history
+-- A task's transitions, in version order.
+SELECT {{event_columns}} FROM task_events WHERE task_id = $1 ORDER BY version
+
+-- name: ended_with
+-- Which of these (task, version while Running) attempts were ended by a move whose reason
+-- starts with $3 (a failure's reason goes on with its error): an end this writer already
+-- applied, seen again after its COMMIT reply was lost.
+SELECT e.task_id FROM task_events e
+JOIN unnest($1::uuid[], $2::int[]) AS u(id, version)
+  ON e.task_id = u.id AND e.version = u.version + 1
+WHERE e.from_status = 'running' AND starts_with(e.reason, $3)
+
+-- name: next_retry_due
+-- Seconds until the earliest retry is due, by Postgres's clock (NULL: no task waits).
+SELECT extract(epoch FROM min(next_retry_at) - now())::float8 FROM tasks
+WHERE status = 'retry_wait'
+
+-- name: lock_workflow_priorities
+-- Serialises the priority changes of one workflow ($1), so two never mix stale own priorities.
+SELECT pg_advisory_xact_lock(hashtextextended($1::text, 7))
+
+-- name: workflow_priorities
+-- Each task of a workflow with its effective and its own priority.
+SELECT id, wf_task, priority, (spec ->> 'priority')::int AS own FROM tasks WHERE workflow_id = $1
+
+-- name: set_priorities
+-- Priority changes (not a state change: no version bump, no event), rows locked in id order:
+-- the task's own priority ($3, $4) goes into its spec, each effective priority into `priority`.
+WITH u AS (SELECT * FROM unnest($1::uuid[], $2::int[]) AS u(id, priority)),
+locked AS ({{locked_in_id_order(true)}})
+UPDATE tasks t SET
+    priority = u.priority,
+    spec = CASE WHEN t.id = $3 THEN jsonb_set(t.spec, '{priority}', to_jsonb($4::int))
+                ELSE t.spec END
+FROM u JOIN locked USING (id)
+WHERE t.id = u.id
+RETURNING {{task_columns(t.)}}

@@ -1,0 +1,82 @@
+-- Workflows: the DAG as stored, its edges, and what decides a task downstream.
+
+-- name: insert_workflow
+-- Record a workflow; nothing if one with this id exists (a redelivered submission).
+INSERT INTO workflows (id, name, spec) VALUES ($1, $2, $3::jsonb)
+ON CONFLICT (id) DO NOTHING
+RETURNING id
+
+-- name: workflow_spec
+-- The spec a workflow was submitted with.
+SELECT spec FROM workflows WHERE id = $1
+
+-- name: insert_deps
+-- Edges: (task, upstream, condition, timeout_s, on_timeout, default as JSON text) rows.
+INSERT INTO task_deps (task_id, upstream_id, condition, timeout_s, on_timeout, default_value)
+SELECT u.task_id, u.upstream_id, u.condition, u.timeout_s, u.on_timeout, u.dflt::jsonb
+FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::float8[], $5::text[], $6::text[])
+     AS u(task_id, upstream_id, condition, timeout_s, on_timeout, dflt)
+ON CONFLICT DO NOTHING
+
+-- name: downstream_of
+-- The tasks that depend on any of these.
+SELECT DISTINCT task_id FROM task_deps WHERE upstream_id = ANY($1::uuid[])
+
+-- name: lock_pending
+-- The downstream tasks to decide, locked in id order: a second decider waits here, then
+-- finds them decided.
+SELECT {{task_columns()}} FROM tasks
+WHERE id = ANY($1::uuid[]) AND status = 'pending'
+ORDER BY id
+FOR UPDATE
+
+-- name: edges_of
+-- Every edge into these tasks, with the upstream's state, output, and whether the wait for it
+-- has passed its timeout (measured from when the task last entered Pending).
+SELECT d.task_id, d.upstream_id, d.condition, u.status, u.retry_count, u.max_retries,
+       d.timeout_s, d.on_timeout, d.timed_out_at, d.default_value, u.wf_task AS upstream_name,
+       u.kind AS upstream_kind, u.result AS upstream_result,
+       t.updated_at + make_interval(secs => d.timeout_s) <= now() AS overdue
+FROM task_deps d JOIN tasks u ON u.id = d.upstream_id JOIN tasks t ON t.id = d.task_id
+WHERE d.task_id = ANY($1::uuid[])
+
+-- name: mark_timed_out
+-- Record that these (task, upstream) waits timed out (each once).
+UPDATE task_deps SET timed_out_at = now()
+FROM unnest($1::uuid[], $2::uuid[]) AS u(task_id, upstream_id)
+WHERE task_deps.task_id = u.task_id AND task_deps.upstream_id = u.upstream_id
+  AND task_deps.timed_out_at IS NULL
+
+-- name: pending_with_deps
+-- Pending tasks that wait for upstreams (the resolver's periodic sweep).
+SELECT DISTINCT d.task_id FROM task_deps d JOIN tasks t ON t.id = d.task_id
+WHERE t.status = 'pending'
+LIMIT $1
+
+-- name: get_workflow
+-- A workflow's row.
+SELECT id, name, spec::text AS spec, created_at FROM workflows WHERE id = $1
+
+-- name: workflow_tasks
+-- A workflow's tasks, by name.
+SELECT {{task_columns()}} FROM tasks WHERE workflow_id = $1 ORDER BY wf_task
+
+-- name: workflow_edges
+-- A workflow's edges (task, upstream, condition).
+SELECT d.task_id, d.upstream_id, d.condition
+FROM task_deps d JOIN tasks t ON t.id = d.task_id
+WHERE t.workflow_id = $1
+
+-- name: has_deps
+-- Whether a task waits for upstreams.
+SELECT EXISTS (SELECT 1 FROM task_deps WHERE task_id = $1)
+
+-- name: resources_held
+-- Each named resource of these workflows: its capacity, and how many units its tasks in
+-- Scheduling or Running hold now. Read under the placement locks, so it is current.
+SELECT w.id AS workflow_id, r.name, r.capacity::int AS capacity,
+       (SELECT count(*) FROM tasks t
+        WHERE t.workflow_id = w.id AND t.status IN ({{slot_states}})
+          AND r.name = ANY(t.uses)) AS held
+FROM workflows w, jsonb_each_text(w.spec -> 'resources') AS r(name, capacity)
+WHERE w.id = ANY($1::uuid[])

@@ -1,0 +1,274 @@
+"""Tasks: creation, the compare-and-swap that moves them, and reads.
+
+A transition is one statement (`transition` in sql/tasks.sql): the CAS, the task_events row
+(history and outbox at once) and one NOTIFY, so a state change and the event announcing it can
+never diverge. A batch moves many tasks in that one statement (`unnest`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+from uuid import UUID, uuid4
+
+from shared import fsm, hooks
+from shared.dag import effective_priorities
+from shared.errors import NotFound
+from shared.fsm import Move, State
+from shared.models import Event, Task, TaskSpec
+from shared.store.db import Db, task
+from shared.store.queries import Q
+
+
+@dataclass(frozen=True)
+class QueuedRow:
+    """What the ready queue needs to score a task."""
+
+    id: UUID
+    priority: int
+    queued_at: datetime | None
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    raise TypeError(f"cannot store {type(value).__name__} in a transition patch")
+
+
+def move_args(moves: Sequence[Move]) -> tuple[list[Any], ...]:
+    ids = [m.task_id for m in moves]
+    if len(set(ids)) != len(ids):
+        raise ValueError("a batch may move each task only once")
+    return (
+        ids,
+        [m.version for m in moves],
+        [m.source.value for m in moves],
+        [m.target.value for m in moves],
+        [m.reason for m in moves],
+        # allow_nan=False: a NaN would reach Postgres as a token jsonb refuses
+        [json.dumps(dict(m.patch), default=_json_default, allow_nan=False) for m in moves],
+    )
+
+
+class Tasks:
+    def __init__(self, db: Db) -> None:
+        self.db = db
+
+    # -- creation ---------------------------------------------------------------------------
+
+    async def create(self, spec: TaskSpec, task_id: UUID | None = None) -> Task:
+        return (await self.create_many([spec], None if task_id is None else [task_id]))[0]
+
+    async def admit_many(
+        self,
+        specs: Sequence[TaskSpec],
+        ids: Sequence[UUID],
+        walk: Sequence[State],
+        traceparents: Sequence[str | None] | None = None,
+    ) -> list[tuple[Task, bool]]:
+        """Create tasks and walk the new ones from Created through `walk` (checked by the FSM)
+        in one statement. Returns each task with whether this statement created it: existing
+        ones (a redelivery, a taken idempotency key) come back as they are."""
+        tasks, fresh = await self._create(specs, ids, walk, traceparents)
+        created = {t.id for t in fresh}
+        return [(t, t.id in created) for t in tasks]
+
+    async def create_many(
+        self,
+        specs: Sequence[TaskSpec],
+        ids: Sequence[UUID] | None = None,
+        walk: Sequence[State] = (),
+        traceparents: Sequence[str | None] | None = None,
+        workflow_id: UUID | None = None,
+        uses: Sequence[Sequence[str]] | None = None,
+        priorities: Sequence[int] | None = None,
+    ) -> list[Task]:
+        """Insert tasks in Created (or walked on through `walk`) with their events; one round
+        trip for the batch. `ids`: producer-chosen ids (a submission delivered twice is one
+        task); `priorities`: the effective ones a workflow's tasks are queued by (the spec
+        keeps the priority its producer asked for)."""
+        tasks, _ = await self._create(specs, ids, walk, traceparents, workflow_id, uses, priorities)
+        return tasks
+
+    async def _create(
+        self,
+        specs: Sequence[TaskSpec],
+        ids: Sequence[UUID] | None,
+        walk: Sequence[State],
+        traceparents: Sequence[str | None] | None = None,
+        workflow_id: UUID | None = None,
+        uses: Sequence[Sequence[str]] | None = None,
+        priorities: Sequence[int] | None = None,
+    ) -> tuple[list[Task], list[Task]]:
+        """All the tasks asked for, in order, and those this call created."""
+        if not specs:
+            return [], []
+        ids = list(ids) if ids is not None else [uuid4() for _ in specs]
+        steps = fsm.walk(State.CREATED, walk)
+        started = time.time_ns()
+        rows = await self.db.fetch(
+            Q.insert_tasks,
+            ids,
+            [s.name for s in specs],
+            [s.job.kind for s in specs],
+            [s.model_dump_json() for s in specs],
+            list(priorities) if priorities is not None else [s.priority for s in specs],
+            [s.max_retries for s in specs],
+            [s.timeout_s for s in specs],
+            [s.heartbeat_timeout_s for s in specs],
+            [s.idempotency_key for s in specs],
+            [s.resources.cpu for s in specs],
+            [s.resources.memory_mb for s in specs],
+            [s.resources.gpu for s in specs],
+            *steps,
+            list(traceparents) if traceparents is not None else [None] * len(specs),
+            workflow_id,
+            [json.dumps(list(u)) for u in uses] if uses is not None else ["[]"] * len(specs),
+        )
+        created = {row["id"]: task(row) for row in rows}
+        by_id: dict[UUID, Task] = {}
+        by_key: dict[str, Task] = {}
+        if len(created) < len(ids):
+            keys = [s.idempotency_key for s in specs if s.idempotency_key is not None]
+            for row in await self.db.fetch(Q.existing_tasks, ids, keys):
+                found = task(row)
+                by_id[found.id] = found
+                if found.idempotency_key is not None:
+                    by_key[found.idempotency_key] = found
+        out = []
+        for task_id, spec in zip(ids, specs, strict=True):
+            got = created.get(task_id) or by_id.get(task_id)
+            if got is None and spec.idempotency_key is not None:
+                got = by_key.get(spec.idempotency_key)
+            if got is None:
+                raise RuntimeError(f"task {task_id} was neither created nor found")
+            out.append(got)
+        if hooks.installed:
+            hooks.transitions(
+                [
+                    (t, Move(t.id, i + 1, State(src), State(dst), why))
+                    for t in created.values()
+                    for i, (src, dst, why) in enumerate(zip(*steps, strict=True))
+                    if src is not None
+                ],
+                started,
+                time.time_ns(),
+            )
+        return out, list(created.values())
+
+    # -- transitions ------------------------------------------------------------------------
+
+    async def transition(self, move: Move) -> Task | None:
+        """Apply one planned move. Returns the task after it, or None if this caller lost."""
+        moved = await self.transition_many([move])
+        return moved[0] if moved else None
+
+    async def transition_many(self, moves: Sequence[Move]) -> list[Task]:
+        """Apply many moves in one statement; returns the tasks that moved (the CAS winners),
+        in the order of `moves`."""
+        if not moves:
+            return []
+        started = time.time_ns()
+        rows = await self.db.fetch(Q.transition, *move_args(moves), self.db.lease_margin_s)
+        won = {row["id"]: row for row in rows}
+        moved = [(task(won[m.task_id]), m) for m in moves if m.task_id in won]
+        if hooks.installed:
+            hooks.transitions(moved, started, time.time_ns())
+        return [t for t, _ in moved]
+
+    # -- reads ------------------------------------------------------------------------------
+
+    async def get(self, task_id: UUID) -> Task:
+        row = await self.db.fetchrow(Q.get_task, task_id)
+        if row is None:
+            raise NotFound(f"no task {task_id}")
+        return task(row)
+
+    async def get_many(self, ids: Sequence[UUID]) -> list[Task]:
+        return [task(row) for row in await self.db.fetch(Q.get_tasks, list(ids))]
+
+    async def list_tasks(
+        self, statuses: Iterable[object] | None = None, name: str | None = None, limit: int = 100
+    ) -> list[Task]:
+        wanted = None if statuses is None else [State.parse(s).value for s in statuses]
+        return [task(row) for row in await self.db.fetch(Q.list_tasks, wanted, name, limit)]
+
+    async def history(self, task_id: UUID) -> list[Event]:
+        rows = await self.db.fetch(Q.history, task_id)
+        if not rows:
+            await self.get(task_id)  # raises NotFound for an unknown id
+        return [Event.model_validate(dict(row)) for row in rows]
+
+    async def terminal_among(self, ids: Sequence[UUID]) -> list[Task]:
+        """Those of `ids` that are terminal (never move again)."""
+        return [task(row) for row in await self.db.fetch(Q.terminal_among, list(ids))]
+
+    async def get_ready(self, ids: Sequence[UUID]) -> tuple[list[Task], list[Task]]:
+        """Those of `ids` still Ready (a popped id may have been canceled meanwhile): the ones
+        that may start, and the ones an earlier attempt's lease still fences."""
+        free: list[Task] = []
+        fenced: list[Task] = []
+        for row in await self.db.fetch(Q.get_ready, list(ids), self.db.lease_margin_s):
+            (fenced if row["_fenced"] else free).append(task(row))
+        return free, fenced
+
+    async def ready_for_queue(
+        self, older_than_s: float, limit: int, after: QueuedRow | None = None
+    ) -> list[QueuedRow]:
+        """Ready tasks queued more than `older_than_s` ago, oldest first, from after `after`."""
+        start: tuple[datetime, UUID] = (datetime.min.replace(tzinfo=UTC), UUID(int=0))
+        if after is not None and after.queued_at is not None:
+            start = (after.queued_at, after.id)
+        rows = await self.db.fetch(Q.ready_for_queue, older_than_s, limit, *start)
+        return [QueuedRow(r["id"], r["priority"], r["queued_at"]) for r in rows]
+
+    async def set_wait_reasons(self, reasons: dict[UUID, str]) -> None:
+        if reasons:
+            await self.db.execute(Q.set_wait_reasons, list(reasons), list(reasons.values()))
+
+    async def ended_with(self, attempts: Sequence[tuple[UUID, int]], reason: str) -> set[UUID]:
+        """Of these (task id, version while Running), the tasks whose very next move left
+        Running with a reason starting with `reason`: an end this writer already applied."""
+        if not attempts:
+            return set()
+        ids, versions = (list(x) for x in zip(*attempts, strict=True))
+        return {r["task_id"] for r in await self.db.fetch(Q.ended_with, ids, versions, reason)}
+
+    async def next_retry_due(self) -> float | None:
+        """Seconds until the earliest retry is due (Postgres time); None if none waits."""
+        due: float | None = await self.db.fetchval(Q.next_retry_due)
+        return due
+
+    # -- priorities -------------------------------------------------------------------------
+
+    async def reprioritise(self, target: Task, priority: int) -> list[Task]:
+        """Set `target`'s own priority and recompute the effective priorities it changes (for
+        a workflow task: every task upstream of it inherits the highest downstream priority).
+        Returns the tasks written: the task itself and each whose effective priority moved."""
+        async with self.db.atomic() as db:
+            if target.workflow_id is None:
+                effective = {target.id: priority}
+            else:
+                await db.execute(Q.lock_workflow_priorities, str(target.workflow_id))
+                rows = await db.fetch(Q.workflow_priorities, target.workflow_id)
+                ids = {r["wf_task"]: r["id"] for r in rows}
+                names = {r["id"]: r["wf_task"] for r in rows}
+                current = {r["id"]: r["priority"] for r in rows}
+                own = {r["wf_task"]: r["own"] for r in rows}
+                own[target.wf_task] = priority
+                needs: dict[str, list[str]] = {name: [] for name in own}
+                for edge in await db.fetch(Q.workflow_edges, target.workflow_id):
+                    needs[names[edge["task_id"]]].append(names[edge["upstream_id"]])
+                effective = {
+                    ids[name]: p
+                    for name, p in effective_priorities(own, needs).items()
+                    if p != current[ids[name]] or ids[name] == target.id
+                }
+            rows = await db.fetch(
+                Q.set_priorities, list(effective), list(effective.values()), target.id, priority
+            )
+        return [task(r) for r in rows]

@@ -1,0 +1,74 @@
+"""Workflows as stored: the DAG, its edges, and what decides a task downstream (the decisions
+are shared.dag's; shared.workflows drives them)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+from uuid import UUID
+
+import asyncpg
+
+from shared.errors import NotFound
+from shared.models import Task
+from shared.store.db import Db, task
+from shared.store.queries import Q
+
+
+class Workflows:
+    def __init__(self, db: Db) -> None:
+        self.db = db
+
+    async def insert(self, workflow_id: UUID, name: str, spec: dict[str, Any]) -> bool:
+        """Record a workflow; False if it exists already (a redelivered submission)."""
+        return await self.db.fetchval(Q.insert_workflow, workflow_id, name, spec) is not None
+
+    async def spec(self, workflow_id: UUID) -> Any:
+        """The spec a workflow was submitted with."""
+        return await self.db.fetchval(Q.workflow_spec, workflow_id)
+
+    async def insert_deps(
+        self, deps: Sequence[tuple[UUID, UUID, str, float | None, str, str | None]]
+    ) -> None:
+        """(task, upstream, condition, timeout_s, on_timeout, default as JSON text) rows."""
+        if deps:
+            await self.db.execute(Q.insert_deps, *(list(x) for x in zip(*deps, strict=True)))
+
+    async def downstream_of(self, upstream_ids: Sequence[UUID]) -> list[UUID]:
+        return [r["task_id"] for r in await self.db.fetch(Q.downstream_of, list(upstream_ids))]
+
+    async def pending_with_deps(self, limit: int) -> list[UUID]:
+        return [r["task_id"] for r in await self.db.fetch(Q.pending_with_deps, limit)]
+
+    async def lock_pending(self, ids: Sequence[UUID]) -> list[Task]:
+        """Inside a transaction: the Pending ones of these tasks, locked in id order."""
+        return [task(r) for r in await self.db.fetch(Q.lock_pending, list(ids))]
+
+    async def edges_of(self, ids: Sequence[UUID]) -> list[asyncpg.Record]:
+        return await self.db.fetch(Q.edges_of, list(ids))
+
+    async def mark_timed_out(self, edges: Sequence[tuple[UUID, UUID]]) -> None:
+        if edges:
+            await self.db.execute(Q.mark_timed_out, *(list(x) for x in zip(*edges, strict=True)))
+
+    async def resources_held(
+        self, workflow_ids: Sequence[UUID]
+    ) -> dict[tuple[UUID, str], tuple[int, int]]:
+        """{(workflow, resource): (held, capacity)} for these workflows."""
+        if not workflow_ids:
+            return {}
+        rows = await self.db.fetch(Q.resources_held, list(workflow_ids))
+        return {(r["workflow_id"], r["name"]): (r["held"], r["capacity"]) for r in rows}
+
+    async def has_deps(self, task_id: UUID) -> bool:
+        return bool(await self.db.fetchval(Q.has_deps, task_id))
+
+    async def get(
+        self, workflow_id: UUID
+    ) -> tuple[asyncpg.Record, list[Task], list[asyncpg.Record]]:
+        """The workflow's row, its tasks and its edges."""
+        row = await self.db.fetchrow(Q.get_workflow, workflow_id)
+        if row is None:
+            raise NotFound(f"no workflow {workflow_id}")
+        tasks = [task(r) for r in await self.db.fetch(Q.workflow_tasks, workflow_id)]
+        return row, tasks, await self.db.fetch(Q.workflow_edges, workflow_id)
