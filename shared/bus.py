@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ from aio_pika.abc import (
     AbstractQueue,
     AbstractRobustConnection,
 )
+from pamqp.commands import Basic
 
 from shared.fsm import State
 
@@ -66,6 +68,13 @@ class Outgoing:
     message_id: str | None = None
 
 
+class Unroutable:
+    """A request no consumer was bound for: RabbitMQ returned it at once (`mandatory`)."""
+
+
+UNROUTABLE = Unroutable()
+
+
 class AmqpBus:
     """One robust connection and one confirming channel; declares the topology it uses."""
 
@@ -74,6 +83,8 @@ class AmqpBus:
         self._connection: AbstractRobustConnection | None = None
         self._channel: AbstractChannel | None = None
         self._exchanges: dict[str, AbstractExchange] = {}
+        self._replies: AbstractQueue | None = None  # this bus's reply queue, made on first use
+        self._waiting: dict[str, asyncio.Future[bytes]] = {}
 
     async def connect(self) -> None:
         """Connect and declare the exchanges and shared queues (idempotent)."""
@@ -145,6 +156,43 @@ class AmqpBus:
         ]
         await asyncio.gather(*confirms)
 
+    async def request(
+        self, exchange: str, routing_key: str, body: bytes, timeout: float
+    ) -> bytes | Unroutable | None:
+        """Publish a request and wait for its answer: the answer's body; UNROUTABLE if no
+        consumer is bound for `routing_key` (RabbitMQ returns it at once); None if none
+        answered within `timeout` seconds or the request could not be sent."""
+        if self._replies is None:
+            self._replies = await self.channel.declare_queue(exclusive=True, auto_delete=True)
+            await self._replies.consume(self._on_reply, no_ack=True)
+        correlation = uuid.uuid4().hex
+        answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._waiting[correlation] = answer
+        try:
+            sent = await self._exchanges[exchange].publish(
+                aio_pika.Message(
+                    body,
+                    content_type=JSON,
+                    correlation_id=correlation,
+                    reply_to=self._replies.name,
+                ),
+                routing_key=routing_key,
+                mandatory=True,
+            )
+            if isinstance(getattr(sent, "delivery", None), Basic.Return):
+                return UNROUTABLE
+            return await asyncio.wait_for(answer, timeout)
+        except (TimeoutError, aio_pika.exceptions.AMQPError) as exc:
+            log.info("request to %s %s: no answer (%s)", exchange, routing_key, type(exc).__name__)
+            return None
+        finally:
+            self._waiting.pop(correlation, None)
+
+    async def _on_reply(self, message: AbstractIncomingMessage) -> None:
+        waiter = self._waiting.get(message.correlation_id or "")
+        if waiter is not None and not waiter.done():
+            waiter.set_result(message.body)
+
     async def reply(self, request: AbstractIncomingMessage, body: bytes) -> None:
         """Answer a request on its reply_to queue (default exchange), with its correlation id."""
         await self.channel.default_exchange.publish(
@@ -164,3 +212,4 @@ class AmqpBus:
             await self._connection.close()
             self._connection = None
             self._channel = None
+            self._replies = None

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import Protocol, TypeVar
+from uuid import UUID
 
 W_FREE, W_LOAD, W_AFFINITY = 0.5, 0.3, 0.2
 EPS = 1e-9
@@ -179,3 +180,41 @@ def place_many(
             placed[key] = choice.node.id
             state[choice.node.id] = choice.node.placed(need)
     return placed, unplaced
+
+
+class UsesResources(Protocol):
+    """A task as the workflow-resource check sees it."""
+
+    @property
+    def id(self) -> UUID: ...
+    @property
+    def workflow_id(self) -> UUID | None: ...
+    @property
+    def uses(self) -> list[str]: ...
+
+
+R = TypeVar("R", bound=UsesResources)
+
+
+def within_resources(
+    tasks: Sequence[R], held: Mapping[tuple[UUID, str], tuple[int, int]]
+) -> tuple[list[R], dict[UUID, Choice]]:
+    """Which of `tasks` (in order) may take a unit of every named workflow resource they use,
+    given `held` — {(workflow, resource): (units held, capacity)} — and which must wait, with
+    why. Each task let through takes its units, so later ones see them taken."""
+    taken = dict(held)
+    allowed: list[R] = []
+    blocked: dict[UUID, Choice] = {}
+    for task in tasks:
+        keys = [(task.workflow_id, r) for r in task.uses] if task.workflow_id else []
+        full = [k for k in keys if k in taken and taken[k][0] >= taken[k][1]]
+        if full:
+            units, capacity = taken[full[0]]
+            why = f"waiting for resource {full[0][1]} ({units}/{capacity} held)"
+            blocked[task.id] = Choice(None, why, True, full[0][1])
+            continue
+        for k in keys:
+            if k in taken:
+                taken[k] = (taken[k][0] + 1, taken[k][1])
+        allowed.append(task)
+    return allowed, blocked

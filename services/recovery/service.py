@@ -15,54 +15,57 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections.abc import Sequence
 
 from shared.fsm import State
 from shared.models import Task
 from shared.outcome import retry_or_fail
 from shared.queues import ReadyQueue, reconcile
 from shared.relay import OutboxRelay
-from shared.resilience import supervise
 from shared.runtime import wait_any
+from shared.service import Loop, Service
 from shared.settings import Settings
-from shared.store import TASK_CHANNEL, Store, parse_notify
+from shared.store import TASK_CHANNEL, Handler, Store, parse_notify
 
 log = logging.getLogger(__name__)
 
 
-class Recovery:
+class Recovery(Service):
+    name = "recovery"
+
     def __init__(
         self, settings: Settings, store: Store, queue: ReadyQueue, relay: OutboxRelay
     ) -> None:
+        super().__init__(store)
         self.settings = settings
         self.store = store
         self.queue = queue
         self.relay = relay
-        self._stopping = asyncio.Event()
         self._wake = asyncio.Event()
-        self.ready = asyncio.Event()
 
-    async def run(self) -> None:
-        listener = self.store.listener([(TASK_CHANNEL, self._on_notify)], self._wake.set)
-        log.info("recovery running every %g s", self.settings.recovery_period_s)
-        self.ready.set()
-        async with asyncio.TaskGroup() as group:
-            group.create_task(listener.run(self._stopping))
-            group.create_task(supervise("recovery", self._loop, self._stopping))
+    def loops(self) -> Sequence[Loop]:
+        return [("recovery", self._loop)]
+
+    def channels(self) -> Sequence[tuple[str, Handler]]:
+        return [(TASK_CHANNEL, self._on_notify)]
+
+    def missed(self) -> None:
+        self._wake.set()
+
+    def announce(self) -> str:
+        return f"recovery running every {self.settings.recovery_period_s:g} s"
 
     async def _loop(self) -> None:
-        while not self._stopping.is_set():
+        while not self.stopping.is_set():
             self._wake.clear()
             await self.run_once()
             period = self.settings.recovery_period_s * random.uniform(0.8, 1.2)
-            await wait_any(self._wake, self._stopping, timeout=period)
+            await wait_any(self._wake, self.stopping, timeout=period)
 
     def _on_notify(self, _c: object, _p: int, _ch: str, payload: str) -> None:
         # a task declared Lost is retried at once, not at the next period
         if State.LOST.value in parse_notify(payload).states:
             self._wake.set()
-
-    def stop(self) -> None:
-        self._stopping.set()
 
     async def run_once(self) -> dict[str, int]:
         done = {

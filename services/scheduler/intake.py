@@ -1,109 +1,232 @@
-"""Deciding what a submitted message is: a task to accept, or a reason to dead-letter it (pure).
-
-`judge` never raises: whatever a producer sends — not JSON, too deep, NaN, a NUL, a 5,000-digit
-number, a spec with unknown fields — comes back as a Rejected with the reason, so one message
-can never stop intake.
-"""
+"""Intake: submissions from `sked.submit`, in batches. Each message is judged (shared.intake);
+the valid ones are created and walked Created -> Pending -> Ready in one statement — and placed
+in the same transaction when nothing waits ahead of them — the rest dead-lettered alone with
+their reason; then one multiple-ack. No message can stop intake."""
 
 from __future__ import annotations
 
-import json
-import re
-from collections.abc import Mapping
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 from uuid import UUID
 
+from aio_pika.abc import AbstractIncomingMessage
+
+from services.scheduler.dispatch import Dispatcher
+from services.scheduler.hub import Hub
+from shared import hooks, workflows
+from shared.bus import SUBMIT_QUEUE, WORKFLOW_KEY, AmqpBus
+from shared.dag import WorkflowSpec
 from shared.errors import InvalidSpec, one_line
-from shared.jsonvalue import Unsafe, parse
-from shared.models import TaskSpec, task_id_for
+from shared.fsm import State
+from shared.intake import Accepted, Rejected, judge, read_json, same_spec, traceparent
+from shared.models import Task, TaskSpec, task_id_for_workflow
+from shared.placement import Choice
 from shared.policy import JobPolicy
+from shared.queues import ReadyQueue
+from shared.resilience import TRANSIENT
+from shared.runtime import next_batch
+from shared.settings import Settings
+from shared.store import Store
 
-JSON_TYPES = {None, "", "application/json"}
-_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+log = logging.getLogger(__name__)
+
+# A task with no dependencies is ready as soon as it is accepted.
+ADMISSION = (State.PENDING, State.READY)
+
+Refusal = tuple[AbstractIncomingMessage, str]
 
 
 @dataclass(frozen=True)
-class Accepted:
-    task_id: UUID
-    spec: TaskSpec
+class _Submission:
+    message: AbstractIncomingMessage
+    accepted: Accepted
 
 
-@dataclass(frozen=True)
-class Rejected:
-    reason: str
+class Intake:
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        bus: AmqpBus,
+        queue: ReadyQueue,
+        hub: Hub,
+        dispatcher: Dispatcher,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.bus = bus
+        self.queue = queue
+        self.hub = hub
+        self.dispatcher = dispatcher
+        self.policy = JobPolicy.of(settings.allowed_handlers, settings.allowed_commands)
+        # None is the stop signal
+        self.inbox: asyncio.Queue[AbstractIncomingMessage | None] = asyncio.Queue()
 
+    async def run(self) -> None:
+        """Take submissions in batches: wait for the first, then whatever else has arrived."""
+        while (batch := await next_batch(self.inbox, self.settings.submit_batch)) is not None:
+            await self.accept(batch)
 
-def judge(
-    body: bytes,
-    content_type: str | None,
-    message_id: str | None,
-    max_bytes: int,
-    policy: JobPolicy = JobPolicy(),  # noqa: B008 - immutable
-) -> Accepted | Rejected:
-    try:
-        return _judge(body, content_type, message_id, max_bytes, policy)
-    except Exception as exc:  # a last line: nothing a producer sends may stop intake
-        return Rejected(f"unreadable message: {one_line(exc)}")
+    async def accept(self, batch: Sequence[AbstractIncomingMessage]) -> list[Task]:
+        """Admit a batch of submissions; returns the tasks it made Ready.
 
-
-def _judge(
-    body: bytes, content_type: str | None, message_id: str | None, max_bytes: int, policy: JobPolicy
-) -> Accepted | Rejected:
-    if len(body) > max_bytes:
-        return Rejected(f"message of {len(body)} bytes exceeds the limit of {max_bytes} bytes")
-    if content_type not in JSON_TYPES:
-        return Rejected(f"content type {content_type!r} is not application/json")
-    data = read_json(body)
-    if isinstance(data, Rejected):
-        return data
-    if not isinstance(data, dict):
-        return Rejected(f"a task spec must be a JSON object, got {type(data).__name__}")
-    try:
-        spec = TaskSpec.parse(data)
-    except InvalidSpec as exc:
-        return Rejected(str(exc))
-    refused = policy.refuses(spec.job)
-    if refused:
-        return Rejected(refused)
-    return Accepted(task_id_for(spec, message_id), spec)
-
-
-def read_json(body: bytes) -> Any:
-    """The message's JSON, or a Rejected saying why sked will not take it."""
-    try:
-        return parse(body)
-    except Unsafe as exc:
-        text = str(exc)
-        return Rejected(text if text.startswith("malformed JSON") else f"unsafe JSON: {text}")
-
-
-def header_text(
-    headers: Mapping[str, Any] | None, name: str, pattern: re.Pattern[str]
-) -> str | None:
-    """A header's value if it is text matching `pattern`; anything else (another type, bytes
-    that are not UTF-8, a malformed value) counts as absent rather than failing the message."""
-    value = (headers or {}).get(name)
-    if isinstance(value, bytes):
+        Whatever cannot be read, validated or stored is dead-lettered alone with its reason,
+        and the rest of the batch is admitted. A statement that fails for a reason of one row
+        is retried on halves of the batch until that row is found. Only a server being away (a
+        transient error) hands the whole batch back to RabbitMQ, to be delivered again.
+        """
         try:
-            value = value.decode("utf-8")
-        except UnicodeDecodeError:
-            return None
-    if isinstance(value, str) and len(value) <= 256 and pattern.match(value):
-        return value
-    return None
+            refused: list[Refusal] = []
+            subs: list[_Submission] = []
+            seen: dict[UUID, _Submission] = {}
+            for message in batch:
+                if message.routing_key == WORKFLOW_KEY:
+                    reason = await self._accept_workflow(message)
+                    if reason is not None:
+                        refused.append((message, reason))
+                    continue
+                verdict = judge(
+                    message.body,
+                    message.content_type,
+                    message.message_id,
+                    self.settings.max_message_bytes,
+                    self.policy,
+                )
+                if isinstance(verdict, Rejected):
+                    refused.append((message, verdict.reason))
+                    continue
+                first = seen.get(verdict.task_id)
+                if first is not None:
+                    # one task id twice in a batch (a duplicated message, a reused key)
+                    if not same_spec(first.accepted.spec.model_dump_json(), verdict.spec):
+                        refused.append((message, _conflict(verdict)))
+                    continue
+                seen[verdict.task_id] = submission = _Submission(message, verdict)
+                subs.append(submission)
+            ready, failed = await self._admit_isolating(subs)
+            for message, reason in [*refused, *failed]:
+                log.warning("dead-lettering a submission: %s", reason)
+                await self.bus.dead_letter(
+                    message.body,
+                    reason,
+                    message.routing_key or "",
+                    {"x-sked-message-id": message.message_id or ""},
+                )
+        except TRANSIENT:
+            # Postgres, Redis or RabbitMQ is away: hand the batch back to RabbitMQ to deliver
+            # again (if the channel itself is gone, RabbitMQ requeues it anyway)
+            with contextlib.suppress(*TRANSIENT):
+                await batch[-1].nack(multiple=True, requeue=True)
+            raise
+        await batch[-1].ack(multiple=True)
+        return ready
+
+    async def _admit_isolating(self, subs: list[_Submission]) -> tuple[list[Task], list[Refusal]]:
+        """Admit `subs`; if a statement fails for anything but a transient error, admit the
+        halves apart, down to the one submission that fails, which is refused with the error.
+        Admission is idempotent (task ids), so retrying what was admitted changes nothing."""
+        if not subs:
+            return [], []
+        try:
+            return await self._admit_submissions(subs)
+        except TRANSIENT:
+            raise
+        except Exception as exc:
+            if len(subs) == 1:
+                log.exception("submission %s cannot be admitted", subs[0].accepted.task_id)
+                return [], [(subs[0].message, f"cannot be admitted: {one_line(exc)}")]
+            half = len(subs) // 2
+            ready, refused = await self._admit_isolating(subs[:half])
+            more, worse = await self._admit_isolating(subs[half:])
+            return ready + more, refused + worse
+
+    async def _admit_submissions(self, subs: list[_Submission]) -> tuple[list[Task], list[Refusal]]:
+        task_ids = [s.accepted.task_id for s in subs]
+        parents = [traceparent(s.message.headers) for s in subs]
+        contexts, handles = hooks.received(SUBMIT_QUEUE, task_ids, parents)
+        try:
+            ready, existing = await self.admit([s.accepted.spec for s in subs], task_ids, contexts)
+        finally:
+            hooks.finished(handles)
+        # a task id that named a task already: the same submission again is harmless; another
+        # spec under the same idempotency key (or message id) is refused, not swallowed
+        refused = [
+            (s.message, _conflict(s.accepted, existing[s.accepted.task_id]))
+            for s in subs
+            if s.accepted.task_id in existing
+            and not same_spec(existing[s.accepted.task_id].spec_json, s.accepted.spec)
+        ]
+        return ready, refused
+
+    async def _accept_workflow(self, message: AbstractIncomingMessage) -> str | None:
+        """A whole workflow: admitted, or the reason to dead-letter it whole (a cycle, an
+        unknown edge, a key another task holds, ... or any error of its own)."""
+        try:
+            if len(message.body) > self.settings.max_message_bytes:
+                raise InvalidSpec(f"message of {len(message.body)} bytes exceeds the limit")
+            data = read_json(message.body)
+            if isinstance(data, Rejected):
+                return data.reason
+            spec = WorkflowSpec.parse(data)
+            for task in spec.tasks:
+                refused = self.policy.refuses(task.spec().job)
+                if refused:
+                    raise InvalidSpec(f"task {task.name!r}: {refused}")
+            workflow_id = task_id_for_workflow(message.message_id)
+            ready = await workflows.admit(
+                self.store, workflow_id, spec, traceparent(message.headers)
+            )
+        except TRANSIENT:
+            raise
+        except InvalidSpec as exc:
+            return str(exc)
+        except Exception as exc:
+            log.exception("workflow message %s cannot be admitted", message.message_id)
+            return f"cannot be admitted: {one_line(exc)}"
+        await self.queue.push(ready)
+        self.hub.work_arrived()
+        log.info("workflow %s (%s): %d tasks", workflow_id, spec.name, len(spec.tasks))
+        return None
+
+    async def admit(
+        self,
+        specs: Sequence[TaskSpec],
+        ids: Sequence[UUID],
+        traceparents: Sequence[str | None] | None = None,
+    ) -> tuple[list[Task], dict[UUID, Task]]:
+        """Create tasks and walk the new ones Created -> Pending -> Ready (one statement).
+        Returns the new Ready tasks, and the tasks that existed already, by id.
+
+        When nothing is queued ahead of them, they are placed in the same transaction and
+        skip the Redis queue: no older or higher task waits, so the order is the same, and a
+        submission reaches its node in one commit instead of three.
+        """
+        if not specs:
+            return [], {}
+        direct = not await self.queue.size()
+        ends = self.hub.ends
+        async with self.store.transaction() as tx:
+            admitted = await tx.tasks.admit_many(specs, ids, ADMISSION, traceparents)
+            ready = [t for t, new in admitted if new and t.status is State.READY]
+            existing = {t.id: t for t, new in admitted if not new}
+            moved: list[Task] = []
+            waiting = {t.id: Choice(None, fits_later=True) for t in ready}
+            if direct and ready:
+                moved, waiting = await self.dispatcher.place(tx, ready)
+        await self.dispatcher.hand_over(moved, ready, waiting, ends)
+        if waiting:
+            self.hub.work_arrived()
+        return ready, existing
 
 
-def traceparent(headers: Mapping[str, Any] | None) -> str | None:
-    """A W3C traceparent from the headers, if there is a well-formed one."""
-    return header_text(headers, "traceparent", _TRACEPARENT)
-
-
-def same_spec(stored_json: str, spec: TaskSpec) -> bool:
-    """Whether a stored spec is the one submitted again (its priority may have been changed by
-    an operator since: that is still the same task)."""
-    stored = json.loads(stored_json)
-    fresh = spec.model_dump(mode="json")
-    stored.pop("priority", None)
-    fresh.pop("priority", None)
-    return bool(stored == fresh)
+def _conflict(accepted: Accepted, existing: Task | None = None) -> str:
+    key = accepted.spec.idempotency_key
+    named = f"idempotency key {key!r}" if key is not None else "its message id"
+    where = f"task {existing.id}" if existing is not None else f"task {accepted.task_id}"
+    return (
+        f"{named} already names {where}, submitted with a different spec: a key (or message "
+        f"id) stands for one task; use a new one for a different task"
+    )

@@ -30,6 +30,7 @@ from shared.store.workflows import Workflows
 
 __all__ = [
     "NODE_CHANNEL",
+    "Handler",
     "TASK_CHANNEL",
     "NodeRow",
     "Notice",

@@ -436,7 +436,7 @@ def warden_tree(root: int) -> list[int]:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if any(a.endswith(b"local/warden.py") for a in argv):
+        if b"services.executor.warden" in argv:
             out.append(pid)
     return out
 

@@ -80,11 +80,11 @@ async def test_a_claim_whose_reply_was_lost_is_still_ours(
 
     monkeypatch.setattr(executor.store.tasks, "transition_many", reply_lost)
     message = dispatch_of(task)
-    assert await executor.start([message]) == 1  # type: ignore[list-item]
+    assert await executor.starter.start([message]) == 1  # type: ignore[list-item]
     assert calls == 2
-    assert (task.id, 1) in executor.active
-    await asyncio.wait(executor._runs, timeout=30)
-    attempt, outcome = executor._outcomes.get_nowait()  # type: ignore[misc]
+    assert (task.id, 1) in executor.node.active
+    await asyncio.wait(executor.node.runs, timeout=30)
+    attempt, outcome = executor.node.outcomes.get_nowait()  # type: ignore[misc]
     assert (attempt.task.id, outcome.ok) == (task.id, True)  # it ran, once
     assert message.acked == 0  # acknowledged only once its outcome is written
 
@@ -94,8 +94,8 @@ async def test_the_newer_of_two_dispatches_in_a_batch_is_claimed(executor: Execu
     back = await fsm.apply(executor.store.tasks, first, State.READY, reason="dispatch lost")
     second = await fsm.apply(executor.store.tasks, back, State.SCHEDULING, node="n1")
     old, new = dispatch_of(first), dispatch_of(second)
-    assert await executor.start([old, new]) == 1  # type: ignore[list-item]
+    assert await executor.starter.start([old, new]) == 1  # type: ignore[list-item]
     assert old.acked == 1  # the stale one is dropped
     assert new.acked == 0
-    assert (second.id, 2) in executor.active
-    await asyncio.wait(executor._runs, timeout=30)
+    assert (second.id, 2) in executor.node.active
+    await asyncio.wait(executor.node.runs, timeout=30)

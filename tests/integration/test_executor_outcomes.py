@@ -14,7 +14,8 @@ import pytest
 
 from services.executor.backends import Outcome
 from services.executor.backends.local import LocalBackend
-from services.executor.service import Attempt, Executor
+from services.executor.node import Attempt
+from services.executor.service import Executor
 from shared import fsm
 from shared.fsm import State
 from shared.models import Task
@@ -46,7 +47,7 @@ async def running(executor: Executor, name: str, **kw: Any) -> Task:
     for target in (State.PENDING, State.READY, State.SCHEDULING):
         task = await fsm.apply(executor.store.tasks, task, target)
     return await fsm.apply(
-        executor.store.tasks, task, State.RUNNING, lease_owner=str(executor.boot_id)
+        executor.store.tasks, task, State.RUNNING, lease_owner=str(executor.node.boot_id)
     )
 
 
@@ -67,10 +68,10 @@ async def test_a_retried_write_after_a_lost_reply_is_not_late(
     bad = Report(ok=False, error="exit code 3")
     batch = [(attempt(mine), ok), (attempt(failing), bad)]
 
-    assert await executor._write_outcomes(batch, []) == []
+    assert await executor.finisher.write(batch, []) == []
     # the same write again, as after a lost COMMIT reply: it loses its CAS to itself — also
     # the failure, whose event reason goes on with its error
-    assert await executor._write_outcomes(batch, []) == []
+    assert await executor.finisher.write(batch, []) == []
     assert await late_rows(pool) == []
     assert (await executor.store.tasks.get(mine.id)).result == 42
     assert (await executor.store.tasks.get(failing.id)).status is State.FAILED
@@ -79,7 +80,7 @@ async def test_a_retried_write_after_a_lost_reply_is_not_late(
     # lease given back: the process is gone
     await fsm.apply(executor.store.tasks, moved_on, State.CANCELED, reason="operator")
     assert (await executor.store.tasks.get(moved_on.id)).lease_attempt == 1  # Canceled keeps it
-    late = await executor._write_outcomes([(attempt(moved_on), ok)], [])
+    late = await executor.finisher.write([(attempt(moved_on), ok)], [])
     assert [t.id for t, _ in late] == [moved_on.id]
     assert [(r["task_id"], r["attempt"], r["ok"]) for r in await late_rows(pool)] == [
         (moved_on.id, 1, True)
@@ -100,7 +101,7 @@ async def test_hostile_outcomes_are_written_and_the_rest_of_the_batch_lands(
         Outcome(False, None, "boom\x00" * 1000, False, False, ""),  # a long error with NULs
         Outcome(True, 7, None, False, False, "fine"),
     ]
-    await executor.finish([(attempt(t), o) for t, o in zip(tasks, outcomes, strict=True)])
+    await executor.finisher.finish([(attempt(t), o) for t, o in zip(tasks, outcomes, strict=True)])
     nan, escaped, large, long_error, fine = [await executor.store.tasks.get(t.id) for t in tasks]
     assert (nan.status, nan.result) == (State.FAILED, None)
     assert nan.error is not None
@@ -128,10 +129,10 @@ async def test_two_attempts_of_one_task_in_one_batch(
     ready = await fsm.apply(executor.store.tasks, waiting, State.READY)
     scheduled = await fsm.apply(executor.store.tasks, ready, State.SCHEDULING)
     second = await fsm.apply(
-        executor.store.tasks, scheduled, State.RUNNING, lease_owner=str(executor.boot_id)
+        executor.store.tasks, scheduled, State.RUNNING, lease_owner=str(executor.node.boot_id)
     )
     ok = Outcome(True, 1, None, False, False, "")
-    await executor.finish([(attempt(second), ok), (attempt(first), ok)])
+    await executor.finisher.finish([(attempt(second), ok), (attempt(first), ok)])
     final = await executor.store.tasks.get(first.id)
     assert (final.status, final.attempt) == (State.SUCCESS, 2)
     assert [(r["attempt"], r["ok"]) for r in await late_rows(pool)] == [(1, True)]
@@ -157,7 +158,7 @@ async def test_an_outcome_postgres_refuses_fails_alone(
         Outcome(True, "poison" if t.id == poison else i, None, False, False, "")
         for i, t in enumerate(tasks)
     ]
-    await executor.finish([(attempt(t), o) for t, o in zip(tasks, outcomes, strict=True)])
+    await executor.finisher.finish([(attempt(t), o) for t, o in zip(tasks, outcomes, strict=True)])
     final = {t.id: await executor.store.tasks.get(t.id) for t in tasks}
     assert final[poison].status is State.FAILED
     assert (

@@ -29,9 +29,9 @@ async def test_a_failed_pass_puts_the_popped_tasks_back(settings: Settings) -> N
             # what Postgres does to one side of a lock cycle, after the pop
             raise asyncpg.exceptions.DeadlockDetectedError("deadlock detected")
 
-        scheduler._place = deadlocked  # type: ignore[method-assign]
+        scheduler.dispatch.place = deadlocked  # type: ignore[method-assign]
         with pytest.raises(asyncpg.exceptions.DeadlockDetectedError):
-            await scheduler.dispatch_once()
+            await scheduler.dispatch.dispatch_once()
         assert await scheduler.queue.size() == 3  # back in line, not lost until reconcile
         assert await scheduler.queue.absent([t.id for t in ready]) == []
         assert {t.status for t in await b.store.tasks.list_tasks()} == {

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.scheduler.intake import Accepted, Rejected, judge, same_spec, traceparent
 from shared import jsonvalue, lease
+from shared.intake import Accepted, Rejected, judge, same_spec, traceparent
 from shared.models import CommandJob, HandlerJob, TaskSpec
 from shared.outcome import MAX_RESULT_BYTES, Report, storable
 from shared.policy import JobPolicy

@@ -9,8 +9,8 @@ from uuid import UUID
 
 import pytest
 
-from services.scheduler.intake import Accepted, Rejected, judge
 from shared.backoff import retry_delay
+from shared.intake import Accepted, Rejected, judge
 from shared.models import TaskSpec, task_id_for
 from shared.queues import score
 

@@ -11,18 +11,18 @@ from uuid import UUID, uuid4
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from services.heartbeat_monitor.service import HeartbeatMonitor
+from services.heartbeat_monitor.beats import Beats
+from services.heartbeat_monitor.http import make_app
 from shared import heartbeat
-from shared.settings import Settings
 
 SECRET = "test-secret-of-some-length"
 
 
 @pytest.fixture
-async def monitor() -> AsyncIterator[tuple[HeartbeatMonitor, TestClient[Any, Any]]]:
-    mon = HeartbeatMonitor(Settings(heartbeat_secret=SECRET), None, None)  # type: ignore[arg-type]
-    async with TestClient(TestServer(mon.app())) as client:
-        yield mon, client
+async def monitor() -> AsyncIterator[tuple[Beats, TestClient[Any, Any]]]:
+    beats = Beats(None)  # type: ignore[arg-type]  # no flush runs: no store needed
+    async with TestClient(TestServer(make_app(beats, SECRET))) as client:
+        yield beats, client
 
 
 async def beat(client: TestClient[Any, Any], task: UUID, seq: int, token: str | None = None) -> int:
@@ -34,7 +34,7 @@ async def beat(client: TestClient[Any, Any], task: UUID, seq: int, token: str | 
         return r.status
 
 
-async def test_tokens_and_bodies(monitor: tuple[HeartbeatMonitor, TestClient[Any, Any]]) -> None:
+async def test_tokens_and_bodies(monitor: tuple[Beats, TestClient[Any, Any]]) -> None:
     mon, client = monitor
     task = uuid4()
     assert await beat(client, task, 1) == 202
@@ -60,11 +60,11 @@ async def test_tokens_and_bodies(monitor: tuple[HeartbeatMonitor, TestClient[Any
     ) as r:
         assert r.status == 400
     assert mon.stats["refused"] == 10
-    assert mon._pending == {(task, 1): 1}
+    assert mon.pending == {(task, 1): 1}
 
 
 async def test_overload_is_shed_visibly(
-    monitor: tuple[HeartbeatMonitor, TestClient[Any, Any]],
+    monitor: tuple[Beats, TestClient[Any, Any]],
 ) -> None:
     mon, client = monitor
     mon.max_pending = 3
@@ -73,7 +73,7 @@ async def test_overload_is_shed_visibly(
     assert statuses == [202, 202, 202, 503, 503]  # a new attempt beyond the cap: 503
     assert await beat(client, tasks[0], 2) == 202  # one already waiting coalesces: accepted
     assert mon.stats["shed"] == 2
-    assert mon._pending == {(t, 1): (2 if t == tasks[0] else 1) for t in tasks[:3]}
+    assert mon.pending == {(t, 1): (2 if t == tasks[0] else 1) for t in tasks[:3]}
     async with client.get("/healthz") as r:
         health = await r.json()
     assert (health["shed"], health["pending"], health["received"]) == (2, 3, 6)

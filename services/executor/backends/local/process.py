@@ -18,7 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.executor.backends.local import warden
+from services.executor.warden import server as warden
+from services.executor.warden.shim import KILL_ROUNDS_S
 
 log = logging.getLogger(__name__)
 
@@ -166,8 +167,9 @@ class Warden:
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 sys.executable,
-                "-P",  # the script's folder does not go on sys.path
-                str(Path(warden.__file__)),
+                "-P",  # the working directory does not go on sys.path
+                "-m",
+                "services.executor.warden",
                 str(theirs.fileno()),
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
@@ -256,7 +258,7 @@ class Warden:
             self._sock = None
         if self._proc is not None and self._proc.returncode is None:
             try:
-                await asyncio.wait_for(self._proc.wait(), warden.KILL_ROUNDS_S + 5)
+                await asyncio.wait_for(self._proc.wait(), KILL_ROUNDS_S + 5)
             except TimeoutError:
                 self._proc.kill()
                 await self._proc.wait()

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
-from services.executor.backends.local.warden import stat
+from services.executor.warden.proctree import stat
 
 log = logging.getLogger(__name__)
 

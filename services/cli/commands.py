@@ -1,0 +1,278 @@
+"""The `sked` commands: each takes its parsed arguments and returns an exit code.
+
+Every command reads the deployment from `SKED_*` variables (shared.settings), like the services.
+Read commands take `--json`. Exit codes: 0 ok, 1 a task did not succeed / check failed,
+2 a usage or input error (the message says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from services.cli.output import (
+    parse_task_id,
+    print_id,
+    print_json,
+    status_lines,
+    workflow_json,
+)
+from shared import fsm
+from shared.client import SkedClient, WaitTimeout
+from shared.dag import WorkflowSpec
+from shared.errors import SkedError
+from shared.fsm import State
+from shared.models import TaskSpec
+from shared.settings import Settings, parse_labels
+from shared.store.migrate import migrate
+
+SERVICES: dict[str, str] = {
+    "scheduler": "services.scheduler.__main__",
+    "executor": "services.executor.__main__",
+    "relay": "services.relay.__main__",
+    "heartbeat-monitor": "services.heartbeat_monitor.__main__",
+    "recovery": "services.recovery.__main__",
+}
+
+
+# -- operate ---------------------------------------------------------------------------------
+
+
+def _cmd_migrate(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    version = asyncio.run(migrate(Settings().database_url))
+    print(f"schema at version {version}")
+    return 0
+
+
+def _cmd_diagram(args: argparse.Namespace) -> int:
+    doc = Path(args.doc)
+    if not args.write and not args.check:
+        print(fsm.mermaid(), end="")
+        return 0
+    current = doc.read_text("utf-8")
+    fresh = fsm.embed_diagram(current)
+    if args.check:
+        if fresh != current:
+            print(f"{doc}: the state diagram is out of date; run `sked diagram --write`")
+            return 1
+        print(f"{doc}: the state diagram matches the transition table")
+        return 0
+    doc.write_text(fresh, "utf-8")
+    print(f"{doc}: state diagram written")
+    return 0
+
+
+def _cmd_service(args: argparse.Namespace) -> int:
+    module = __import__(SERVICES[args.name], fromlist=["run"])
+    code: int = module.run(args.args)
+    return code
+
+
+def _cmd_dev(args: argparse.Namespace) -> int:
+    from services.dev import run_dev
+
+    return run_dev(args.executors, args.slots)
+
+
+# -- submit ----------------------------------------------------------------------------------
+
+
+def spec_from_args(args: argparse.Namespace) -> TaskSpec:
+    job: dict[str, Any]
+    if args.command is not None:
+        argv = shlex.split(args.command)
+        job = {"kind": "command", "argv": argv}
+        default_name = Path(argv[0]).name if argv else "command"
+    else:
+        try:
+            job_args = json.loads(args.args) if args.args is not None else None
+        except json.JSONDecodeError as exc:
+            raise SkedError(f"--args is not JSON: {exc}") from None
+        job = {"kind": "handler", "handler": args.handler, "args": job_args}
+        default_name = args.handler.replace(":", ".").rsplit(".", 1)[-1]
+    data: dict[str, Any] = {
+        "name": args.name or default_name,
+        "job": job,
+        "priority": args.priority,
+        "max_retries": args.max_retries,
+        "heartbeat_timeout_s": args.heartbeat_timeout,
+        "resources": {"cpu": args.cpu, "memory_mb": args.memory, "gpu": args.gpu},
+        "selector": parse_labels(",".join(args.selector)) if args.selector else {},
+    }
+    if args.timeout is not None:
+        data["timeout_s"] = args.timeout
+    if args.idempotency_key is not None:
+        data["idempotency_key"] = args.idempotency_key
+    return TaskSpec.parse(data)
+
+
+async def _submit(args: argparse.Namespace) -> int:
+    spec = spec_from_args(args)
+    async with SkedClient() as client:
+        task_id = await client.submit(spec)
+        if not args.wait:
+            return print_id(task_id, args.json)
+        task = await client.wait(task_id, args.wait_timeout)
+    if args.json:
+        print_json(task.as_json())
+    else:
+        print(task_id)
+        print(f"{task.status.label}: {task.error or task.result}")
+    return 0 if task.status is State.SUCCESS else 1
+
+
+# -- read ------------------------------------------------------------------------------------
+
+
+async def _status(args: argparse.Namespace) -> int:
+    async with SkedClient() as client:
+        task = await client.get(parse_task_id(args.id))
+    if args.json:
+        print_json(task.as_json())
+    else:
+        print("\n".join(status_lines(task)))
+    return 0
+
+
+async def _list(args: argparse.Namespace) -> int:
+    async with SkedClient() as client:
+        tasks = await client.tasks(statuses=args.status, limit=args.limit)
+    if args.json:
+        print_json([t.as_json() for t in tasks])
+        return 0
+    for t in tasks:
+        print(f"{t.id}  {t.status.label:<10}  {t.attempt:>3}  {t.priority:>5}  {t.name}")
+    return 0
+
+
+async def _events(args: argparse.Namespace) -> int:
+    async with SkedClient() as client:
+        events = await client.history(parse_task_id(args.id))
+    if args.json:
+        print_json([e.model_dump(mode="json") for e in events])
+        return 0
+    for e in events:
+        source = e.from_status.label if e.from_status else "-"
+        print(
+            f"v{e.version:<3} {e.at.isoformat()}  attempt {e.attempt}  "
+            f"{source} -> {e.to_status.label}  {e.reason}"
+        )
+    return 0
+
+
+async def _logs(args: argparse.Namespace) -> int:
+    async with SkedClient() as client:
+        task = await client.get(parse_task_id(args.id))
+    if task.log_tail is None:
+        print(f"(no log yet: the task is {task.status.label})", file=sys.stderr)
+        return 0
+    sys.stdout.write(task.log_tail)
+    return 0
+
+
+async def _wait(args: argparse.Namespace) -> int:
+    ids = [parse_task_id(i) for i in args.ids]
+    async with SkedClient() as client:
+        try:
+            done = await client.wait_all(ids, args.timeout)
+        except WaitTimeout as exc:
+            print(f"sked: {exc}", file=sys.stderr)
+            return 1
+    failed = [t for t in done.values() if t.status is not State.SUCCESS]
+    for t in failed:
+        print(f"{t.id} {t.status.label}: {t.error or t.status_reason}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+async def _control(args: argparse.Namespace) -> int:
+    task_id = parse_task_id(args.id)
+    async with SkedClient() as client:
+        if args.action == "pause":
+            task = await client.pause(task_id, args.reason, args.by)
+        elif args.action == "resume":
+            task = await client.resume(task_id)
+        else:
+            task = await client.cancel(task_id, args.reason, args.by)
+    if args.json:
+        print_json(task.as_json())
+    else:
+        print(f"{task.id} {task.status.label}: {task.status_reason}")
+    return 0
+
+
+async def _priority(args: argparse.Namespace) -> int:
+    async with SkedClient() as client:
+        changed = await client.set_priority(parse_task_id(args.id), args.priority)
+    if args.json:
+        print_json([t.as_json() for t in changed])
+        return 0
+    for task in changed:
+        own = task.spec.priority
+        note = "" if own == task.priority else f" (own {own}, inherited from downstream)"
+        print(f"{task.id} {task.wf_task or task.name}: priority {task.priority}{note}")
+    return 0
+
+
+def _load_workflow(path: str) -> Any:
+    import yaml  # YAML is a superset of JSON: one loader reads both
+
+    try:
+        text = Path(path).read_text("utf-8")
+    except OSError as exc:
+        raise SkedError(f"cannot read {path}: {exc}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SkedError(f"{path} is not YAML or JSON: {exc}") from None
+
+
+async def _submit_workflow(args: argparse.Namespace) -> int:
+    spec = WorkflowSpec.parse(_load_workflow(args.file))
+    async with SkedClient() as client:
+        workflow_id = await client.submit_workflow(spec)
+        if not args.wait:
+            return print_id(workflow_id, args.json)
+        view = await client.wait_workflow(workflow_id, args.wait_timeout)
+    if args.json:
+        print_json(workflow_json(view))
+    else:
+        print(workflow_id)
+        print(f"{view.status()}: {view.counts()}")
+    return 0 if view.status() == "succeeded" else 1
+
+
+async def _workflow(args: argparse.Namespace) -> int:
+    async with SkedClient() as client:
+        view = await client.workflow(parse_task_id(args.id))
+    if args.dot:
+        sys.stdout.write(view.dot())
+    elif args.json:
+        print_json(workflow_json(view))
+    else:
+        print(f"workflow {view.id}  {view.name}  {view.status()}  {view.counts()}")
+        for t in view.tasks:
+            print(f"  {t.id}  {t.status.label:<10}  {t.wf_task}")
+    return 0
+
+
+async def _nodes(args: argparse.Namespace) -> int:
+    async with SkedClient() as client:
+        nodes = await client.nodes()
+    if args.json:
+        print_json([n.as_json() for n in nodes])
+        return 0
+    for n in nodes:
+        state = "ready" if n.ready and n.live else ("gone" if not n.live else "draining")
+        labels = ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())) or "-"
+        print(
+            f"{n.id:<20} {state:<8} slots {n.used_slots}/{n.slots}  cpu {n.used_cpu:g}/{n.cpu:g}"
+            f"  mem {n.used_memory_mb}/{n.memory_mb}  gpu {n.used_gpu}/{n.gpu}  {labels}"
+        )
+    return 0

@@ -1,0 +1,84 @@
+"""How the `sked` command shows things: JSON for `--json`, lines for people."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable
+from typing import Any
+from uuid import UUID
+
+from shared.client import WorkflowView
+from shared.errors import SkedError
+from shared.fsm import State
+from shared.models import Task
+
+
+def print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, default=str))
+
+
+def print_id(ident: UUID, as_json: bool) -> int:
+    if as_json:
+        print_json({"id": str(ident)})
+    else:
+        print(ident)
+    return 0
+
+
+def parse_task_id(text: str) -> UUID:
+    try:
+        return UUID(text)
+    except ValueError:
+        raise SkedError(f"not a task id: {text!r}") from None
+
+
+def run(coro: Awaitable[int]) -> int:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def status_lines(task: Task) -> list[str]:
+    lines = [
+        f"id:        {task.id}",
+        f"name:      {task.name}",
+        f"status:    {task.status.label}",
+        f"reason:    {task.status_reason}",
+        f"attempt:   {task.attempt} (retries {task.retry_count}/{task.max_retries})",
+        f"version:   {task.version}",
+        f"priority:  {task.priority}"
+        + (
+            "" if task.spec.priority == task.priority else f" (own {task.spec.priority}, inherited)"
+        ),
+        f"node:      {task.node or '-'}",
+        f"result:    {json.dumps(task.result)}",
+        f"error:     {task.error or '-'}",
+    ]
+    if task.workflow_id is not None:
+        lines.append(f"workflow:  {task.workflow_id} (task {task.wf_task})")
+        if task.inputs is not None:
+            lines.append(f"inputs:    {clip(json.dumps(task.inputs), 500)}")
+    if task.next_retry_at is not None and task.status is State.RETRY_WAIT:
+        lines.append(f"retry at:  {task.next_retry_at.isoformat()}")
+    if task.paused_at is not None:
+        label = "paused:   " if task.status is State.PAUSED else "last paused:"
+        lines.append(
+            f"{label} by {task.paused_by} at {task.paused_at.isoformat()}: {task.paused_reason}"
+        )
+    return lines
+
+
+def workflow_json(view: WorkflowView) -> dict[str, Any]:
+    return {
+        "id": str(view.id),
+        "name": view.name,
+        "status": view.status(),
+        "counts": view.counts(),
+        "tasks": [
+            {"id": str(t.id), "name": t.wf_task, "status": t.status.value, "attempt": t.attempt}
+            for t in view.tasks
+        ],
+    }

@@ -1,0 +1,124 @@
+"""Finishing attempts: outcomes in batches, in one transaction — Running -> Success | Failed |
+TimedOut, then RetryWait while retries remain — and only then is each dispatch acknowledged.
+An outcome whose task moved on is kept as a late result (and its lease given back); one that
+Postgres still refuses fails its task alone, with the reason."""
+
+from __future__ import annotations
+
+import logging
+from uuid import UUID
+
+from services.executor.backends import Outcome
+from services.executor.node import Attempt, Node, ack, report_of
+from shared.errors import one_line
+from shared.models import Task
+from shared.outcome import Report, end_move, retries, storable
+from shared.resilience import TRANSIENT, retrying
+from shared.runtime import next_batch
+
+log = logging.getLogger(__name__)
+
+Written = list[tuple[Attempt, Report]]
+
+
+class Finisher:
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    async def run(self) -> None:
+        linger = self.node.settings.finish_linger_s
+        while (batch := await next_batch(self.node.outcomes, linger=linger)) is not None:
+            await self.finish(batch)
+
+    async def finish(self, batch: list[tuple[Attempt, Outcome]]) -> None:
+        """Write a batch of outcomes; retried until Postgres takes it (an outcome is never
+        dropped: the dispatch stays unacknowledged until it is written)."""
+        node = self.node
+        reports = {(a.task.id, a.task.attempt): storable(report_of(o)) for a, o in batch}
+        # one task's older attempt beside its newer one: the older was superseded
+        newest: dict[UUID, Attempt] = {}
+        for attempt, _ in batch:
+            kept = newest.get(attempt.task.id)
+            if kept is None or attempt.task.attempt > kept.task.attempt:
+                newest[attempt.task.id] = attempt
+        current = [(a, reports[(a.task.id, a.task.attempt)]) for a in newest.values()]
+        superseded = [
+            (a, reports[(a.task.id, a.task.attempt)])
+            for a, _ in batch
+            if newest[a.task.id] is not a
+        ]
+        late: list[tuple[Task, Report]] = []
+
+        async def write() -> None:
+            late[:] = await self._write_isolating(current, superseded)
+
+        if not await retrying("finish", write, node.stopping):
+            return  # shutting down with Postgres away: the heartbeat-monitor will find them
+        for task, report in late:
+            log.info(
+                "outcome of %s attempt %d recorded, not applied (the task moved on): ok=%s",
+                task.id,
+                task.attempt,
+                report.ok,
+                extra={"task_id": str(task.id), "attempt": task.attempt},
+            )
+        for attempt, _ in batch:
+            node.active.pop((attempt.task.id, attempt.task.attempt), None)
+            node.unreported.pop((attempt.task.id, attempt.task.attempt), None)
+            await ack(attempt.message)
+
+    async def _write_isolating(
+        self, current: Written, superseded: Written
+    ) -> list[tuple[Task, Report]]:
+        """Write the outcomes; if the batch fails for a reason of one outcome (not a server
+        away), write halves apart, and the one outcome that cannot be written is replaced
+        by a failure saying why: that task fails, the rest of the batch lands."""
+        try:
+            return await self.write(current, superseded)
+        except TRANSIENT:
+            raise
+        except Exception as exc:
+            if len(current) + len(superseded) <= 1:
+                (attempt, _), *_ = current or superseded
+                log.exception("the outcome of %s cannot be written", attempt.task.id)
+                why = Report(ok=False, error=f"outcome could not be stored: {one_line(exc)}")
+                plain = [(attempt, storable(why))]
+                return await self.write(plain if current else [], plain if superseded else [])
+            if len(current) > 1:
+                half = len(current) // 2
+                return [
+                    *await self._write_isolating(current[:half], superseded),
+                    *await self._write_isolating(current[half:], []),
+                ]
+            half = len(superseded) // 2
+            return [
+                *await self._write_isolating(current, superseded[:half]),
+                *await self._write_isolating([], superseded[half:]),
+            ]
+
+    async def write(self, current: Written, superseded: Written) -> list[tuple[Task, Report]]:
+        """One transaction: the current attempts' ends (and retries), the late results of the
+        rest, their leases given back. Returns the late ones."""
+        node = self.node
+        where = f"on {node.id}"
+        reason = f"ended {where}"
+        ends = [end_move(a.task, r, reason) for a, r in current]
+        async with node.store.transaction() as tx:
+            ended = await tx.tasks.transition_many(ends)
+            await tx.tasks.transition_many(retries(ended))
+            won = {t.id for t in ended}
+            late = [(a.task, r) for a, r in current if a.task.id not in won]
+            if late:
+                # a retry of a write whose COMMIT went through but whose reply was lost loses
+                # its CAS to itself: that outcome is applied already, not late
+                mine = await tx.tasks.ended_with([(t.id, t.version) for t, _ in late], reason)
+                late = [(t, r) for t, r in late if t.id not in mine]
+            late += [(a.task, r) for a, r in superseded]
+            # the task moved on (canceled, paused, lost and retried): keep, do not apply
+            note = f"attempt superseded {where}"
+            await tx.late.record(
+                [(t.id, t.attempt, r.ok, r.result, r.error, note) for t, r in late]
+            )
+            # their processes are gone: a next attempt need not wait for their leases to lapse
+            await tx.leases.release(node.boot_id, [(t.id, t.attempt) for t, _ in late])
+        return late

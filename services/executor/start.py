@@ -1,0 +1,170 @@
+"""Starting attempts: dispatches from this node's queue, in batches. Each is claimed with one
+CAS Scheduling -> Running (which takes the attempt's lease) before any process starts: a
+redelivered or duplicated dispatch then loses its CAS and starts nothing, so an attempt is
+never started twice."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from uuid import UUID
+
+from aio_pika.abc import AbstractIncomingMessage
+from pydantic import ValidationError
+
+from services.executor.backends import Launch, Outcome
+from services.executor.node import Attempt, Node, ack
+from shared import fsm, heartbeat, hooks, lease
+from shared.errors import one_line
+from shared.fsm import State
+from shared.models import Dispatch, Task
+from shared.resilience import TRANSIENT, retrying
+from shared.runtime import next_batch
+
+log = logging.getLogger(__name__)
+
+Received = tuple[Dispatch, AbstractIncomingMessage]
+
+
+class Starter:
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    async def run(self) -> None:
+        while (batch := await next_batch(self.node.inbox)) is not None:
+            await self.start(batch)
+        await self._hand_back_unstarted()
+
+    async def start(self, batch: list[AbstractIncomingMessage]) -> int:
+        """Claim and start a batch of dispatches; returns how many attempts started here."""
+        node = self.node
+        fresh: dict[UUID, Received] = {}
+        for message in batch:
+            try:
+                dispatch = Dispatch.model_validate_json(message.body)
+            except ValidationError as exc:  # only a bug or a foreign publisher does this
+                await node.dead_letter(message, f"unreadable dispatch: {exc}")
+                continue
+            if dispatch.node != node.id:
+                await node.dead_letter(message, f"a dispatch for node {dispatch.node!r}")
+                continue
+            key = (dispatch.task_id, dispatch.attempt)
+            if key in node.active:
+                # redelivered after a reconnect while it still runs: acknowledge via this copy
+                node.active[key].message = message
+                continue
+            older = fresh.get(dispatch.task_id)
+            if older is not None:
+                # the same task twice in one batch: the higher attempt is the live one (the
+                # older was superseded), and a copy of the same attempt is a duplicate
+                stale, keep = sorted([older, (dispatch, message)], key=lambda d: d[0].attempt)
+                await ack(stale[1])
+                fresh[dispatch.task_id] = keep
+                continue
+            fresh[dispatch.task_id] = (dispatch, message)
+        return await self._claim_isolating(list(fresh.values()))
+
+    async def _claim_isolating(self, dispatches: list[Received]) -> int:
+        """Claim the dispatches; a statement that fails for a reason of one of them (not a
+        server away) is retried on halves, and the dispatch that fails alone dead-lettered."""
+        if not dispatches:
+            return 0
+        try:
+            return await self._claim(dispatches)
+        except TRANSIENT:
+            raise
+        except Exception as exc:
+            if len(dispatches) == 1:
+                log.exception("dispatch %s cannot be claimed", dispatches[0][0].task_id)
+                reason = f"cannot be claimed: {one_line(exc)}"
+                await self.node.dead_letter(dispatches[0][1], reason)
+                return 0
+            half = len(dispatches) // 2
+            first = await self._claim_isolating(dispatches[:half])
+            return first + await self._claim_isolating(dispatches[half:])
+
+    async def _claim(self, dispatches: list[Received]) -> int:
+        node = self.node
+        reason = f"started on {node.id}"
+        owner = str(node.boot_id)
+        moves = [fsm.plan(d, State.RUNNING, reason, lease_owner=owner) for d, _ in dispatches]
+        claimed: list[Task] = []
+        tries = 0
+        sent_at = time.monotonic()  # before the first try: its COMMIT may be the one that held
+
+        async def claim() -> None:
+            nonlocal tries
+            tries += 1
+            claimed[:] = await node.store.tasks.transition_many(moves)
+
+        if not await retrying("start", claim, node.stopping):
+            return 0  # shutting down with Postgres away: the dispatches are redelivered
+        won = {t.id: t for t in claimed}
+        lost = [d for d, _ in dispatches if d.task_id not in won]
+        if lost and tries > 1:
+            # A try whose COMMIT went through but whose reply was lost makes the next try lose
+            # to it: a task Running in this attempt under this incarnation's lease is ours.
+            for task in await node.store.tasks.get_many([d.task_id for d in lost]):
+                mine = task.status is State.RUNNING and task.lease_owner == node.boot_id
+                if mine and any(d.task_id == task.id and d.attempt == task.attempt for d in lost):
+                    won[task.id] = task
+        messages = {d.task_id: m for d, m in dispatches}
+        for dispatch, message in dispatches:
+            if dispatch.task_id not in won:
+                log.info(
+                    "dispatch of %s attempt %d is stale (the task moved on); dropped",
+                    dispatch.task_id,
+                    dispatch.attempt,
+                )
+                await ack(message)
+        for task in won.values():
+            attempt = Attempt(task, messages[task.id], sent_at)
+            node.active[(task.id, task.attempt)] = attempt
+            run = asyncio.create_task(self._run(attempt))
+            node.runs.add(run)
+            run.add_done_callback(node.runs.discard)
+        return len(won)
+
+    async def _run(self, attempt: Attempt) -> None:
+        node, task = self.node, attempt.task
+        with hooks.attempt(task, node.id, attempt.message.headers) as seen:
+            refused = node.policy.refuses(task.spec.job)
+            if refused:  # the scheduler checks too; this node does not take its word for it
+                outcome = Outcome.failed(refused)
+            else:
+                env = {
+                    "SKED_HEARTBEAT_URL": node.settings.heartbeat_url,
+                    "SKED_HEARTBEAT_TOKEN": heartbeat.token(node.secret, task.id, task.attempt),
+                }
+                lease_s = lease.remaining_s(
+                    task.heartbeat_timeout_s, attempt.renewed_at, time.monotonic()
+                )
+                job = task.spec.job
+                outcome = await node.backend.run(
+                    Launch(task.id, task.attempt, job, task.timeout_s, env, task.inputs, lease_s)
+                )
+            seen.ended(outcome.ok, outcome.error)
+        node.unreported[(task.id, task.attempt)] = outcome
+        await node.outcomes.put((attempt, outcome))
+
+    async def _hand_back_unstarted(self) -> None:
+        """On shutdown, dispatches received but not started go back to Ready at once."""
+        node = self.node
+        while not node.inbox.empty():
+            message = node.inbox.get_nowait()
+            if message is None:
+                continue
+            try:
+                dispatch = Dispatch.model_validate_json(message.body)
+            except ValidationError:
+                await ack(message)
+                continue
+            # best effort: if a server is away, recovery's stuck-in-Scheduling sweep does it
+            with contextlib.suppress(*TRANSIENT):
+                why = f"node {node.id} shut down before start"
+                moved = await node.store.tasks.transition(fsm.plan(dispatch, State.READY, why))
+                if moved is not None:
+                    await node.queue.push([moved])
+            await ack(message)

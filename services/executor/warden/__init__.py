@@ -1,0 +1,20 @@
+"""The warden: a small process per executor that starts attempts and holds their leases.
+
+`python -m services.executor.warden FD` — FD is a Unix stream socket to the
+executor. For each request (a length-prefixed JSON spawn request, with file descriptors
+attached) the warden forks a *shim*: a supervisor of one process tree that
+
+- starts the attempt's process (its own process group, SIGKILLed if the shim dies) and is a
+  child subreaper, so whatever the process starts — daemons that call setsid included — stays
+  below it and is found and killed when the attempt ends;
+- keeps the attempt's lease: the executor writes `renew SECONDS` each time Postgres has
+  renewed the lease; if none arrives in time, the shim freezes the whole tree (SIGSTOP) on
+  its own, without the executor (which may be frozen, partitioned or dead). `renew` again
+  thaws it; `kill` (the attempt was superseded), the executor's death, or staying frozen
+  past `freeze_max_s` kills it;
+- reports to the executor on a pipe: `pid N START`, `frozen`, `thawed`, `exit STATUS HOW`.
+
+Only the standard library, and fork rather than exec: a shim costs a fork of this small
+process, not a Python start. Why our own: no library supervises a process tree with a lease
+that must hold while its parent is frozen; see docs/architecture.md for the timing argument.
+"""

@@ -1,0 +1,64 @@
+"""Process trees from /proc: what the warden and its shims kill, freeze and thaw (stdlib only:
+this runs in the warden, a small process forked once per attempt)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import sys
+from typing import NamedTuple
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def prctl(option: int, value: int) -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+
+
+class Stat(NamedTuple):
+    state: str  # R, S, D, T (stopped), Z (zombie), ...
+    ppid: int
+    pgid: int
+    start_time: int  # ticks since boot: tells a process from a later one given the same pid
+
+
+def stat(pid: int) -> Stat | None:
+    """A process's line of /proc/<pid>/stat, or None if it is gone (or there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: count from its last ")".
+    fields = raw[raw.rindex(b")") + 2 :].split()
+    return Stat(fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[19]))
+
+
+def start_time(pid: int) -> int | None:
+    found = stat(pid)
+    return None if found is None else found.start_time
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process below `root`, parents before children (a scan of /proc)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            found = stat(int(name))
+            if found is not None and found.state not in ("Z", "X"):
+                children.setdefault(found.ppid, []).append(int(name))
+    out: list[int] = []
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def signal_(pid: int, sig: int, *, group: bool = False) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        (os.killpg if group else os.kill)(pid, sig)

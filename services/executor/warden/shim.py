@@ -1,0 +1,257 @@
+"""The shim: one attempt's supervisor, forked by the warden (see the package doc). Its process
+tree runs below it; it keeps the attempt's lease on this host's monotonic clock and freezes the
+tree when no renewal arrived in time, without the executor."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import time
+from typing import Any
+
+from services.executor.warden.proctree import (
+    PR_SET_CHILD_SUBREAPER,
+    PR_SET_PDEATHSIG,
+    descendants,
+    prctl,
+    signal_,
+    start_time,
+)
+
+KILL_ROUNDS_S = 5.0  # how long a shim keeps killing a tree whose members will not die
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+class Terminated(Exception):
+    """SIGTERM: the warden is going (or gone: the shim's parent-death signal)."""
+
+
+def on_term(_sig: int, _frame: object) -> None:
+    raise Terminated
+
+
+class Shim:
+    """Runs in a child the warden forked: supervises one process tree (see the module doc)."""
+
+    def __init__(self, req: dict[str, Any], fds: list[int]) -> None:
+        self.req = req
+        self.ctl, self.report = fds[0], fds[1]
+        self.pipes = fds[2:]  # a handler worker's stdin and stdout
+        self.leader = 0
+        self.status: int | None = None  # the leader's wait status, once reaped
+        self.how = "exited"
+        self.expiry: float | None = None
+        self.frozen_at: float | None = None
+        self.kill_at: float | None = None  # after a graceful stop: SIGKILL from here
+        self.freeze_max = float(req.get("freeze_max_s", 600.0))
+
+    def run(self, warden: int) -> int:
+        os.setsid()  # out of the warden's session: its job control never reaches the tree
+        prctl(PR_SET_CHILD_SUBREAPER, 1)
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != warden:
+            return 1  # the warden died before the parent-death signal was armed
+        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGTERM, on_term)
+        try:
+            if not self._start():
+                return 0
+            self._supervise(wake_r)
+        except Terminated:
+            self.how = "terminated"
+        self._kill_tree()
+        self._say(f"exit {self.status if self.status is not None else -1} {self.how}")
+        return 0
+
+    def _say(self, line: str) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self.report, line.encode() + b"\n")
+
+    def _start(self) -> bool:
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        shim = os.getpid()
+        self.leader = os.fork()
+        if self.leader == 0:
+            os.close(err_r)
+            exec_leader(self.req, self.pipes, err_w, shim)
+        os.close(err_w)
+        for fd in self.pipes:
+            os.close(fd)
+        failure = b""
+        while chunk := os.read(err_r, 4096):  # closed by a successful exec
+            failure += chunk
+        os.close(err_r)
+        if failure:
+            os.waitpid(self.leader, 0)
+            self._say("error " + json.dumps(failure.decode(errors="replace")))
+            return False
+        lease = self.req.get("lease_s")
+        if lease is not None:
+            self.expiry = _now() + float(lease)
+        self._say(f"pid {self.leader} {start_time(self.leader) or 0}")
+        return True
+
+    def _supervise(self, wake: int) -> None:
+        pending = b""
+        while True:
+            ready, _, _ = select.select([self.ctl, wake], [], [], self._timeout())
+            if wake in ready:
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(wake, 512):
+                        pass
+            self._reap()
+            if self.status is not None:
+                return  # the leader has exited
+            if self.ctl in ready:
+                data = os.read(self.ctl, 4096)
+                if not data:  # the executor is gone: so is everything it ran
+                    self.how = "orphaned"
+                    return
+                pending += data
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    if self._command(line.decode().split()):
+                        return
+            now = _now()
+            if self.expiry is not None and self.frozen_at is None and now >= self.expiry:
+                self._freeze()
+            if self.frozen_at is not None and now >= self.frozen_at + self.freeze_max:
+                self.how = "frozen too long"
+                return
+            if self.kill_at is not None and now >= self.kill_at:
+                return
+
+    def _timeout(self) -> float | None:
+        due = [
+            t
+            for t in (
+                self.expiry if self.frozen_at is None else None,
+                None if self.frozen_at is None else self.frozen_at + self.freeze_max,
+                self.kill_at,
+            )
+            if t is not None
+        ]
+        return max(0.0, min(due) - _now()) if due else None
+
+    def _command(self, words: list[str]) -> bool:
+        """One line from the executor; True when the tree is to be killed now."""
+        if not words:
+            return False
+        if words[0] == "renew":
+            self.expiry = _now() + float(words[1])
+            self._thaw()
+        elif words[0] == "unlease":
+            self.expiry = None
+            self._thaw()
+        elif words[0] == "stop":  # SIGTERM, then SIGKILL after the grace
+            self.how = "stopped"
+            self._thaw()
+            signal_(self.leader, signal.SIGTERM, group=True)
+            self.kill_at = _now() + float(words[1])
+        elif words[0] == "kill":
+            self.how = "killed"
+            return True
+        return False
+
+    def _reap(self) -> bool:
+        """Reap every child that has ended; True once none is left at all.
+
+        The leader is looked at before it is reaped (WNOWAIT): while its zombie holds its pid,
+        the pid still names its process group, which is SIGKILLed then — what it left running
+        in its group ends with it, and the group id cannot meanwhile name another group."""
+        while True:
+            try:
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                return True
+            if info is None:
+                return False
+            if info.si_pid == self.leader and self.status is None:
+                signal_(self.leader, signal.SIGKILL, group=True)
+                self.status = os.waitpid(self.leader, 0)[1]
+            else:
+                os.waitpid(info.si_pid, 0)
+
+    def _freeze(self) -> None:
+        """SIGSTOP the whole tree: a process forking meanwhile is caught by the next scan,
+        and a stopped process cannot fork, so this ends."""
+        self.frozen_at = _now()
+        signal_(self.leader, signal.SIGSTOP, group=True)
+        stopped: set[int] = set()
+        for _ in range(100):
+            fresh = [p for p in descendants(os.getpid()) if p not in stopped]
+            if not fresh:
+                break
+            for pid in fresh:
+                signal_(pid, signal.SIGSTOP)
+            stopped.update(fresh)
+        self._say("frozen")
+
+    def _thaw(self) -> None:
+        if self.frozen_at is None:
+            return
+        self.frozen_at = None
+        signal_(self.leader, signal.SIGCONT, group=True)
+        for pid in descendants(os.getpid()):
+            signal_(pid, signal.SIGCONT)
+        self._say("thawed")
+
+    def _kill_tree(self) -> None:
+        """SIGKILL the leader's group and everything below this shim, and reap it all."""
+        if self.leader <= 0:
+            return
+        if self.status is None:
+            signal_(self.leader, signal.SIGKILL, group=True)
+        deadline = _now() + KILL_ROUNDS_S
+        while not self._reap() and _now() < deadline:
+            # orphans of the tree are this subreaper's children now; kill all that live
+            for pid in descendants(os.getpid()):
+                signal_(pid, signal.SIGKILL)
+            time.sleep(0.01)
+
+
+def exec_leader(req: dict[str, Any], pipes: list[int], err: int, shim: int) -> None:
+    """In the forked leader: set up and exec the attempt's program; never returns."""
+    where: str | None = None  # what an OSError is about, as `subprocess` names it
+    try:
+        os.setpgid(0, 0)
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != shim:
+            os._exit(1)
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        if pipes:
+            os.dup2(pipes[0], 0)
+            os.dup2(pipes[1], 1)
+        else:
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+        os.closerange(3, err)
+        os.closerange(err + 1, 1 << 16)
+        if req.get("cwd"):
+            where = req["cwd"]
+            os.chdir(req["cwd"])
+        argv = req["argv"]
+        where = argv[0]
+        os.execvpe(argv[0], argv, req["env"])
+    except BaseException as exc:
+        if isinstance(exc, OSError) and exc.errno is not None:
+            text = f"[Errno {exc.errno}] {os.strerror(exc.errno)}: {where or exc.filename!r}"
+        else:
+            text = f"{type(exc).__name__}: {exc}"
+        with contextlib.suppress(OSError):
+            os.write(err, text.encode(errors="replace"))
+    os._exit(127)

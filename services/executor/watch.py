@@ -1,0 +1,105 @@
+"""Watching the attempts that run here: renewing their leases every period, and stopping those
+whose task moved on — paused or canceled by an operator, declared lost and retried elsewhere."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from services.executor.node import Node
+from shared import lease
+from shared.errors import one_line
+from shared.fsm import State
+from shared.runtime import wait_any
+from shared.store import parse_notify
+
+log = logging.getLogger(__name__)
+
+# A move into one of these, made by someone else, takes a running attempt away from this node.
+TAKEN_AWAY = {s.value for s in (State.PAUSED, State.CANCELED, State.LOST, State.RETRY_WAIT)}
+
+
+class Watcher:
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self._leases = node.store.lease_link()
+
+    def close(self) -> None:
+        self._leases.close()
+
+    async def renew_loop(self) -> None:
+        """Renew every attempt's lease each period, whatever happens: a failure is logged and
+        the next period tries again (the watchdog freezes what is not renewed in time)."""
+        node = self.node
+        while not node.stopping.is_set():
+            period = lease.renew_every_s(
+                node.settings.node_heartbeat_s,
+                [a.task.heartbeat_timeout_s for a in node.active.values()],
+            )
+            await wait_any(node.stopping, timeout=period)
+            try:
+                await self.renew_once(timeout=period)
+            except Exception as exc:  # the next period tries again; the watchdog covers a gap
+                log.warning("lease renewal failed: %s", one_line(exc))
+
+    async def renew_once(self, timeout: float = 2.0) -> int:
+        """One renewal of every lease held here; returns how many Postgres renewed.
+
+        On a link of its own (store.LeaseLink), dropped on a timeout: a partition that swallows
+        packets must not leave a renewal hanging while the watchdog's clock runs."""
+        node = self.node
+        keys = list(node.active)
+        if not keys:
+            return 0
+        sent_at = time.monotonic()
+        renewed = await self._leases.renew(node.boot_id, keys, max(timeout, 0.5))
+        now = time.monotonic()
+        refused = set()
+        for key in keys:
+            attempt = node.active.get(key)
+            if attempt is None:
+                continue
+            if key in renewed:
+                attempt.renewed_at = sent_at
+                timeout_s = attempt.task.heartbeat_timeout_s
+                node.backend.renew(key, lease.remaining_s(timeout_s, sent_at, now))
+            else:
+                # Postgres says it is not ours any more (paused, canceled, lost and retried):
+                # the watch loop stops it, and its lease is given back once it is gone
+                refused.add(key[0])
+        if refused:
+            node.suspect(refused)
+        return len(renewed)
+
+    def on_task_notify(self, _c: object, _p: int, _ch: str, payload: str) -> None:
+        notice = parse_notify(payload)
+        if notice.states & TAKEN_AWAY:
+            self.node.suspect(None if notice.ids is None else set(notice.ids))
+
+    async def watch_loop(self) -> None:
+        """Stop attempts whose task is no longer Running in that attempt here. Woken by the
+        NOTIFY of such a move and by a lease renewal Postgres refused (so a missed NOTIFY costs
+        at most a renewal period). The dispatch stays unacknowledged until the process is gone,
+        so this node never runs more processes than it has slots."""
+        node = self.node
+        while not node.stopping.is_set():
+            await wait_any(node.look, node.stopping)
+            node.look.clear()
+            suspects, node.suspects = node.suspects, set()
+            mine = [(i, a) for i, a in node.active if i in suspects]
+            if not mine:
+                continue
+            current = {t.id: t for t in await node.store.tasks.get_many([i for i, _ in mine])}
+            for task_id, attempt in mine:
+                task = current.get(task_id)
+                if task is None or (task.status is State.RUNNING and task.attempt == attempt):
+                    continue
+                why = "gone" if task is None else f"{task.status.label} (attempt {task.attempt})"
+                if await node.backend.stop_task(task_id, attempt):
+                    log.info(
+                        "stopped %s attempt %d: the task is now %s",
+                        task_id,
+                        attempt,
+                        why,
+                        extra={"task_id": str(task_id), "attempt": attempt},
+                    )

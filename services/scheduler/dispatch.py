@@ -1,0 +1,204 @@
+"""Dispatch: pop by aged priority, place on nodes under their row locks, CAS Ready ->
+Scheduling with the node, and send each attempt to its node's queue after the commit. Woken
+by intake, by capacity being freed (NOTIFY) and by nodes joining — never a tight poll."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+from uuid import UUID
+
+from services.scheduler.hub import Hub
+from shared import fsm, hooks
+from shared.bus import DISPATCH_EXCHANGE, AmqpBus, Outgoing
+from shared.fsm import State
+from shared.models import Dispatch, Task
+from shared.placement import Choice, Need, NodeState, place_many, within_resources
+from shared.queues import RESOURCE_KEY, ReadyQueue
+from shared.resilience import TRANSIENT
+from shared.runtime import wait_any
+from shared.settings import Settings
+from shared.store import Store, Tx
+
+
+def need_of(task: Task) -> Need:
+    spec = task.spec
+    return Need(
+        cpu=spec.resources.cpu,
+        memory_mb=spec.resources.memory_mb,
+        gpu=spec.resources.gpu,
+        selector=spec.selector,
+    )
+
+
+class Dispatcher:
+    def __init__(
+        self, settings: Settings, store: Store, bus: AmqpBus, queue: ReadyQueue, hub: Hub
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.bus = bus
+        self.queue = queue
+        self.hub = hub
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        hub = self.hub
+        while not stopping.is_set():
+            hub.dispatch.clear()
+            hub.new_work.clear()
+            if hub.unpark.is_set():
+                hub.unpark.clear()
+                await self.queue.unpark()
+            if hub.unpark_resources.is_set():
+                hub.unpark_resources.clear()
+                if hub.parked_resource_waiters:
+                    hub.parked_resource_waiters = False  # set again by any it re-parks
+                    await self.queue.unpark(RESOURCE_KEY)
+            while await self.dispatch_once() >= self.settings.dispatch_batch:
+                pass  # a full batch went out: there may be more to place right away
+            await wait_any(hub.dispatch, stopping, timeout=self.settings.reconcile_s)
+            if not hub.new_work.is_set():
+                # woken by a freed slot: let a few more free up so one pass places them all;
+                # new work cuts this short, so a submission never waits for it
+                await wait_any(hub.new_work, stopping, timeout=self.settings.dispatch_linger_s)
+
+    async def dispatch_once(self) -> int:
+        """One pass: place as many queued tasks as nodes have room for. Returns how many.
+
+        The nodes' rows stay locked from reading their usage to the CAS that reserves on them,
+        so two schedulers placing at once serialise here and neither overcommits a node.
+        """
+        if not await self.queue.size():
+            return 0  # most wake-ups (a task finished) find nothing queued: skip the locks
+        ends = self.hub.ends
+        ids: list[UUID] = []
+        try:
+            async with self.store.transaction() as tx:
+                nodes = [n.state() for n in await tx.nodes.lock_and_read()]
+                free = sum(max(n.slots - n.used_slots, 0) for n in nodes if n.ready)
+                if free <= 0:
+                    return 0
+                ids = await self.queue.pop(min(free, self.settings.dispatch_batch))
+                if not ids:
+                    return 0
+                tasks, fenced = await tx.tasks.get_ready(ids)
+                order = {task_id: i for i, task_id in enumerate(ids)}
+                tasks.sort(key=lambda t: order[t.id])
+                moved, waiting = await self.place(tx, tasks, nodes)
+        except TRANSIENT:
+            await self._put_back(ids)
+            raise
+        for task in fenced:
+            # paused while its executor could not hear it: the old attempt may run until its
+            # lease runs out, so this one waits in line (docs: at most one live attempt)
+            waiting[task.id] = Choice(
+                None, f"waiting for attempt {task.lease_attempt} to stop (its lease)", True
+            )
+        await self.hand_over(moved, tasks + fenced, waiting, ends)
+        return len(moved)
+
+    async def _put_back(self, ids: list[UUID]) -> None:
+        """The pass failed after its pop (nothing it wrote committed): return the popped tasks
+        to the queue now rather than leave them to the reconcile period. If Postgres is the
+        one away, reconciliation re-adds them once it is back."""
+        if not ids:
+            return
+        with contextlib.suppress(*TRANSIENT):
+            free, fenced = await self.store.tasks.get_ready(ids)
+            await self.queue.push(free + fenced)
+
+    async def place(
+        self, tx: Tx, tasks: list[Task], nodes: list[NodeState] | None = None
+    ) -> tuple[list[Task], dict[UUID, Choice]]:
+        """Inside a transaction: place `tasks` in order on the locked nodes and CAS the placed
+        ones Ready -> Scheduling. Returns them, and {task id: why not} for the rest.
+
+        Workflow tasks whose named resource is fully held wait (a holder's end frees a unit
+        and wakes dispatch); the units are counted under the placement locks, so two passes
+        never hand out the same one."""
+        if nodes is None:
+            nodes = [n.state() for n in await tx.nodes.lock_and_read()]
+        users = {t.workflow_id for t in tasks if t.uses and t.workflow_id is not None}
+        held = await tx.workflows.resources_held(list(users)) if users else {}
+        tasks, blocked = within_resources(tasks, held)
+        placed, unplaced = place_many([(t.id, need_of(t)) for t in tasks], nodes)
+        unplaced.update(blocked)
+        moves = [
+            fsm.plan(t, State.SCHEDULING, "placed", node=placed[t.id])
+            for t in tasks
+            if t.id in placed
+        ]
+        return await tx.tasks.transition_many(moves), unplaced
+
+    async def hand_over(
+        self, moved: list[Task], tasks: list[Task], waiting: dict[UUID, Choice], ends: int
+    ) -> None:
+        """After COMMIT: dispatch what was placed; queue the rest with the reason they wait —
+        in line if a node could take them once it has room, parked if none can at all.
+
+        Dispatches go out only after the commit: an executor whose CAS ran before it would not
+        see the Scheduling row (its snapshot predates the commit) and would drop the attempt.
+        """
+        headers, handles = hooks.dispatching(moved)
+        messages = [_dispatch(t, h) for t, h in zip(moved, headers, strict=True)]
+        try:
+            await self.bus.publish(DISPATCH_EXCHANGE, messages)
+        except TRANSIENT:
+            await self._take_back(moved)
+            raise
+        finally:
+            hooks.finished(handles)
+        await self._queue_waiting(tasks, waiting, ends)
+
+    async def _take_back(self, moved: list[Task]) -> None:
+        """The dispatches may not have gone out (RabbitMQ away): put the attempts back in line
+        rather than leave them to the stuck-in-Scheduling sweep. A dispatch that did arrive
+        then loses its start CAS, so nothing runs twice."""
+        with contextlib.suppress(*TRANSIENT):
+            back = await self.store.tasks.transition_many(
+                [fsm.plan(t, State.READY, "dispatch not confirmed") for t in moved]
+            )
+            await self.queue.push(back)
+
+    async def _queue_waiting(
+        self, tasks: list[Task], waiting: dict[UUID, Choice], ends: int
+    ) -> None:
+        """Tasks a node can take once it has room go back in line; those no node can take
+        are parked until nodes change; those waiting for a named resource until a task ends.
+        `ends` is the count of task-end notifications before the resources were counted: if
+        one came since, a holder may have ended unseen, so the resource waiters go back now."""
+        if not waiting:
+            return
+        kinds: dict[str, list[Task]] = {"line": [], "parked": [], "resource": []}
+        for task in tasks:
+            choice = waiting.get(task.id)
+            if choice is not None:
+                kind = "resource" if choice.resource else "line" if choice.fits_later else "parked"
+                kinds[kind].append(task)
+        await self.queue.push(kinds["line"])
+        await self.queue.park(kinds["parked"])
+        if kinds["resource"]:
+            await self.queue.park(kinds["resource"], RESOURCE_KEY)
+            self.hub.parked_resource_waiters = True
+            if self.hub.ends != ends:
+                self.hub.unpark_resources.set()
+        if kinds["parked"] or kinds["resource"]:
+            # they left the queue: the tasks behind them get the slots they were popped for
+            self.hub.work_arrived()
+        await self.store.tasks.set_wait_reasons(
+            {k: c.reason for k, c in waiting.items() if c.reason}
+        )
+
+
+def _dispatch(task: Task, headers: dict[str, Any]) -> Outgoing:
+    assert task.node is not None
+    body = Dispatch(
+        task_id=task.id,
+        attempt=task.attempt,
+        version=task.version,
+        retry_count=task.retry_count,
+        max_retries=task.max_retries,
+        node=task.node,
+    )
+    return Outgoing(task.node, body.model_dump_json().encode(), headers)

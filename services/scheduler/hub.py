@@ -1,0 +1,88 @@
+"""The scheduler's wake-ups in one place: what each notification, and each loop's own result,
+wakes — and what it tells the woken loop. No loop polls in a hot loop; each waits on its event
+here, with a slow timer as the backstop for a missed notification."""
+
+from __future__ import annotations
+
+import asyncio
+from uuid import UUID
+
+from shared.fsm import State
+from shared.store import parse_notify
+
+# A NOTIFY naming one of these states may have freed capacity on a node (or made a task Ready).
+FREES_CAPACITY = {
+    s.value
+    for s in (
+        State.SUCCESS,
+        State.FAILED,
+        State.TIMED_OUT,
+        State.LOST,
+        State.CANCELED,
+        State.PAUSED,
+        State.RETRY_WAIT,
+        State.READY,
+    )
+}
+
+# A NOTIFY naming one of these may decide workflow tasks downstream.
+DECIDES_DOWNSTREAM = {
+    s.value for s in (State.SUCCESS, State.FAILED, State.TIMED_OUT, State.CANCELED, State.SKIPPED)
+}
+
+
+class Hub:
+    def __init__(self) -> None:
+        # dispatch: a pass may place something; new work cuts its linger short
+        self.dispatch = asyncio.Event()
+        self.new_work = asyncio.Event()
+        # nodes changed: tasks parked because no node could take them go back in line
+        self.unpark = asyncio.Event()
+        # a task ended: tasks waiting for a named resource go back in line. `ends` counts
+        # those notifications, so a pass that parked after one arrived knows it missed it.
+        # Only a scheduler that parked some does this on its dispatch path (a Redis round trip
+        # per pass otherwise); the reconcile period covers a parker that died.
+        self.unpark_resources = asyncio.Event()
+        self.ends = 0
+        self.parked_resource_waiters = False
+        # workflows: tasks that finished (or were resumed) lately, or all of them
+        self.resolve = asyncio.Event()
+        self.finished: set[UUID] = set()
+        self.resolve_all = True
+        # retries: a task entered RetryWait
+        self.retry = asyncio.Event()
+
+    def work_arrived(self) -> None:
+        """Intake, a retry, a release or a parked task's return queued work: dispatch now."""
+        self.new_work.set()
+        self.dispatch.set()
+
+    def task_notify(self, _c: object, _p: int, _ch: str, payload: str) -> None:
+        notice = parse_notify(payload)
+        states = notice.states
+        if states & DECIDES_DOWNSTREAM or State.PENDING.value in states:
+            if notice.ids is None:
+                self.resolve_all = True
+            else:
+                self.finished.update(notice.ids)
+            self.resolve.set()
+        if states & FREES_CAPACITY:
+            self.ends += 1
+            self.unpark_resources.set()
+            self.dispatch.set()
+        if State.RETRY_WAIT.value in states:
+            self.retry.set()
+
+    def node_notify(self, *_: object) -> None:
+        """A node joined or changed: parked tasks may fit now."""
+        self.unpark.set()
+        self.dispatch.set()
+
+    def missed(self) -> None:
+        """After LISTEN came back: anything may have happened meanwhile — look at all of it."""
+        self.unpark.set()
+        self.unpark_resources.set()
+        self.retry.set()
+        self.dispatch.set()
+        self.resolve_all = True
+        self.resolve.set()

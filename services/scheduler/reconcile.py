@@ -1,0 +1,41 @@
+"""Reconciliation of the Redis queue with Postgres: rebuild it after a Redis loss (and at
+start); re-queue Ready tasks it lost track of (a scheduler killed between its pop and its CAS);
+move back resource waiters whichever scheduler parked them. Every SKED_RECONCILE_S."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from services.scheduler.hub import Hub
+from shared.queues import RESOURCE_KEY, ReadyQueue, rebuild, reconcile
+from shared.runtime import wait_any
+from shared.settings import Settings
+from shared.store import Store
+
+
+class Reconciler:
+    def __init__(self, settings: Settings, store: Store, queue: ReadyQueue, hub: Hub) -> None:
+        self.settings = settings
+        self.store = store
+        self.queue = queue
+        self.hub = hub
+
+    async def rebuild(self) -> int:
+        return await rebuild(self.queue, self.store.tasks)
+
+    async def reconcile_once(self) -> int:
+        n = await reconcile(self.queue, self.store.tasks, self.settings.reconcile_s)
+        # the backstop for resource waiters, whichever scheduler parked them (one that died
+        # before a holder ended, or a pass that raced with another)
+        n += await self.queue.unpark(RESOURCE_KEY)
+        if n:
+            self.hub.dispatch.set()
+        return n
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        while not stopping.is_set():
+            jitter = random.uniform(0.8, 1.2)
+            await wait_any(stopping, timeout=self.settings.reconcile_s * jitter)
+            if not stopping.is_set():
+                await self.reconcile_once()

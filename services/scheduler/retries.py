@@ -1,0 +1,37 @@
+"""Retries: RetryWait tasks whose backoff ran out go back to Ready (SKIP LOCKED, shared by
+replicas) and into the queue; the loop sleeps until the earliest is due — a wait Postgres
+computes — or until a NOTIFY says a task entered RetryWait."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.scheduler.hub import Hub
+from shared.queues import ReadyQueue
+from shared.runtime import wait_any
+from shared.settings import Settings
+from shared.store import Store
+
+
+class Retries:
+    def __init__(self, settings: Settings, store: Store, queue: ReadyQueue, hub: Hub) -> None:
+        self.settings = settings
+        self.store = store
+        self.queue = queue
+        self.hub = hub
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        while not stopping.is_set():
+            self.hub.retry.clear()
+            moved = await self.store.claims.sweep_due_retries(self.settings.dispatch_batch)
+            if moved:
+                await self.queue.push(moved)
+                self.hub.work_arrived()
+                continue
+            # how long until the next is due, by Postgres's clock: a local clock that is off
+            # would shift every retry by its error
+            due_in = await self.store.tasks.next_retry_due()
+            wait = self.settings.reconcile_s
+            if due_in is not None:
+                wait = min(wait, max(due_in, 0.0))
+            await wait_any(self.hub.retry, stopping, timeout=wait)
