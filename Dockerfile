@@ -15,6 +15,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY shared/ shared/
 COPY services/ services/
+COPY sked/ sked/
 RUN pip install --no-cache-dir .
 
 # -- run: the virtualenv on a clean base, as a non-root user ---------------------------------

@@ -18,8 +18,8 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any
 from types import TracebackType
+from typing import Any
 
 from shared.resilience import supervise
 from shared.store import Handler, Store

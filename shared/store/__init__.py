@@ -30,8 +30,8 @@ from shared.store.workflows import Workflows
 
 __all__ = [
     "NODE_CHANNEL",
-    "Handler",
     "TASK_CHANNEL",
+    "Handler",
     "NodeRow",
     "Notice",
     "OutboxRow",

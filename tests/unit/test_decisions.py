@@ -1,0 +1,312 @@
+"""The services' decisions on fakes (shared.testing), in milliseconds: dispatch order and
+placement, parking and resource waiters, claim-before-start, late results, the monitor's
+verdicts, intake's refusals. The same behaviour on real servers: tests/integration, e2e."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+from uuid import uuid4
+
+import pytest
+
+from services.executor.backends.stub import StubBackend
+from services.executor.finish import Finisher
+from services.executor.node import Attempt, Node
+from services.executor.start import Starter
+from services.heartbeat_monitor.ladder import Ladder
+from services.scheduler.dispatch import Dispatcher
+from services.scheduler.hub import Hub
+from services.scheduler.intake import Intake
+from shared.bus import UNROUTABLE
+from shared.fsm import State
+from shared.heartbeat import ProbeAnswer, Rung
+from shared.models import Dispatch, Task, TaskSpec
+from shared.outcome import Report
+from shared.queues import RESOURCE_KEY
+from shared.settings import Settings
+from shared.testing import FakeReadyQueue, InMemoryStore, StubBus, StubMessage, new_task
+
+SETTINGS = Settings(heartbeat_secret="unit-test-secret-0123456789", node_id="n1")
+
+
+def spec(name: str = "t", **kw: Any) -> TaskSpec:
+    return TaskSpec.parse({"name": name, "job": {"kind": "command", "argv": ["true"]}, **kw})
+
+
+async def ready(store: InMemoryStore, s: TaskSpec, **fields: Any) -> Task:
+    return await store.walk(store.put(new_task(s, **fields)), State.PENDING, State.READY)
+
+
+def scheduler_parts(
+    store: InMemoryStore,
+) -> tuple[Dispatcher, FakeReadyQueue, StubBus, Hub]:
+    queue, bus, hub = FakeReadyQueue(), StubBus(), Hub()
+    return Dispatcher(SETTINGS, store, bus, queue, hub), queue, bus, hub  # type: ignore[arg-type]
+
+
+def dispatched(bus: StubBus) -> list[Dispatch]:
+    return [Dispatch.model_validate_json(m.body) for _, m in bus.published]
+
+
+# -- dispatch ---------------------------------------------------------------------------------
+
+
+async def test_dispatch_places_by_priority_then_fifo_within_capacity() -> None:
+    store = InMemoryStore()
+    store.nodes.add("a", slots=2)
+    store.nodes.add("b", slots=1)
+    dispatcher, queue, bus, _ = scheduler_parts(store)
+    low = await ready(store, spec("low", priority=0))
+    high = [await ready(store, spec(f"high{i}", priority=5)) for i in range(3)]
+    await queue.push([low, *high])
+    assert await dispatcher.dispatch_once() == 3  # three slots in all
+    sent = dispatched(bus)
+    assert [d.task_id for d in sent] == [t.id for t in high]  # the highs, in FIFO order
+    assert sorted(d.node for d in sent) == ["a", "a", "b"]
+    for d in sent:
+        assert (await store.tasks.get(d.task_id)).status is State.SCHEDULING
+    assert await queue.pop(10) == [low.id]  # the low one waits in line: no room
+
+
+async def test_a_task_no_node_can_take_is_parked_with_its_reason() -> None:
+    store = InMemoryStore()
+    store.nodes.add("a", slots=4, gpu=0)
+    dispatcher, queue, bus, hub = scheduler_parts(store)
+    big = await ready(store, spec("big", resources={"gpu": 2}))
+    small = await ready(store, spec("small"))
+    await queue.push([big, small])
+    assert await dispatcher.dispatch_once() == 1
+    assert [d.task_id for d in dispatched(bus)] == [small.id]
+    assert queue.parked() == {big.id}
+    assert store.data.wait_reasons[big.id] == "no node has gpu >= 2"
+    assert hub.dispatch.is_set()  # what was behind it gets the slots at once
+
+
+async def test_resource_waiters_wait_aside_and_a_holder_s_end_brings_them_back() -> None:
+    store = InMemoryStore()
+    store.nodes.add("a", slots=4)
+    dispatcher, queue, bus, hub = scheduler_parts(store)
+    wf = uuid4()
+    store.data.resources[(wf, "lock")] = 1
+    first, second = [
+        await ready(store, spec(f"w{i}"), workflow_id=wf, uses=["lock"]) for i in range(2)
+    ]
+    other = await ready(store, spec("other"))
+    await queue.push([first, second, other])
+    assert await dispatcher.dispatch_once() == 2
+    assert {d.task_id for d in dispatched(bus)} == {first.id, other.id}
+    assert queue.parked(RESOURCE_KEY) == {second.id}
+    assert hub.parked_resource_waiters
+    assert "waiting for resource lock (1/1 held)" in store.data.wait_reasons[second.id]
+    # the holder ends; the notification sends the waiter back in line, and it is placed
+    holder = await store.tasks.get(first.id)
+    await store.walk(holder, State.RUNNING)
+    await store.walk(await store.tasks.get(first.id), State.SUCCESS)
+    hub.task_notify(None, 0, "", f"{first.id}:9:success")
+    assert hub.unpark_resources.is_set()
+    await queue.unpark(RESOURCE_KEY)
+    assert await dispatcher.dispatch_once() == 1
+    assert dispatched(bus)[-1].task_id == second.id
+
+
+async def test_a_resumed_task_whose_old_attempt_holds_a_lease_waits_in_line() -> None:
+    store = InMemoryStore()
+    store.nodes.add("a")
+    dispatcher, queue, bus, _ = scheduler_parts(store)
+    task = await ready(store, spec("paused", heartbeat_timeout_s=30))
+    task = await store.walk(task, State.SCHEDULING, node="a")
+    task = await store.walk(task, State.RUNNING, lease_owner=str(uuid4()))
+    task = await store.walk(task, State.PAUSED, State.PENDING, State.READY)
+    await queue.push([task])
+    assert await dispatcher.dispatch_once() == 0
+    assert bus.published == []
+    assert "waiting for attempt 1 to stop" in store.data.wait_reasons[task.id]
+    assert await queue.size() == 1
+
+
+# -- intake ----------------------------------------------------------------------------------
+
+
+async def test_intake_refuses_a_reused_key_and_admits_the_rest_of_the_batch() -> None:
+    store = InMemoryStore()
+    dispatcher, queue, bus, hub = scheduler_parts(store)
+    intake = Intake(SETTINGS, store, bus, queue, hub, dispatcher)  # type: ignore[arg-type]
+    keyed = {"name": "k", "job": {"kind": "command", "argv": ["true"]}, "idempotency_key": "K"}
+    messages = [
+        StubMessage(json.dumps(keyed).encode(), "submit", str(uuid4())),
+        StubMessage(json.dumps(keyed).encode(), "submit", str(uuid4())),  # the same: one task
+        StubMessage(json.dumps({**keyed, "max_retries": 2}).encode(), "submit"),  # refused
+        StubMessage(b"[" * 10_000, "submit"),  # refused
+        StubMessage(json.dumps({**keyed, "idempotency_key": "L"}).encode(), "submit"),
+    ]
+    admitted = await intake.accept(messages)  # type: ignore[arg-type]
+    assert {t.idempotency_key for t in admitted} == {"K", "L"}
+    assert [why for _, why in bus.dead] == [
+        "idempotency key 'K' already names task "
+        f"{admitted[0].id}, submitted with a different spec: a key (or message id) stands for "
+        "one task; use a new one for a different task",
+        "unsafe JSON: nested deeper than 64 levels",
+    ]
+    assert messages[-1].acked == 1  # one multiple-ack for the batch
+
+
+# -- executor ------------------------------------------------------------------------------
+
+
+def executor_parts(store: InMemoryStore, backend: StubBackend) -> tuple[Node, Starter, Finisher]:
+    node = Node(SETTINGS, store, StubBus(), backend, FakeReadyQueue(), asyncio.Event())  # type: ignore[arg-type]
+    return node, Starter(node), Finisher(node)
+
+
+def dispatch_of(task: Task) -> StubMessage:
+    body = Dispatch(
+        task_id=task.id,
+        attempt=task.attempt,
+        version=task.version,
+        retry_count=task.retry_count,
+        max_retries=task.max_retries,
+        node=task.node or "n1",
+    )
+    return StubMessage(body.model_dump_json().encode(), "n1")
+
+
+async def scheduled(store: InMemoryStore) -> Task:
+    task = await ready(store, spec("run"))
+    return await store.walk(task, State.SCHEDULING, node="n1")
+
+
+async def test_an_attempt_is_claimed_before_it_starts_and_starts_once() -> None:
+    store, backend = InMemoryStore(), StubBackend(hold=True)
+    node, starter, _ = executor_parts(store, backend)
+    task = await scheduled(store)
+    first, copy = dispatch_of(task), dispatch_of(task)
+    assert await starter.start([first, copy]) == 1  # type: ignore[list-item]
+    assert first.acked + copy.acked == 1  # the same attempt twice in a batch: one start
+    await asyncio.sleep(0)
+    assert [lc.task_id for lc in backend.launched] == [task.id]
+    running = await store.tasks.get(task.id)
+    assert (running.status, running.lease_owner) == (State.RUNNING, node.boot_id)
+    # delivered again later (a reconnect): it runs already, nothing starts twice
+    assert await starter.start([dispatch_of(task)]) == 0  # type: ignore[list-item]
+    backend.release((task.id, 1))
+    await asyncio.wait(node.runs)
+    assert len(backend.launched) == 1
+
+
+async def test_a_dispatch_whose_task_moved_on_starts_nothing() -> None:
+    store, backend = InMemoryStore(), StubBackend()
+    _, starter, _ = executor_parts(store, backend)
+    task = await scheduled(store)
+    stale = dispatch_of(task)
+    await store.walk(task, State.CANCELED)
+    assert await starter.start([stale]) == 0  # type: ignore[list-item]
+    assert backend.launched == []
+    assert stale.acked == 1
+
+
+async def test_a_dispatch_for_another_node_or_unreadable_is_dead_lettered() -> None:
+    store, backend = InMemoryStore(), StubBackend()
+    node, starter, _ = executor_parts(store, backend)
+    elsewhere = dispatch_of(replace_node(await scheduled(store), "n2"))
+    garbage = StubMessage(b'{"task_id": 1}', "n1")
+    assert await starter.start([elsewhere, garbage]) == 0  # type: ignore[list-item]
+    bus = node.bus
+    assert isinstance(bus, StubBus)
+    reasons = [why for _, why in bus.dead]
+    assert reasons[0] == "a dispatch for node 'n2'"
+    assert reasons[1].startswith("unreadable dispatch")
+    assert backend.launched == []
+
+
+def replace_node(task: Task, node: str) -> Task:
+    from dataclasses import replace
+
+    return replace(task, node=node)
+
+
+async def test_an_outcome_whose_task_moved_on_is_kept_late_and_its_lease_given_back() -> None:
+    store, backend = InMemoryStore(), StubBackend()
+    node, _, finisher = executor_parts(store, backend)
+    task = await scheduled(store)
+    task = await store.walk(task, State.RUNNING, lease_owner=str(node.boot_id))
+    await store.walk(task, State.PAUSED)
+    late = await finisher.write([(Attempt(task, None), Report(ok=True, result=1))], [])  # type: ignore[arg-type]
+    assert [t.id for t, _ in late] == [task.id]
+    assert store.data.late == [(task.id, 1, True, 1, None, "attempt superseded on n1")]
+    paused = await store.tasks.get(task.id)
+    assert (paused.status, paused.lease_owner, paused.lease_until) == (State.PAUSED, None, None)
+
+
+async def test_an_outcome_written_twice_after_a_lost_reply_is_not_late() -> None:
+    store, backend = InMemoryStore(), StubBackend()
+    node, _, finisher = executor_parts(store, backend)
+    task = await scheduled(store)
+    task = await store.walk(task, State.RUNNING, lease_owner=str(node.boot_id))
+    batch = [(Attempt(task, None), Report(ok=False, error="exit code 3"))]  # type: ignore[arg-type]
+    assert await finisher.write(batch, []) == []
+    assert await finisher.write(batch, []) == []  # loses its CAS to itself: not late
+    assert store.data.late == []
+    assert (await store.tasks.get(task.id)).status is State.FAILED
+
+
+# -- the heartbeat-monitor's ladder -------------------------------------------------------------
+
+
+async def overdue(store: InMemoryStore) -> Task:
+    store.nodes.add("n1")
+    task = await scheduled(store)
+    return await store.walk(task, State.RUNNING, lease_owner=str(uuid4()))
+
+
+def answer(state: str, report: Report | None = None) -> bytes:
+    return ProbeAnswer(state=state, report=report).model_dump_json().encode()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("said", "silent_s", "rung", "target"),
+    [
+        (answer("running"), 40.0, Rung.RESTORE, None),
+        (answer("finished", Report(ok=True, result=7)), 40.0, Rung.RECONCILE, State.SUCCESS),
+        (answer("finished", Report(ok=False, error="x")), 40.0, Rung.RECONCILE, State.FAILED),
+        (None, 40.0, Rung.GRACE, None),  # no answer from a live node: grace
+        (answer("frozen"), 40.0, Rung.GRACE, None),  # frozen counts as no answer
+        (None, 70.0, Rung.LOST, State.LOST),  # grace spent (timeout 30 s)
+        (answer("unknown"), 40.0, Rung.LOST, State.LOST),
+        (UNROUTABLE, 40.0, Rung.LOST, State.LOST),  # no executor connected: gone
+    ],
+)
+async def test_the_ladder(said: object, silent_s: float, rung: Rung, target: State | None) -> None:
+    store = InMemoryStore()
+    task = await overdue(store)
+    bus = StubBus(answers={"n1": said})
+    ladder = Ladder(store, bus, probe_timeout_s=1.0)  # type: ignore[arg-type]
+    got, move = await ladder.climb(task, silent_s, {n.id: n for n in await store.nodes.all()})
+    assert got is rung
+    assert (move.target if move else None) is target
+    if rung is Rung.GRACE:
+        assert store.leases.grace_given == [(task.id, task.attempt)]
+    if said is UNROUTABLE:
+        assert not store.data.nodes["n1"].ready  # out of placement at once
+    if move is not None:
+        assert "lease not renewed for" in move.reason
+
+
+async def test_a_lost_verdict_loses_its_cas_while_the_lease_holds() -> None:
+    store = InMemoryStore()
+    task = await overdue(store)
+    ladder = Ladder(store, StubBus(), probe_timeout_s=1.0)  # type: ignore[arg-type]
+    _, move = await ladder.climb(task, 100.0, {})
+    assert move is not None
+    await ladder.apply([move])
+    assert (await store.tasks.get(task.id)).status is State.RUNNING  # lease_until is ahead
+
+
+def test_the_public_api_is_importable_from_sked() -> None:
+    import sked
+
+    assert sked.State.SUCCESS.label == "Success"
+    assert sked.TaskSpec.parse({"name": "x", "job": {"kind": "command", "argv": ["true"]}})
+    assert issubclass(sked.InvalidSpec, sked.SkedError)
+    assert set(sked.__all__) <= set(dir(sked))
