@@ -136,9 +136,9 @@ class AmqpBus:
     async def publish(self, exchange: str, messages: Sequence[Outgoing]) -> None:
         """Publish persistent messages and return once the broker confirmed every one.
 
-        All are in flight at once (a confirm round trip per message would cap throughput at
-        about 1,500 messages/s here). Raises if any is refused; the caller then retries all of
-        them, which is why consumers must drop duplicates.
+        All are in flight at once: a confirm round trip per message caps throughput (figures in
+        docs/performance.md). Raises if any is refused; the caller then retries all of them,
+        which is why consumers must drop duplicates.
         """
         target = self._exchanges[exchange]
         confirms = [

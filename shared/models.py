@@ -105,22 +105,23 @@ def task_id_for(spec: TaskSpec, message_id: str | None = None) -> UUID:
     """
     if spec.idempotency_key is not None:
         return uuid5(NAMESPACE_URL, f"sked:idempotency-key:{spec.idempotency_key}")
-    if not message_id:
-        return uuid4()
-    try:
-        return UUID(message_id)
-    except ValueError:
-        return uuid5(NAMESPACE_URL, f"sked:message-id:{message_id}")
+    return _id_of_message(message_id, "message-id")
 
 
 def task_id_for_workflow(message_id: str | None) -> UUID:
     """A workflow's id: its submission's message id (the SDK's), stable across deliveries."""
+    return _id_of_message(message_id, "workflow-message")
+
+
+def _id_of_message(message_id: str | None, kind: str) -> UUID:
+    """The message id itself when it is a UUID, else one derived from it (in `kind`'s own
+    namespace); a fresh one when there is none."""
     if not message_id:
         return uuid4()
     try:
         return UUID(message_id)
     except ValueError:
-        return uuid5(NAMESPACE_URL, f"sked:workflow-message:{message_id}")
+        return uuid5(NAMESPACE_URL, f"sked:{kind}:{message_id}")
 
 
 def describe(exc: ValidationError) -> str:
@@ -137,8 +138,8 @@ class Task:
     """A task as stored: the spec plus its lifecycle columns.
 
     A plain dataclass rather than a pydantic model: rows come from our own schema, and
-    validating every returned row cost more CPU than the SQL that moved it (42 µs a row). The
-    spec is kept as the stored JSON text and parsed on first use.
+    validating every returned row cost more CPU than the SQL that moved it (docs/performance.md).
+    The spec is kept as the stored JSON text and parsed on first use.
     """
 
     id: UUID
@@ -247,6 +248,17 @@ class Dispatch(BaseModel):
     retry_count: int = Field(ge=0, le=INT32_MAX)
     max_retries: int = Field(ge=0, le=INT32_MAX)
     node: str = Field(max_length=63)
+
+    @classmethod
+    def of(cls, task: Task, node: str | None = None) -> Dispatch:
+        """The dispatch of `task`'s current attempt to `node` (default: the one it holds)."""
+        target = node or task.node
+        if target is None:
+            raise ValueError(f"task {task.id} is not placed on a node")
+        counters = {
+            k: getattr(task, k) for k in ("attempt", "version", "retry_count", "max_retries")
+        }
+        return cls(task_id=task.id, node=target, **counters)
 
     @property
     def id(self) -> UUID:

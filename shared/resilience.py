@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+import operator
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import aiormq.exceptions
 import asyncpg
@@ -20,6 +22,9 @@ from shared.backoff import retry_delay
 from shared.runtime import wait_any
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 # Every error a server restart, failover, connection limit, admin cancel, resource alarm or
 # read-only replica produces, from each client library: the one list every service retries
@@ -117,3 +122,27 @@ async def retrying(
                 await asyncio.sleep(delay)  # draining on shutdown: still worth a few tries
             else:
                 await wait_any(stopping, timeout=delay)
+
+
+async def isolate(
+    items: Sequence[T],
+    run: Callable[[Sequence[T]], Awaitable[R]],
+    alone: Callable[[T, Exception], Awaitable[R]],
+    merge: Callable[[R, R], R] = operator.add,
+) -> R:
+    """`run(items)` as one batch (one statement); if it fails for anything but a transient
+    error (then a server is away and the whole batch waits), run the halves apart, down to the
+    one item that fails, which `alone` deals with: dead-letters it, refuses it, or writes a
+    failure in its place. One poisoned item can never stop the rest, and a clean batch costs
+    nothing more. `run` must be safe to repeat for items a failed attempt included (a CAS or
+    an idempotent insert), and `items` must not be empty. Results are merged with `merge`."""
+    try:
+        return await run(items)
+    except TRANSIENT:
+        raise
+    except Exception as exc:
+        if len(items) == 1:
+            return await alone(items[0], exc)
+        half = len(items) // 2
+        first: Any = await isolate(items[:half], run, alone, merge)
+        return merge(first, await isolate(items[half:], run, alone, merge))

@@ -127,16 +127,22 @@ def run_main(main: Callable[[], Awaitable[None]]) -> int:
     return 0
 
 
-def service_args(service: str, argv: list[str] | None, description: str) -> argparse.ArgumentParser:
-    """The argument parser of a service with no flags of its own: `--help` prints its usage
-    and starts nothing; configuration comes from SKED_* variables."""
-    parser = argparse.ArgumentParser(
+def service_args(service: str, description: str) -> argparse.ArgumentParser:
+    """A service's argument parser: `--help` prints its usage and starts nothing. Its flags,
+    if any, override SKED_* variables (see `flag_settings`)."""
+    return argparse.ArgumentParser(
         prog=f"sked service {service}",
-        description=f"{description} Configured by SKED_* environment variables (README).",
+        description=f"{description} Configured by SKED_* environment variables (README); "
+        "flags override them.",
     )
-    if argv is not None:
-        parser.parse_args(argv)
-    return parser
+
+
+def flag_settings(args: argparse.Namespace, fields: dict[str, str], **extra: object) -> Settings:
+    """Settings from SKED_* variables, each flag given (`fields`: flag dest -> settings field)
+    overriding its variable; `extra` are further overrides."""
+    overrides = {field: getattr(args, dest) for dest, field in fields.items()}
+    given = {k: v for k, v in overrides.items() if v is not None}
+    return Settings(**given, **extra)  # type: ignore[arg-type]
 
 
 def run_service(

@@ -3,7 +3,7 @@ are written once here; a service declares what it has of them.
 
     class Relay(Service):
         name = "relay"
-        def loops(self): return [("relay", self._loop)]
+        async def loop(self): ...  # the one loop; or loops() for several
         def channels(self): return [(TASK_CHANNEL, self._notified)]
 
 `run()` returns only after `stop()` (SIGTERM in a service process); loops restart after
@@ -22,6 +22,7 @@ from types import TracebackType
 from typing import Any
 
 from shared.resilience import supervise
+from shared.settings import Settings
 from shared.store import Handler, Store
 
 log = logging.getLogger(__name__)
@@ -32,17 +33,23 @@ Loop = tuple[str, Callable[[], Coroutine[Any, Any, None]]]
 class Service:
     name = "service"
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, settings: Settings, store: Store) -> None:
+        self.settings = settings
         self.store = store
         self.stopping = asyncio.Event()
+        self.wake = asyncio.Event()  # for a service's own loop: set by missed() unless overridden
         self.ready = asyncio.Event()  # set once running: tests and `sked dev` wait on it
         self._running: asyncio.Task[None] | None = None
 
     # -- what a service declares -------------------------------------------------------------
 
     def loops(self) -> Sequence[Loop]:
-        """Loops run until stop(), each restarted after a transient error."""
-        return []
+        """Loops run until stop(), each restarted after a transient error. By default the one
+        `loop` of a service that has one."""
+        return [(self.name, self.loop)]
+
+    async def loop(self) -> None:
+        """The loop of a service with one loop (see `loops`)."""
 
     def watchers(self) -> Sequence[Callable[[], Coroutine[Any, Any, None]]]:
         """Tasks that may only fail (a raise stops the service); cancelled at stop."""
@@ -54,6 +61,7 @@ class Service:
 
     def missed(self) -> None:
         """The LISTEN connection came back: notifications may have been missed meanwhile."""
+        self.wake.set()
 
     async def setup(self) -> None:
         """Before the loops: open consumers, register, rebuild."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -10,6 +10,7 @@ from redis.asyncio import Redis
 
 from shared.bus import AmqpBus
 from shared.queues import ReadyQueue
+from shared.runtime import Service, serve
 from shared.settings import Settings
 from shared.store import Store
 
@@ -48,3 +49,16 @@ async def backends(settings: Settings) -> AsyncIterator[Backends]:
         await bus.close()
         await redis.aclose()
         await store.close()
+
+
+def serving(
+    build: Callable[[Settings, Backends], Service],
+) -> Callable[[Settings], Awaitable[None]]:
+    """A service process's async main: open the backends, build the service on them, serve it
+    until SIGTERM, close the backends."""
+
+    async def main(settings: Settings) -> None:
+        async with backends(settings) as b:
+            await serve(build(settings, b))
+
+    return main

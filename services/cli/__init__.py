@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from services.cli.commands import (
     SERVICES,
@@ -34,6 +35,17 @@ from shared.control import NotAllowed
 from shared.errors import SkedError
 
 # -- parser ----------------------------------------------------------------------------------
+
+
+def _reader(
+    sub: Any, name: str, text: str, command: Callable[[argparse.Namespace], Awaitable[int]]
+) -> argparse.ArgumentParser:
+    """A command about one task or workflow by id, with --json."""
+    p: argparse.ArgumentParser = sub.add_parser(name, help=text)
+    p.add_argument("id")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=lambda a: run(command(a)))
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,16 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=lambda a: run(_submit_workflow(a)))
 
-    p = sub.add_parser("workflow", help="a workflow's status, its tasks, or its DAG (--dot)")
-    p.add_argument("id")
-    p.add_argument("--json", action="store_true")
+    p = _reader(sub, "workflow", "a workflow's status, its tasks, or its DAG (--dot)", _workflow)
     p.add_argument("--dot", action="store_true", help="the DAG in Graphviz DOT, with states")
-    p.set_defaults(func=lambda a: run(_workflow(a)))
-
-    p = sub.add_parser("status", help="one task: status, attempt, node, result, error, reason")
-    p.add_argument("id")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=lambda a: run(_status(a)))
+    _reader(sub, "status", "one task: status, attempt, node, result, error, reason", _status)
 
     p = sub.add_parser("list", help="tasks, newest first")
     p.add_argument("--status", action="append", help="filter by state (repeatable)")
@@ -104,10 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=lambda a: run(_list(a)))
 
-    p = sub.add_parser("events", help="a task's transition history")
-    p.add_argument("id")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=lambda a: run(_events(a)))
+    _reader(sub, "events", "a task's transition history", _events)
 
     p = sub.add_parser("logs", help="the log tail of a task's latest attempt")
     p.add_argument("id")

@@ -1,8 +1,6 @@
-"""The `sked` commands: each takes its parsed arguments and returns an exit code.
+"""The `sked` commands: each takes its parsed arguments and returns the exit code.
 
-Every command reads the deployment from `SKED_*` variables (shared.settings), like the services.
-Read commands take `--json`. Exit codes: 0 ok, 1 a task did not succeed / check failed,
-2 a usage or input error (the message says which).
+The parser and the exit-code conventions are in services.cli; this module only acts and prints.
 """
 
 from __future__ import annotations
@@ -13,8 +11,10 @@ import json
 import logging
 import shlex
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+from uuid import UUID
 
 from services.cli.output import (
     parse_task_id,
@@ -24,13 +24,15 @@ from services.cli.output import (
     workflow_json,
 )
 from shared import fsm
-from shared.client import SkedClient, WaitTimeout
+from shared.client import SkedClient, WaitTimeout, WorkflowView
 from shared.dag import WorkflowSpec
 from shared.errors import SkedError
 from shared.fsm import State
-from shared.models import TaskSpec
+from shared.models import Task, TaskSpec
 from shared.settings import Settings, parse_labels
 from shared.store.migrate import migrate
+
+T = TypeVar("T")
 
 SERVICES: dict[str, str] = {
     "scheduler": "services.scheduler.__main__",
@@ -115,17 +117,34 @@ def spec_from_args(args: argparse.Namespace) -> TaskSpec:
 
 async def _submit(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
+
+    def ended(task: Task) -> tuple[Any, str, bool]:
+        summary = f"{task.status.label}: {task.error or task.result}"
+        return task.as_json(), summary, task.status is State.SUCCESS
+
+    return await _submitted(args, lambda c: c.submit(spec), SkedClient.wait, ended)
+
+
+async def _submitted(
+    args: argparse.Namespace,
+    submit: Callable[[SkedClient], Awaitable[UUID]],
+    wait: Callable[[SkedClient, UUID, float | None], Awaitable[T]],
+    ended: Callable[[T], tuple[Any, str, bool]],
+) -> int:
+    """Submit and print the id; with --wait, wait and print how it ended: exit 0 only if it
+    succeeded."""
     async with SkedClient() as client:
-        task_id = await client.submit(spec)
+        ident = await submit(client)
         if not args.wait:
-            return print_id(task_id, args.json)
-        task = await client.wait(task_id, args.wait_timeout)
+            return print_id(ident, args.json)
+        done = await wait(client, ident, args.wait_timeout)
+    data, summary, ok = ended(done)
     if args.json:
-        print_json(task.as_json())
+        print_json(data)
     else:
-        print(task_id)
-        print(f"{task.status.label}: {task.error or task.result}")
-    return 0 if task.status is State.SUCCESS else 1
+        print(ident)
+        print(summary)
+    return 0 if ok else 1
 
 
 # -- read ------------------------------------------------------------------------------------
@@ -235,17 +254,14 @@ def _load_workflow(path: str) -> Any:
 
 async def _submit_workflow(args: argparse.Namespace) -> int:
     spec = WorkflowSpec.parse(_load_workflow(args.file))
-    async with SkedClient() as client:
-        workflow_id = await client.submit_workflow(spec)
-        if not args.wait:
-            return print_id(workflow_id, args.json)
-        view = await client.wait_workflow(workflow_id, args.wait_timeout)
-    if args.json:
-        print_json(workflow_json(view))
-    else:
-        print(workflow_id)
-        print(f"{view.status()}: {view.counts()}")
-    return 0 if view.status() == "succeeded" else 1
+
+    def ended(view: WorkflowView) -> tuple[Any, str, bool]:
+        summary = f"{view.status()}: {view.counts()}"
+        return workflow_json(view), summary, view.status() == "succeeded"
+
+    return await _submitted(
+        args, lambda c: c.submit_workflow(spec), SkedClient.wait_workflow, ended
+    )
 
 
 async def _workflow(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ Postgres still refuses fails its task alone, with the reason."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from uuid import UUID
 
 from services.executor.backends import Outcome
@@ -13,7 +14,7 @@ from services.executor.node import Attempt, Node, ack, report_of
 from shared.errors import one_line
 from shared.models import Task
 from shared.outcome import Report, end_move, retries, storable
-from shared.resilience import TRANSIENT, retrying
+from shared.resilience import isolate, retrying
 from shared.runtime import next_batch
 
 log = logging.getLogger(__name__)
@@ -70,31 +71,23 @@ class Finisher:
     async def _write_isolating(
         self, current: Written, superseded: Written
     ) -> list[tuple[Task, Report]]:
-        """Write the outcomes; if the batch fails for a reason of one outcome (not a server
-        away), write halves apart, and the one outcome that cannot be written is replaced
-        by a failure saying why: that task fails, the rest of the batch lands."""
-        try:
-            return await self.write(current, superseded)
-        except TRANSIENT:
-            raise
-        except Exception as exc:
-            if len(current) + len(superseded) <= 1:
-                (attempt, _), *_ = current or superseded
-                log.exception("the outcome of %s cannot be written", attempt.task.id)
-                why = Report(ok=False, error=f"outcome could not be stored: {one_line(exc)}")
-                plain = [(attempt, storable(why))]
-                return await self.write(plain if current else [], plain if superseded else [])
-            if len(current) > 1:
-                half = len(current) // 2
-                return [
-                    *await self._write_isolating(current[:half], superseded),
-                    *await self._write_isolating(current[half:], []),
-                ]
-            half = len(superseded) // 2
-            return [
-                *await self._write_isolating(current, superseded[:half]),
-                *await self._write_isolating([], superseded[half:]),
-            ]
+        """Write the outcomes; the one outcome that cannot be written is replaced by a failure
+        saying why: that task fails, the rest of the batch lands."""
+        items = [(a, r, False) for a, r in current] + [(a, r, True) for a, r in superseded]
+
+        async def write(some: Sequence[tuple[Attempt, Report, bool]]) -> list[tuple[Task, Report]]:
+            now = [(a, r) for a, r, old in some if not old]
+            return await self.write(now, [(a, r) for a, r, old in some if old])
+
+        async def instead(
+            item: tuple[Attempt, Report, bool], exc: Exception
+        ) -> list[tuple[Task, Report]]:
+            attempt, _, old = item
+            log.exception("the outcome of %s cannot be written", attempt.task.id)
+            why = Report(ok=False, error=f"outcome could not be stored: {one_line(exc)}")
+            return await write([(attempt, storable(why), old)])
+
+        return await isolate(items, write, instead)
 
     async def write(self, current: Written, superseded: Written) -> list[tuple[Task, Report]]:
         """One transaction: the current attempts' ends (and retries), the late results of the

@@ -45,7 +45,7 @@ class Executor(Service):
     def __init__(
         self, settings: Settings, store: Store, bus: AmqpBus, backend: Backend, queue: ReadyQueue
     ) -> None:
-        super().__init__(store)
+        super().__init__(settings, store)
         self.name = f"executor {settings.node_id}"
         self.settings = settings
         self.node = Node(settings, store, bus, backend, queue, self.stopping)

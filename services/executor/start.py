@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from uuid import UUID
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -20,7 +21,7 @@ from shared import fsm, heartbeat, hooks, lease
 from shared.errors import one_line
 from shared.fsm import State
 from shared.models import Dispatch, Task
-from shared.resilience import TRANSIENT, retrying
+from shared.resilience import TRANSIENT, isolate, retrying
 from shared.runtime import next_batch
 
 log = logging.getLogger(__name__)
@@ -67,25 +68,18 @@ class Starter:
         return await self._claim_isolating(list(fresh.values()))
 
     async def _claim_isolating(self, dispatches: list[Received]) -> int:
-        """Claim the dispatches; a statement that fails for a reason of one of them (not a
-        server away) is retried on halves, and the dispatch that fails alone dead-lettered."""
+        """Claim the dispatches; the one whose claim fails alone is dead-lettered."""
         if not dispatches:
             return 0
-        try:
-            return await self._claim(dispatches)
-        except TRANSIENT:
-            raise
-        except Exception as exc:
-            if len(dispatches) == 1:
-                log.exception("dispatch %s cannot be claimed", dispatches[0][0].task_id)
-                reason = f"cannot be claimed: {one_line(exc)}"
-                await self.node.dead_letter(dispatches[0][1], reason)
-                return 0
-            half = len(dispatches) // 2
-            first = await self._claim_isolating(dispatches[:half])
-            return first + await self._claim_isolating(dispatches[half:])
 
-    async def _claim(self, dispatches: list[Received]) -> int:
+        async def dead_letter(received: Received, exc: Exception) -> int:
+            log.exception("dispatch %s cannot be claimed", received[0].task_id)
+            await self.node.dead_letter(received[1], f"cannot be claimed: {one_line(exc)}")
+            return 0
+
+        return await isolate(dispatches, self._claim, dead_letter)
+
+    async def _claim(self, dispatches: Sequence[Received]) -> int:
         node = self.node
         reason = f"started on {node.id}"
         owner = str(node.boot_id)

@@ -6,33 +6,26 @@ import argparse
 import sys
 
 from services.heartbeat_monitor.service import HeartbeatMonitor
-from shared.runtime import run_service, serve
-from shared.settings import Settings
-from shared.wiring import backends
+from shared.runtime import flag_settings, run_service, service_args
+from shared.wiring import serving
+
+ABOUT = "Take heartbeats (RabbitMQ, HTTP) and confirm losses by the ladder."
 
 
-async def main(settings: Settings) -> None:
-    async with backends(settings) as b:
-        await serve(HeartbeatMonitor(settings, b.store, b.bus))
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="sked service heartbeat-monitor",
-        description="Take heartbeats (RabbitMQ, HTTP) and confirm losses by the ladder. "
-        "Configured by SKED_* environment variables (README); flags override them.",
-    )
+def parser() -> argparse.ArgumentParser:
+    p = service_args("heartbeat-monitor", ABOUT)
     p.add_argument("--host", help="listen address for POST /heartbeat (SKED_MONITOR_HOST)")
     p.add_argument("--port", type=int, help="listen port (SKED_MONITOR_PORT; 0: any free)")
-    return p.parse_args(argv)
+    return p
 
 
 def run(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    overrides = {
-        k: v for k, v in (("monitor_host", args.host), ("monitor_port", args.port)) if v is not None
-    }
-    return run_service("heartbeat-monitor", Settings(**overrides), main, signs_heartbeats=True)
+    p = parser()
+    settings = flag_settings(
+        p.parse_args(argv or []), {"host": "monitor_host", "port": "monitor_port"}
+    )
+    build = serving(lambda s, b: HeartbeatMonitor(s, b.store, b.bus))
+    return run_service("heartbeat-monitor", settings, build, signs_heartbeats=True)
 
 
 if __name__ == "__main__":

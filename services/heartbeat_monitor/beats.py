@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Sequence
 
 from shared.errors import one_line
 from shared.heartbeat import Beat
-from shared.resilience import TRANSIENT
+from shared.resilience import TRANSIENT, isolate
 from shared.store import Store
 
 log = logging.getLogger(__name__)
@@ -66,19 +67,16 @@ class Beats:
         return applied
 
     async def _apply_isolating(self, beats: list[tuple[uuid.UUID, int, int]]) -> int:
-        """Apply beats; one the statement refuses for its own sake (not a server away) is
-        found by halving the batch and dropped, so it can never block the others."""
+        """Apply beats; one the statement refuses for its own sake is dropped alone, so it can
+        never block the others."""
         if not beats:
             return 0
-        try:
-            return len(await self.store.leases.apply_heartbeats(beats))
-        except TRANSIENT:
-            raise
-        except Exception as exc:
-            if len(beats) == 1:
-                log.warning("heartbeat %s dropped: %s", beats[0], one_line(exc))
-                return 0
-            half = len(beats) // 2
-            return await self._apply_isolating(beats[:half]) + await self._apply_isolating(
-                beats[half:]
-            )
+
+        async def apply(some: Sequence[tuple[uuid.UUID, int, int]]) -> int:
+            return len(await self.store.leases.apply_heartbeats(list(some)))
+
+        async def drop(beat: tuple[uuid.UUID, int, int], exc: Exception) -> int:
+            log.warning("heartbeat %s dropped: %s", beat, one_line(exc))
+            return 0
+
+        return await isolate(beats, apply, drop)

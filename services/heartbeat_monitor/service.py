@@ -40,8 +40,7 @@ class HeartbeatMonitor(Service):
     name = "heartbeat-monitor"
 
     def __init__(self, settings: Settings, store: Store, bus: AmqpBus) -> None:
-        super().__init__(store)
-        self.settings = settings
+        super().__init__(settings, store)
         self.secret = settings.require_heartbeat_secret()
         self.bus = bus
         self.beats = Beats(store)

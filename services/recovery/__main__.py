@@ -2,28 +2,30 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from services.recovery.service import Recovery
 from shared.relay import OutboxRelay
-from shared.runtime import run_service, serve, service_args
+from shared.runtime import run_service, service_args
 from shared.settings import Settings
-from shared.wiring import backends
+from shared.wiring import Backends, serving
+
+ABOUT = "Retry lost tasks, requeue stuck ones, repair the ready queue and the outbox."
 
 
-async def main(settings: Settings) -> None:
-    async with backends(settings) as b:
-        relay = OutboxRelay(b.store, b.bus, settings.relay_batch)
-        await serve(Recovery(settings, b.store, b.ready_queue, relay))
+def build(settings: Settings, b: Backends) -> Recovery:
+    relay = OutboxRelay(b.store, b.bus, settings.relay_batch)
+    return Recovery(settings, b.store, b.ready_queue, relay)
+
+
+def parser() -> argparse.ArgumentParser:
+    return service_args("recovery", ABOUT)
 
 
 def run(argv: list[str] | None = None) -> int:
-    service_args(
-        "recovery",
-        argv,
-        "Retry lost tasks, requeue stuck ones, repair the ready queue and the outbox.",
-    )
-    return run_service("recovery", Settings(), main)
+    parser().parse_args(argv or [])
+    return run_service("recovery", Settings(), serving(build))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ outbox     publish events no relay has sent (every relay dead, or stuck).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 from collections.abc import Sequence
@@ -23,7 +22,7 @@ from shared.outcome import retry_or_fail
 from shared.queues import ReadyQueue, reconcile
 from shared.relay import OutboxRelay
 from shared.runtime import wait_any
-from shared.service import Loop, Service
+from shared.service import Service
 from shared.settings import Settings
 from shared.store import TASK_CHANNEL, Handler, Store, parse_notify
 
@@ -36,36 +35,27 @@ class Recovery(Service):
     def __init__(
         self, settings: Settings, store: Store, queue: ReadyQueue, relay: OutboxRelay
     ) -> None:
-        super().__init__(store)
-        self.settings = settings
-        self.store = store
+        super().__init__(settings, store)
         self.queue = queue
         self.relay = relay
-        self._wake = asyncio.Event()
-
-    def loops(self) -> Sequence[Loop]:
-        return [("recovery", self._loop)]
 
     def channels(self) -> Sequence[tuple[str, Handler]]:
         return [(TASK_CHANNEL, self._on_notify)]
 
-    def missed(self) -> None:
-        self._wake.set()
-
     def announce(self) -> str:
         return f"recovery running every {self.settings.recovery_period_s:g} s"
 
-    async def _loop(self) -> None:
+    async def loop(self) -> None:
         while not self.stopping.is_set():
-            self._wake.clear()
+            self.wake.clear()
             await self.run_once()
             period = self.settings.recovery_period_s * random.uniform(0.8, 1.2)
-            await wait_any(self._wake, self.stopping, timeout=period)
+            await wait_any(self.wake, self.stopping, timeout=period)
 
     def _on_notify(self, _c: object, _p: int, _ch: str, payload: str) -> None:
         # a task declared Lost is retried at once, not at the next period
         if State.LOST.value in parse_notify(payload).states:
-            self._wake.set()
+            self.wake.set()
 
     async def run_once(self) -> dict[str, int]:
         done = {

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from services.relay.service import Relay
-from shared.runtime import run_service, serve, service_args
+from shared.runtime import run_service, service_args
 from shared.settings import Settings
-from shared.wiring import backends
+from shared.wiring import serving
 
 
-async def main(settings: Settings) -> None:
-    async with backends(settings) as b:
-        await serve(Relay(settings, b.store, b.bus))
+def parser() -> argparse.ArgumentParser:
+    return service_args("relay", "Publish the outbox (task_events) to RabbitMQ.")
 
 
 def run(argv: list[str] | None = None) -> int:
-    service_args("relay", argv, "Publish the outbox (task_events) to RabbitMQ.")
-    return run_service("relay", Settings(), main)
+    parser().parse_args(argv or [])
+    return run_service("relay", Settings(), serving(lambda s, b: Relay(s, b.store, b.bus)))
 
 
 if __name__ == "__main__":

@@ -4,14 +4,13 @@ Any number may run; they share the work by shard."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 
 from shared.bus import AmqpBus
 from shared.relay import OutboxRelay
 from shared.runtime import wait_any
-from shared.service import Loop, Service
+from shared.service import Service
 from shared.settings import Settings
 from shared.store import TASK_CHANNEL, Handler, Store
 
@@ -22,19 +21,11 @@ class Relay(Service):
     name = "relay"
 
     def __init__(self, settings: Settings, store: Store, bus: AmqpBus) -> None:
-        super().__init__(store)
-        self.settings = settings
+        super().__init__(settings, store)
         self.outbox = OutboxRelay(store, bus, settings.relay_batch)
-        self._wake = asyncio.Event()
-
-    def loops(self) -> Sequence[Loop]:
-        return [("relay", self._loop)]
 
     def channels(self) -> Sequence[tuple[str, Handler]]:
         return [(TASK_CHANNEL, self._notified)]
-
-    def missed(self) -> None:
-        self._wake.set()
 
     def announce(self) -> str:
         return f"relay listening on {TASK_CHANNEL}"
@@ -50,15 +41,15 @@ class Relay(Service):
         return await self.outbox.drain()
 
     def _notified(self, *_: object) -> None:
-        self._wake.set()
+        self.wake.set()
 
-    async def _loop(self) -> None:
+    async def loop(self) -> None:
         while not self.stopping.is_set():
-            self._wake.clear()  # before draining: a NOTIFY during the drain means go again
+            self.wake.clear()  # before draining: a NOTIFY during the drain means go again
             n = await self.drain()
             if n:
                 log.debug("relayed %d events", n)
-            await wait_any(self._wake, self.stopping, timeout=self.settings.relay_sweep_s)
+            await wait_any(self.wake, self.stopping, timeout=self.settings.relay_sweep_s)
             # Linger a moment after a wake-up so that one pass carries the events of many
             # transitions: a pass per NOTIFY would cost Postgres a transaction per event.
             await wait_any(self.stopping, timeout=self.settings.relay_linger_s)

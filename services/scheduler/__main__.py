@@ -2,26 +2,25 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from services.scheduler.service import Scheduler
-from shared.runtime import run_service, serve, service_args
+from shared.runtime import run_service, service_args
 from shared.settings import Settings
-from shared.wiring import backends
+from shared.wiring import serving
+
+ABOUT = "Admit submissions, order them by aged priority, place and dispatch them."
 
 
-async def main(settings: Settings) -> None:
-    async with backends(settings) as b:
-        await serve(Scheduler(settings, b.store, b.bus, b.ready_queue))
+def parser() -> argparse.ArgumentParser:
+    return service_args("scheduler", ABOUT)
 
 
 def run(argv: list[str] | None = None) -> int:
-    service_args(
-        "scheduler",
-        argv,
-        "Admit submissions, order them by aged priority, place and dispatch them.",
-    )
-    return run_service("scheduler", Settings(), main)
+    parser().parse_args(argv or [])
+    build = serving(lambda settings, b: Scheduler(settings, b.store, b.bus, b.ready_queue))
+    return run_service("scheduler", Settings(), build)
 
 
 if __name__ == "__main__":

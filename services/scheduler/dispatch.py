@@ -9,7 +9,7 @@ import contextlib
 from typing import Any
 from uuid import UUID
 
-from services.scheduler.hub import Hub
+from services.scheduler.hub import Hub, Part
 from shared import fsm, hooks
 from shared.bus import DISPATCH_EXCHANGE, AmqpBus, Outgoing
 from shared.fsm import State
@@ -32,15 +32,12 @@ def need_of(task: Task) -> Need:
     )
 
 
-class Dispatcher:
+class Dispatcher(Part):
     def __init__(
         self, settings: Settings, store: Store, bus: AmqpBus, queue: ReadyQueue, hub: Hub
     ) -> None:
-        self.settings = settings
-        self.store = store
+        super().__init__(settings, store, queue, hub)
         self.bus = bus
-        self.queue = queue
-        self.hub = hub
 
     async def run(self, stopping: asyncio.Event) -> None:
         hub = self.hub
@@ -192,13 +189,5 @@ class Dispatcher:
 
 
 def _dispatch(task: Task, headers: dict[str, Any]) -> Outgoing:
-    assert task.node is not None
-    body = Dispatch(
-        task_id=task.id,
-        attempt=task.attempt,
-        version=task.version,
-        retry_count=task.retry_count,
-        max_retries=task.max_retries,
-        node=task.node,
-    )
-    return Outgoing(task.node, body.model_dump_json().encode(), headers)
+    body = Dispatch.of(task)
+    return Outgoing(body.node, body.model_dump_json().encode(), headers)

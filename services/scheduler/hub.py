@@ -8,7 +8,9 @@ import asyncio
 from uuid import UUID
 
 from shared.fsm import State
-from shared.store import parse_notify
+from shared.queues import ReadyQueue
+from shared.settings import Settings
+from shared.store import Store, parse_notify
 
 # A NOTIFY naming one of these states may have freed capacity on a node (or made a task Ready).
 FREES_CAPACITY = {
@@ -86,3 +88,14 @@ class Hub:
         self.dispatch.set()
         self.resolve_all = True
         self.resolve.set()
+
+
+class Part:
+    """What each of the scheduler's loops works with: its settings, the store, the ready queue
+    and the hub that wakes it."""
+
+    def __init__(self, settings: Settings, store: Store, queue: ReadyQueue, hub: Hub) -> None:
+        self.settings = settings
+        self.store = store
+        self.queue = queue
+        self.hub = hub

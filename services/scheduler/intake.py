@@ -15,7 +15,7 @@ from uuid import UUID
 from aio_pika.abc import AbstractIncomingMessage
 
 from services.scheduler.dispatch import Dispatcher
-from services.scheduler.hub import Hub
+from services.scheduler.hub import Hub, Part
 from shared import hooks, workflows
 from shared.bus import SUBMIT_QUEUE, WORKFLOW_KEY, AmqpBus
 from shared.dag import WorkflowSpec
@@ -26,7 +26,7 @@ from shared.models import Task, TaskSpec, task_id_for_workflow
 from shared.placement import Choice
 from shared.policy import JobPolicy
 from shared.queues import ReadyQueue
-from shared.resilience import TRANSIENT
+from shared.resilience import TRANSIENT, isolate
 from shared.runtime import next_batch
 from shared.settings import Settings
 from shared.store import Store
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 ADMISSION = (State.PENDING, State.READY)
 
 Refusal = tuple[AbstractIncomingMessage, str]
+Admitted = tuple[list[Task], list[Refusal]]  # the tasks made ready, the submissions refused
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class _Submission:
     accepted: Accepted
 
 
-class Intake:
+class Intake(Part):
     def __init__(
         self,
         settings: Settings,
@@ -55,11 +56,8 @@ class Intake:
         hub: Hub,
         dispatcher: Dispatcher,
     ) -> None:
-        self.settings = settings
-        self.store = store
+        super().__init__(settings, store, queue, hub)
         self.bus = bus
-        self.queue = queue
-        self.hub = hub
         self.dispatcher = dispatcher
         self.policy = JobPolicy.of(settings.allowed_handlers, settings.allowed_commands)
         # None is the stop signal
@@ -124,26 +122,22 @@ class Intake:
         await batch[-1].ack(multiple=True)
         return ready
 
-    async def _admit_isolating(self, subs: list[_Submission]) -> tuple[list[Task], list[Refusal]]:
-        """Admit `subs`; if a statement fails for anything but a transient error, admit the
-        halves apart, down to the one submission that fails, which is refused with the error.
-        Admission is idempotent (task ids), so retrying what was admitted changes nothing."""
+    async def _admit_isolating(self, subs: list[_Submission]) -> Admitted:
+        """Admit `subs`; the one submission whose admission fails alone is refused with the
+        error. Admission is idempotent (task ids), so retrying what was admitted changes nothing."""
         if not subs:
             return [], []
-        try:
-            return await self._admit_submissions(subs)
-        except TRANSIENT:
-            raise
-        except Exception as exc:
-            if len(subs) == 1:
-                log.exception("submission %s cannot be admitted", subs[0].accepted.task_id)
-                return [], [(subs[0].message, f"cannot be admitted: {one_line(exc)}")]
-            half = len(subs) // 2
-            ready, refused = await self._admit_isolating(subs[:half])
-            more, worse = await self._admit_isolating(subs[half:])
-            return ready + more, refused + worse
 
-    async def _admit_submissions(self, subs: list[_Submission]) -> tuple[list[Task], list[Refusal]]:
+        async def refuse(sub: _Submission, exc: Exception) -> Admitted:
+            log.exception("submission %s cannot be admitted", sub.accepted.task_id)
+            return [], [(sub.message, f"cannot be admitted: {one_line(exc)}")]
+
+        def merge(a: Admitted, b: Admitted) -> Admitted:
+            return a[0] + b[0], a[1] + b[1]
+
+        return await isolate(subs, self._admit_submissions, refuse, merge)
+
+    async def _admit_submissions(self, subs: Sequence[_Submission]) -> Admitted:
         task_ids = [s.accepted.task_id for s in subs]
         parents = [traceparent(s.message.headers) for s in subs]
         contexts, handles = hooks.received(SUBMIT_QUEUE, task_ids, parents)

@@ -7,20 +7,12 @@ from __future__ import annotations
 import asyncio
 import random
 
-from services.scheduler.hub import Hub
-from shared.queues import RESOURCE_KEY, ReadyQueue, rebuild, reconcile
+from services.scheduler.hub import Part
+from shared.queues import RESOURCE_KEY, rebuild, reconcile
 from shared.runtime import wait_any
-from shared.settings import Settings
-from shared.store import Store
 
 
-class Reconciler:
-    def __init__(self, settings: Settings, store: Store, queue: ReadyQueue, hub: Hub) -> None:
-        self.settings = settings
-        self.store = store
-        self.queue = queue
-        self.hub = hub
-
+class Reconciler(Part):
     async def rebuild(self) -> int:
         return await rebuild(self.queue, self.store.tasks)
 

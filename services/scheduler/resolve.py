@@ -6,21 +6,12 @@ from __future__ import annotations
 
 import asyncio
 
-from services.scheduler.hub import Hub
+from services.scheduler.hub import Part
 from shared import workflows
-from shared.queues import ReadyQueue
 from shared.runtime import wait_any
-from shared.settings import Settings
-from shared.store import Store
 
 
-class Resolver:
-    def __init__(self, settings: Settings, store: Store, queue: ReadyQueue, hub: Hub) -> None:
-        self.settings = settings
-        self.store = store
-        self.queue = queue
-        self.hub = hub
-
+class Resolver(Part):
     async def run(self, stopping: asyncio.Event) -> None:
         hub = self.hub
         while not stopping.is_set():

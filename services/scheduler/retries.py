@@ -6,20 +6,11 @@ from __future__ import annotations
 
 import asyncio
 
-from services.scheduler.hub import Hub
-from shared.queues import ReadyQueue
+from services.scheduler.hub import Part
 from shared.runtime import wait_any
-from shared.settings import Settings
-from shared.store import Store
 
 
-class Retries:
-    def __init__(self, settings: Settings, store: Store, queue: ReadyQueue, hub: Hub) -> None:
-        self.settings = settings
-        self.store = store
-        self.queue = queue
-        self.hub = hub
-
+class Retries(Part):
     async def run(self, stopping: asyncio.Event) -> None:
         while not stopping.is_set():
             self.hub.retry.clear()

@@ -35,8 +35,7 @@ class Scheduler(Service):
     name = "scheduler"
 
     def __init__(self, settings: Settings, store: Store, bus: AmqpBus, queue: ReadyQueue) -> None:
-        super().__init__(store)
-        self.settings = settings
+        super().__init__(settings, store)
         self.bus = bus
         self.queue = queue
         self.hub = hub = Hub()

@@ -20,6 +20,7 @@ from tests.faults.jobs import stamp_specs, start_all
 from tests.helpers import eventually
 
 OTHERS = "SELECT {}(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()"
+ACTIVE = OTHERS + " AND state = 'active'"
 
 
 async def test_admin_cancel_terminate_and_a_read_only_spell(
@@ -42,9 +43,13 @@ async def test_admin_cancel_terminate_and_a_read_only_spell(
     await eventually(some_done, timeout=60, what="work under way")
     admin = await asyncpg.connect(PG_ADMIN)
     try:
-        for _ in range(5):  # an operator cancelling every running query, again and again
-            await admin.execute(OTHERS.format("pg_cancel_backend"), db)
-            await asyncio.sleep(0.2)
+        # an operator cancelling every running query, again and again, until some service
+        # met a cancel (a cancel that lands between two queries cancels nothing)
+        for _ in range(500):
+            await admin.execute(ACTIVE.format("pg_cancel_backend"), db)
+            if any("QueryCanceledError" in p.log() for p in procs.values()):
+                break
+            await asyncio.sleep(0.01)
         await admin.execute(OTHERS.format("pg_terminate_backend"), db)  # admin shutdown
         await asyncio.sleep(0.5)
         # a failover onto a standby: every new connection is read-only for a while

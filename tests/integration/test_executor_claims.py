@@ -33,14 +33,7 @@ class Message:
 
 
 def dispatch_of(task: Task) -> Message:
-    body = Dispatch(
-        task_id=task.id,
-        attempt=task.attempt,
-        version=task.version,
-        retry_count=task.retry_count,
-        max_retries=task.max_retries,
-        node="n1",
-    )
+    body = Dispatch.of(task, "n1")
     return Message(body.model_dump_json().encode())
 
 

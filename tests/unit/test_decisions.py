@@ -1,4 +1,4 @@
-"""The services' decisions on fakes (shared.testing), in milliseconds: dispatch order and
+"""The services' decisions on fakes (tests.fakes), in milliseconds: dispatch order and
 placement, parking and resource waiters, claim-before-start, late results, the monitor's
 verdicts, intake's refusals. The same behaviour on real servers: tests/integration, e2e."""
 
@@ -26,7 +26,7 @@ from shared.models import Dispatch, Task, TaskSpec
 from shared.outcome import Report
 from shared.queues import RESOURCE_KEY
 from shared.settings import Settings
-from shared.testing import FakeReadyQueue, InMemoryStore, StubBus, StubMessage, new_task
+from tests.fakes import FakeReadyQueue, InMemoryStore, StubBus, StubMessage, new_task
 
 SETTINGS = Settings(heartbeat_secret="unit-test-secret-0123456789", node_id="n1")
 
@@ -161,14 +161,7 @@ def executor_parts(store: InMemoryStore, backend: StubBackend) -> tuple[Node, St
 
 
 def dispatch_of(task: Task) -> StubMessage:
-    body = Dispatch(
-        task_id=task.id,
-        attempt=task.attempt,
-        version=task.version,
-        retry_count=task.retry_count,
-        max_retries=task.max_retries,
-        node=task.node or "n1",
-    )
+    body = Dispatch.of(task, task.node or "n1")
     return StubMessage(body.model_dump_json().encode(), "n1")
 
 

@@ -65,8 +65,8 @@ class Records:
     def link(self, key: Key, worker_record: Path) -> None:
         """Record a handler attempt as a hard link to its worker's record.
 
-        Creating a file (an inode) cost 0.1-0.3 ms on the test machine's ext4, most of a no-op
-        handler's round trip; a link costs about 10 µs.
+        A link costs a fraction of creating a file (an inode), which was most of a no-op
+        handler's round trip (docs/performance.md).
         """
         path = self._path(key)
         try:

@@ -17,7 +17,7 @@ from uuid import UUID
 from shared.bus import UNROUTABLE, Outgoing
 from shared.outcome import Report
 from shared.queues import PARKED_KEY, READY_KEY, score
-from shared.testing.store import InMemoryStore, new_task
+from tests.fakes.store import InMemoryStore, new_task
 
 __all__ = [
     "FakeReadyQueue",
