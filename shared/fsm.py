@@ -58,6 +58,8 @@ _RETRYABLE = (S.FAILED, S.TIMED_OUT)  # a tuple: the diagram must not depend on 
 RETRYABLE = frozenset(_RETRYABLE)
 # An attempt holds its node's slot and resources, and its workflow resources, in these states.
 HOLDS_SLOT = frozenset({S.SCHEDULING, S.RUNNING})
+# A task waits for its attempt to start in these states: its schedule timeout counts here.
+AWAITS_START = frozenset({S.READY, S.SCHEDULING})
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,9 @@ class Rule:
     spends_retry: bool = False  # retry_count += 1
     # retry_count = max_retries: a failure that is final at once (no attempt to retry)
     ends_retries: bool = False
+    # Guard: legal only while the task has a launch failure left (launch_failures <
+    # max_launch_failures); the move counts one (launch_failures += 1).
+    spends_launch: bool = False
 
 
 def _rules(sources: Iterable[State], target: State, trigger: str, **kw: bool) -> list[Rule]:
@@ -86,13 +91,18 @@ TRANSITIONS: tuple[Rule, ...] = (
     Rule(S.PENDING, S.SKIPPED, "dependency condition can no longer hold"),
     Rule(S.PENDING, S.FAILED, "dependency timed out with policy fail", ends_retries=True),
     Rule(S.READY, S.SCHEDULING, "picked and placed", new_attempt=True),
+    # the schedule timeout (TaskSpec.schedule_timeout_s): not started in time, final at once
+    Rule(S.READY, S.FAILED, "not started within its schedule timeout", ends_retries=True),
     Rule(S.SCHEDULING, S.RUNNING, "executor started the attempt"),
     Rule(S.SCHEDULING, S.READY, "dispatch failed or never started"),
-    Rule(S.SCHEDULING, S.FAILED, "attempt could not start"),
+    Rule(S.SCHEDULING, S.FAILED, "not started within its schedule timeout", ends_retries=True),
     Rule(S.RUNNING, S.SUCCESS, "attempt succeeded"),
     Rule(S.RUNNING, S.FAILED, "attempt failed"),
     Rule(S.RUNNING, S.TIMED_OUT, "ran past its run timeout"),
     Rule(S.RUNNING, S.LOST, "heartbeats stopped, loss confirmed"),
+    # a launch failure (unschedulable, image pull back-off): the attempt never ran, so no
+    # retry is spent; at most max_launch_failures times, then Running -> Failed with the reason
+    Rule(S.RUNNING, S.READY, "never started (launch failure)", spends_launch=True),
     Rule(S.LOST, S.SUCCESS, "backend reports the job succeeded"),
     Rule(S.LOST, S.FAILED, "backend reports failure, or retries spent"),
     Rule(S.LOST, S.RETRY_WAIT, "retry after loss", needs_retry=True, spends_retry=True),
@@ -128,10 +138,18 @@ class TaskView(Protocol):
     def retry_count(self) -> int: ...
     @property
     def max_retries(self) -> int: ...
+    @property
+    def launch_failures(self) -> int: ...
+    @property
+    def max_launch_failures(self) -> int: ...
 
 
 def has_retry_left(task: TaskView) -> bool:
     return task.retry_count < task.max_retries
+
+
+def has_launch_left(task: TaskView) -> bool:
+    return task.launch_failures < task.max_launch_failures
 
 
 def is_terminal(state: State, retry_left: bool) -> bool:
@@ -168,6 +186,7 @@ PATCHABLE = frozenset(
         "paused_by",
         "paused_reason",
         "lease_owner",  # -> Running: the executor incarnation whose lease the attempt holds
+        "launch_failures",
     }
 )
 
@@ -196,6 +215,12 @@ def plan(task: TaskView, target: object, reason: str = "", **changes: Any) -> Mo
             rule.target.label,
             f"retries spent ({task.retry_count}/{task.max_retries}): terminal",
         )
+    if rule.spends_launch and not has_launch_left(task):
+        raise IllegalTransition(
+            rule.source.label,
+            rule.target.label,
+            f"launch failures spent ({task.launch_failures}/{task.max_launch_failures})",
+        )
     unknown = set(changes) - PATCHABLE
     if unknown:
         raise ValueError(f"a transition cannot set {sorted(unknown)}")
@@ -206,6 +231,8 @@ def plan(task: TaskView, target: object, reason: str = "", **changes: Any) -> Mo
         patch["retry_count"] = task.retry_count + 1
     if rule.ends_retries:
         patch["retry_count"] = task.max_retries
+    if rule.spends_launch:
+        patch["launch_failures"] = task.launch_failures + 1
     return Move(task.id, task.version, rule.source, rule.target, reason or rule.trigger, patch)
 
 
@@ -221,7 +248,8 @@ def walk(start: State, path: Sequence[State]) -> tuple[list[str | None], list[st
     current = start
     for target in path:
         rule = rule_for(current, target)
-        if rule.needs_retry or rule.new_attempt or rule.spends_retry or rule.ends_retries:
+        derived = rule.new_attempt or rule.spends_retry or rule.ends_retries or rule.spends_launch
+        if rule.needs_retry or derived:
             raise IllegalTransition(current.label, target.label, "not a step of admission")
         froms.append(current.value)
         tos.append(rule.target.value)
@@ -266,7 +294,15 @@ def mermaid() -> str:
     """The state diagram of TRANSITIONS, as Mermaid source for docs/architecture.md."""
     lines = ["stateDiagram-v2", "    [*] --> Created"]
     for rule in TRANSITIONS:
-        guard = " (retry left)" if rule.needs_retry else " (no retry)" if rule.ends_retries else ""
+        guard = (
+            " (retry left)"
+            if rule.needs_retry
+            else " (no retry)"
+            if rule.ends_retries
+            else " (launch failure left)"
+            if rule.spends_launch
+            else ""
+        )
         lines.append(f"    {rule.source.label} --> {rule.target.label}: {rule.trigger}{guard}")
     for state in (*sorted(ALWAYS_TERMINAL), *sorted(RETRYABLE)):
         note = "" if state in ALWAYS_TERMINAL else " (retries spent)"

@@ -75,9 +75,21 @@ class TaskSpec(_Input):
         default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY, description="higher runs first"
     )
     max_retries: int = Field(default=0, ge=0, le=100)
+    # attempts that never started (unschedulable, image pull back-off: a backend's launch
+    # failure) go back to Ready without spending a retry, at most this many times
+    max_launch_failures: int = Field(default=3, ge=0, le=100)
     backoff_base_s: float = Field(default=1.0, gt=0, le=3600)
     backoff_cap_s: float = Field(default=300.0, gt=0, le=86_400)
     timeout_s: float | None = Field(default=None, gt=0, le=7 * 86_400)
+    schedule_timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=7 * 86_400,
+        description="the longest the task may wait to start: counted from when it last entered "
+        "Ready from a waiting state (released, resumed, or after a retry's backoff) until its "
+        "attempt starts (Scheduling -> Running); an attempt that comes back to Ready without "
+        "having run does not restart the clock. Past it the task ends Failed, final (no retry)",
+    )
     # also the attempt's lease: the node's watchdog freezes an attempt not renewed this long
     heartbeat_timeout_s: float = Field(default=30.0, ge=1.0, le=86_400)
     resources: Resources = Field(default_factory=Resources)
@@ -185,6 +197,13 @@ class Task:
     lease_owner: UUID | None = None
     lease_attempt: int | None = None
     lease_until: datetime | None = None
+    # the spec's schedule_timeout_s, and when it runs out (Postgres time; kept while the task
+    # bounces between Ready and Scheduling, set anew when it enters Ready from a waiting state)
+    schedule_timeout_s: float | None = None
+    schedule_deadline: datetime | None = None
+    # attempts that never started, and how many may (TaskSpec.max_launch_failures)
+    launch_failures: int = 0
+    max_launch_failures: int = 3
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Task:
@@ -267,3 +286,12 @@ class Dispatch(BaseModel):
     @property
     def status(self) -> State:
         return State.SCHEDULING
+
+    # No move from Scheduling counts launch failures: the executor's CAS needs neither.
+    @property
+    def launch_failures(self) -> int:
+        return 0
+
+    @property
+    def max_launch_failures(self) -> int:
+        return 0

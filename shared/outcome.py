@@ -2,7 +2,8 @@
 
 The executor applies these when its process ends; the heartbeat-monitor applies the same when
 it reconciles an attempt whose heartbeats were lost but whose job the backend saw finish;
-recovery uses the retry half for Lost tasks. One rule, wherever the outcome comes from.
+recovery uses the retry half for Lost tasks. One rule, wherever the outcome comes from; and
+the one outcome of an attempt that never started in time (`not_started`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ class Report(BaseModel):
     error: str | None = None
     timed_out: bool = False
     log_tail: str = ""
+    lost: bool = False  # ended without an exit of its own (evicted; its node or Job gone)
+    unstarted: bool = False  # never started (a launch failure): no retry is spent on it
+    final: bool = False  # a failure no retry can mend (an image that does not exist)
 
 
 def end_move(task: Task, report: Report, reason: str) -> Move:
@@ -42,9 +46,19 @@ def end_move(task: Task, report: Report, reason: str) -> Move:
     if report.ok:
         return fsm.plan(task, State.SUCCESS, reason, **changes, error=None)
     target = State.TIMED_OUT if report.timed_out else State.FAILED
-    return fsm.plan(
-        task, target, f"{reason}: {report.error or target.label}", **changes, error=report.error
-    )
+    why = f"{reason}: {report.error or target.label}"
+    if report.lost and task.status is State.RUNNING:
+        return fsm.plan(task, State.LOST, f"{why} (lost)", **changes)
+    if report.unstarted and task.status is State.RUNNING:
+        if fsm.has_launch_left(task):
+            spent = f"launch failure {task.launch_failures + 1} of {task.max_launch_failures}"
+            return fsm.plan(task, State.READY, f"{why}: never started, {spent}; no retry spent")
+        spent = f"never started, launch failures spent ({task.max_launch_failures})"
+        why = f"{why}: {spent}"
+        report = report.model_copy(update={"final": True, "error": f"{report.error}: {spent}"})
+    if report.final:
+        changes["retry_count"] = task.max_retries  # nothing a retry could mend
+    return fsm.plan(task, target, why, **changes, error=report.error)
 
 
 def retry_or_fail(task: Task, why: str) -> Move:
@@ -63,6 +77,16 @@ def retry_or_fail(task: Task, why: str) -> Move:
             retry_in_s=delay,
         )
     return fsm.plan(task, State.FAILED, f"{why}: no retry left ({task.max_retries} allowed)")
+
+
+def not_started(task: Task) -> Move:
+    """Ready or Scheduling -> Failed, final at once: the task's schedule timeout ran out before
+    an attempt started. The reason is also its error, so `sked status` and `wait` show it."""
+    limit = task.schedule_timeout_s
+    why = "not started within " + (
+        f"{limit:g} s (schedule_timeout_s)" if limit is not None else "its schedule timeout"
+    )
+    return fsm.plan(task, State.FAILED, why, error=why)
 
 
 def retries(ended: list[Task]) -> list[Move]:
@@ -95,6 +119,4 @@ def storable(report: Report) -> Report:
     except (ValueError, RecursionError) as exc:
         why = clip(clean_text(f"result cannot be stored: {exc}"), MAX_ERROR_CHARS)
         return Report(ok=False, error=why, timed_out=report.timed_out, log_tail=log_tail)
-    return Report(
-        ok=report.ok, result=result, error=error, timed_out=report.timed_out, log_tail=log_tail
-    )
+    return report.model_copy(update={"result": result, "error": error, "log_tail": log_tail})

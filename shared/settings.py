@@ -6,10 +6,11 @@ Redis database and RabbitMQ vhost; every process reads them through `Settings`.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -30,8 +31,6 @@ def parse_labels(value: Any) -> dict[str, str]:
     if not text:
         return {}
     if text.startswith("{"):
-        import json
-
         return parse_labels(json.loads(text))
     labels = {}
     for part in text.split(","):
@@ -106,6 +105,31 @@ class Settings(BaseSettings):
     # LANG and TZ (comma-separated names, e.g. PYTHONPATH); never a SKED_* variable.
     task_env_pass: Annotated[list[str], NoDecode] = Field(default_factory=list)
 
+    # Where an executor runs attempts: "local" processes on this machine (one executor = one
+    # node), or "kubernetes" Jobs on a cluster's nodes (one executor serves the cluster).
+    backend: Literal["local", "kubernetes"] = "local"
+    # Kubernetes backend. Its config comes from k8s_kubeconfig, else the in-cluster service
+    # account. The namespace the Jobs go to; the label selector choosing the nodes sked may
+    # place on (every node when empty); tolerations (a JSON list) and image pull secrets
+    # (comma-separated names) for every Job; finished Jobs are deleted after k8s_job_ttl_s.
+    k8s_kubeconfig: Path | None = None
+    # An API server URL used as it is, without credentials (`kubectl proxy`; a test's fake).
+    k8s_api_url: str | None = None
+    k8s_context: str | None = None
+    k8s_namespace: str = "sked-jobs"
+    k8s_node_selector: str = ""
+    k8s_tolerations: Annotated[list[dict[str, Any]], NoDecode] = Field(default_factory=list)
+    k8s_image_pull_secrets: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    k8s_job_ttl_s: int = Field(default=3600, ge=0)
+    # A pod that has not started its container this long after its Job was created (image
+    # pull back-off, unschedulable) is a launch failure: the task goes back to Ready.
+    k8s_start_budget_s: float = Field(default=300.0, gt=0)
+    # A node that turned NotReady gets this long before its attempts are judged by their
+    # Job's status and their log's freshness (the loss ladder's first rung).
+    k8s_node_grace_s: float = Field(default=40.0, ge=0)
+    # Every list is repeated this often: a watch alone is never trusted.
+    k8s_relist_s: float = Field(default=60.0, gt=0)
+
     # What this deployment runs at all (shared.policy): handler module prefixes and command
     # programs (a directory ends in "/"); empty allows everything.
     allowed_handlers: Annotated[list[str], NoDecode] = Field(default_factory=list)
@@ -122,7 +146,21 @@ class Settings(BaseSettings):
     def _labels(cls, value: Any) -> dict[str, str]:
         return parse_labels(value)
 
-    @field_validator("task_env_pass", "allowed_handlers", "allowed_commands", mode="before")
+    @field_validator("k8s_tolerations", mode="before")
+    @classmethod
+    def _tolerations(cls, value: Any) -> list[dict[str, Any]]:
+        if isinstance(value, list):
+            return value
+        text = str(value or "").strip()
+        return json.loads(text) if text else []
+
+    @field_validator(
+        "task_env_pass",
+        "allowed_handlers",
+        "allowed_commands",
+        "k8s_image_pull_secrets",
+        mode="before",
+    )
     @classmethod
     def _names(cls, value: Any) -> list[str]:
         items = value if isinstance(value, list) else str(value or "").split(",")

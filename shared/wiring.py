@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -52,13 +53,15 @@ async def backends(settings: Settings) -> AsyncIterator[Backends]:
 
 
 def serving(
-    build: Callable[[Settings, Backends], Service],
+    build: Callable[[Settings, Backends], Service | Awaitable[Service]],
 ) -> Callable[[Settings], Awaitable[None]]:
-    """A service process's async main: open the backends, build the service on them, serve it
-    until SIGTERM, close the backends."""
+    """A service process's async main: open the backends, build the service on them (a build
+    may be async: an API client needs the running loop), serve it until SIGTERM, close the
+    backends."""
 
     async def main(settings: Settings) -> None:
         async with backends(settings) as b:
-            await serve(build(settings, b))
+            built = build(settings, b)
+            await serve(await built if inspect.isawaitable(built) else built)
 
     return main

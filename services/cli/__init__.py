@@ -81,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--priority", type=int, default=0)
     p.add_argument("--max-retries", type=int, default=0)
     p.add_argument("--timeout", type=float, help="run timeout in seconds")
+    p.add_argument(
+        "--schedule-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="fail the task (no retry) if it has not started this long after becoming Ready",
+    )
     p.add_argument("--heartbeat-timeout", type=float, default=30.0)
     p.add_argument("--cpu", type=float, default=0.0)
     p.add_argument("--memory", type=int, default=0, help="memory in MB")

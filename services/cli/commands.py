@@ -110,6 +110,8 @@ def spec_from_args(args: argparse.Namespace) -> TaskSpec:
     }
     if args.timeout is not None:
         data["timeout_s"] = args.timeout
+    if args.schedule_timeout is not None:
+        data["schedule_timeout_s"] = args.schedule_timeout
     if args.idempotency_key is not None:
         data["idempotency_key"] = args.idempotency_key
     return TaskSpec.parse(data)

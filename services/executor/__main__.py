@@ -1,4 +1,8 @@
-"""Wire settings and flags -> Executor with the local backend: `sked service executor [...]`."""
+"""Wire settings and flags -> Executor with its backend: `sked service executor [...]`.
+
+`--backend local` (the default): this executor is one node and runs attempts as local
+processes. `--backend kubernetes`: it serves a cluster's nodes and runs attempts as Jobs.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from services.executor.backends import Backend
 from services.executor.backends.local import LocalBackend
 from services.executor.service import Executor
 from shared.runtime import flag_settings, run_service, service_args
@@ -24,6 +29,10 @@ FLAGS = {
     "memory": "node_memory_mb",
     "gpu": "node_gpu",
     "state_dir": "state_dir",
+    "backend": "backend",
+    "kubeconfig": "k8s_kubeconfig",
+    "namespace": "k8s_namespace",
+    "node_selector": "k8s_node_selector",
 }
 
 
@@ -36,6 +45,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", type=int, help="gpu count (SKED_NODE_GPU)")
     p.add_argument("--label", action="append", default=[], metavar="K=V", help="a node label")
     p.add_argument("--state-dir", type=Path, help="logs and running-attempt records")
+    p.add_argument(
+        "--backend",
+        choices=["local", "kubernetes"],
+        help="where attempts run: local processes, or Jobs on a cluster (SKED_BACKEND)",
+    )
+    k8s = p.add_argument_group("kubernetes backend")
+    k8s.add_argument(
+        "--kubeconfig", type=Path, help="default: the in-cluster service account (SKED_K8S_*)"
+    )
+    k8s.add_argument("--namespace", help="where the Jobs go (SKED_K8S_NAMESPACE)")
+    k8s.add_argument(
+        "--node-selector",
+        help="label selector of the nodes sked places on (SKED_K8S_NODE_SELECTOR)",
+    )
     return p
 
 
@@ -46,15 +69,43 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return flag_settings(args, FLAGS, node_labels=labels)
 
 
-def build(settings: Settings, b: Backends) -> Executor:
+def local_backend(settings: Settings) -> LocalBackend:
     state_dir = settings.state_dir or Path(tempfile.gettempdir()) / "sked" / settings.node_id
-    backend = LocalBackend(
+    return LocalBackend(
         settings.slots,
         state_dir,
         warm_workers=settings.warm_workers,
         env_pass=settings.task_env_pass,
         freeze_max_s=settings.freeze_max_s,
     )
+
+
+async def kubernetes_backend(settings: Settings, b: Backends) -> Backend:
+    from services.executor.backends.kubernetes import KubernetesBackend
+    from services.executor.backends.kubernetes.kube import Kube, api_client
+    from services.executor.backends.kubernetes.manifest import JobOptions
+
+    s = settings
+    api = await api_client(s.k8s_kubeconfig, s.k8s_context, s.k8s_api_url)
+    options = JobOptions(
+        s.k8s_namespace, s.k8s_job_ttl_s, s.k8s_tolerations, s.k8s_image_pull_secrets
+    )
+    return KubernetesBackend(
+        Kube(api, s.k8s_namespace),
+        b.store.launches.by(s.node_id),
+        options,
+        node_selector=s.k8s_node_selector,
+        node_grace_s=s.k8s_node_grace_s,
+        start_budget_s=s.k8s_start_budget_s,
+        relist_s=s.k8s_relist_s,
+    )
+
+
+async def build(settings: Settings, b: Backends) -> Executor:
+    if settings.backend == "kubernetes":
+        backend = await kubernetes_backend(settings, b)
+    else:
+        backend = local_backend(settings)
     return Executor(settings, b.store, b.bus, backend, b.ready_queue)
 
 

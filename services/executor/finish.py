@@ -5,6 +5,7 @@ Postgres still refuses fails its task alone, with the reason."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from uuid import UUID
@@ -12,9 +13,10 @@ from uuid import UUID
 from services.executor.backends import Outcome
 from services.executor.node import Attempt, Node, ack, report_of
 from shared.errors import one_line
+from shared.fsm import State
 from shared.models import Task
 from shared.outcome import Report, end_move, retries, storable
-from shared.resilience import isolate, retrying
+from shared.resilience import TRANSIENT, isolate, retrying
 from shared.runtime import next_batch
 
 log = logging.getLogger(__name__)
@@ -25,6 +27,7 @@ Written = list[tuple[Attempt, Report]]
 class Finisher:
     def __init__(self, node: Node) -> None:
         self.node = node
+        self.readied: list[Task] = []  # launch failures written, for the ready queue
 
     async def run(self) -> None:
         linger = self.node.settings.finish_linger_s
@@ -55,6 +58,12 @@ class Finisher:
 
         if not await retrying("finish", write, node.stopping):
             return  # shutting down with Postgres away: the heartbeat-monitor will find them
+        if self.readied:
+            # attempts that never started are Ready again; the scheduler's reconcile pass
+            # would find them too, but a push now saves it the wait
+            readied, self.readied = self.readied, []
+            with contextlib.suppress(*TRANSIENT):
+                await node.queue.push(readied)
         for task, report in late:
             log.info(
                 "outcome of %s attempt %d recorded, not applied (the task moved on): ok=%s",
@@ -93,25 +102,30 @@ class Finisher:
         """One transaction: the current attempts' ends (and retries), the late results of the
         rest, their leases given back. Returns the late ones."""
         node = self.node
-        where = f"on {node.id}"
-        reason = f"ended {where}"
-        ends = [end_move(a.task, r, reason) for a, r in current]
+        ends = [end_move(a.task, r, f"ended on {a.task.node}") for a, r in current]
         async with node.store.transaction() as tx:
             ended = await tx.tasks.transition_many(ends)
             await tx.tasks.transition_many(retries(ended))
+            readied = [t for t in ended if t.status is State.READY]
             won = {t.id for t in ended}
             late = [(a.task, r) for a, r in current if a.task.id not in won]
             if late:
                 # a retry of a write whose COMMIT went through but whose reply was lost loses
                 # its CAS to itself: that outcome is applied already, not late
-                mine = await tx.tasks.ended_with([(t.id, t.version) for t, _ in late], reason)
+                mine: set[UUID] = set()
+                for where in {t.node for t, _ in late}:
+                    of = [(t.id, t.version) for t, _ in late if t.node == where]
+                    mine |= await tx.tasks.ended_with(of, f"ended on {where}")
                 late = [(t, r) for t, r in late if t.id not in mine]
             late += [(a.task, r) for a, r in superseded]
             # the task moved on (canceled, paused, lost and retried): keep, do not apply
-            note = f"attempt superseded {where}"
             await tx.late.record(
-                [(t.id, t.attempt, r.ok, r.result, r.error, note) for t, r in late]
+                [
+                    (t.id, t.attempt, r.ok, r.result, r.error, f"attempt superseded on {t.node}")
+                    for t, r in late
+                ]
             )
             # their processes are gone: a next attempt need not wait for their leases to lapse
             await tx.leases.release(node.boot_id, [(t.id, t.attempt) for t, _ in late])
+        self.readied += readied
         return late

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Attempt:
     task: Task  # as it stood after this executor's Scheduling -> Running CAS
-    message: AbstractIncomingMessage
+    message: AbstractIncomingMessage | None  # its dispatch; None: adopted, not dispatched
     # monotonic time before the statement that last renewed its lease was sent
     renewed_at: float = 0.0
 
@@ -52,6 +52,8 @@ class Node:
         self.stopping = stopping
         self.policy = JobPolicy.of(settings.allowed_handlers, settings.allowed_commands)
         self.boot_id = uuid4()  # this incarnation: the owner of the leases it takes
+        # the node ids whose dispatches this executor takes (services.executor.serving)
+        self.serves: set[str] = {self.id} if backend.offers() is None else set()
         self.active: dict[Key, Attempt] = {}
         # outcomes known here but not yet written: a probe gets the real outcome from these
         self.unreported: dict[Key, Outcome] = {}
@@ -75,9 +77,11 @@ class Node:
         await ack(message)
 
 
-async def ack(message: AbstractIncomingMessage) -> None:
+async def ack(message: AbstractIncomingMessage | None) -> None:
     """Acknowledge; if the channel is gone, RabbitMQ requeues the message, and its second
     delivery finds the task moved on and is dropped — so a failed ack loses nothing."""
+    if message is None:
+        return
     with contextlib.suppress(*TRANSIENT):
         await message.ack()
 

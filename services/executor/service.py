@@ -9,7 +9,9 @@ renew   every beat period, one statement renews the lease of every attempt here;
         renewals (this process frozen, cut off, or Postgres away) the watchdog freezes the
         attempt on its own; a renewal thaws it; a refused one (the task moved on) kills it.
 finish  outcomes in batches, in one transaction; then the dispatches are acknowledged.
-beat    refresh this node's row; a node silent for SKED_NODE_TTL_S gets no new work.
+nodes   serve the nodes the backend offers (one for a local executor, a cluster's Ready nodes
+        for Kubernetes) and refresh their rows; a node silent for SKED_NODE_TTL_S gets no new
+        work (services/executor/serving.py).
 """
 
 from __future__ import annotations
@@ -20,16 +22,17 @@ import logging
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 from pydantic import ValidationError
 
 from services.executor.backends import Backend
 from services.executor.finish import Finisher
 from services.executor.node import Node, ack, report_of
+from services.executor.serving import Serving
 from services.executor.start import Starter
 from services.executor.watch import Watcher
 from shared import heartbeat
-from shared.bus import PROBE_EXCHANGE, AmqpBus
+from shared.bus import AmqpBus
 from shared.outcome import storable
 from shared.queues import ReadyQueue
 from shared.resilience import TRANSIENT
@@ -53,8 +56,7 @@ class Executor(Service):
         self.finisher = Finisher(self.node)
         self.watcher = Watcher(self.node)
         self._channel: AbstractChannel | None = None
-        self._queue: AbstractQueue | None = None
-        self._tag: str | None = None
+        self.serving: Serving | None = None
 
     def loops(self) -> Sequence[Loop]:
         # start and finish retry their Postgres writes until they land, so a batch is not
@@ -62,7 +64,7 @@ class Executor(Service):
         return [
             ("start", self.starter.run),
             ("finish", self.finisher.run),
-            ("node heartbeat", self._beat_loop),
+            ("nodes", self._nodes_loop),
             ("watch", self.watcher.watch_loop),
             ("lease renewal", self.watcher.renew_loop),
         ]
@@ -81,29 +83,35 @@ class Executor(Service):
         s, node = self.settings, self.node
         await node.backend.start()
         self._channel = channel = await node.bus.consumer_channel(prefetch=s.slots)
-        self._queue = await node.bus.declare_node_queue(channel, node.id)
-        await self.store.nodes.register(
-            node.id, s.slots, s.node_cpu, s.node_memory_mb, s.node_gpu, s.node_labels, node.boot_id
-        )
         probes = await channel.declare_queue(exclusive=True, auto_delete=True)
-        await probes.bind(PROBE_EXCHANGE, node.id)
         await probes.consume(self._on_probe)
-        self._tag = await self._queue.consume(node.inbox.put)
+        self.serving = Serving(node, channel, probes)
+        await self.serving.sync()
+        # a cluster's Jobs run on while their executor restarts: follow ours again
+        await self.starter.adopt(set(await self.store.launches.by(node.id).mine()))
 
     def announce(self) -> str:
-        s = self.settings
+        assert self.serving is not None
+        served = self.serving.served.values()
+        if self.node.backend.offers() is not None:
+            return f"executor {self.node.id} ready: serving {len(served)} nodes"
+        o = next(iter(served)).offer
         return (
-            f"executor {self.node.id} ready: {s.slots} slots, cpu {s.node_cpu:g}, memory "
-            f"{s.node_memory_mb} MB, gpu {s.node_gpu}, labels {s.node_labels}"
+            f"executor {self.node.id} ready: {o.slots} slots, cpu {o.cpu:g}, memory "
+            f"{o.memory_mb} MB, gpu {o.gpu}, labels {dict(o.labels)}"
         )
 
     async def draining(self) -> None:
         """Stop taking work, let what runs finish (bounded), then stop the rest."""
         node = self.node
-        with contextlib.suppress(*TRANSIENT):
-            await self.store.nodes.set_ready(node.id, node.boot_id, False)
-            if self._queue is not None and self._tag is not None:
-                await self._queue.cancel(self._tag)
+        if self.serving is not None:
+            await self.serving.leave_all()
+        if node.backend.adoptable():
+            # a cluster's Jobs run on without this executor: a restarted one (or another
+            # replica, when their leases lapse) adopts them; a rollout kills no task
+            await self._finish_what_ended()
+            node.outcomes.put_nowait(None)
+            return
         if node.runs:
             await asyncio.wait(node.runs, timeout=self.settings.shutdown_grace_s)
         for task_id, attempt in list(node.backend.running()):
@@ -111,6 +119,15 @@ class Executor(Service):
         if node.runs:
             await asyncio.wait(node.runs, timeout=10)
         node.outcomes.put_nowait(None)
+
+    async def _finish_what_ended(self) -> None:
+        """Leave attempts that run on to be adopted; write the outcomes already known."""
+        node = self.node
+        await asyncio.sleep(0)  # let runs whose outcome just arrived queue it
+        for run in list(node.runs):
+            run.cancel()
+        if node.runs:
+            await asyncio.wait(node.runs, timeout=5)
 
     async def teardown(self) -> None:
         if self._channel is not None:
@@ -122,14 +139,19 @@ class Executor(Service):
     def on_stop(self) -> None:
         self.node.inbox.put_nowait(None)
 
-    async def _beat_loop(self) -> None:
-        node = self.node
+    async def _nodes_loop(self) -> None:
+        """Each heartbeat period, or when the backend's nodes change: serve what it offers
+        and refresh the rows of the nodes served."""
+        node, serving = self.node, self.serving
+        assert serving is not None
         while not self.stopping.is_set():
-            await wait_any(self.stopping, timeout=self.settings.node_heartbeat_s)
+            changed = node.backend.offers_changed
+            await wait_any(self.stopping, changed, timeout=self.settings.node_heartbeat_s)
             if self.stopping.is_set():
                 return
-            load = len(node.active) / self.settings.slots
-            if not await self.store.nodes.heartbeat(node.id, node.boot_id, load):
+            changed.clear()
+            await serving.sync()
+            if not await serving.beat():
                 log.error("node %s was taken over by another executor; stopping", node.id)
                 self.stop()
                 return
@@ -153,6 +175,9 @@ class Executor(Service):
             elif node.backend.frozen(key):
                 answer = heartbeat.ProbeAnswer(state="frozen")
             elif key in node.backend.running():
+                answer = heartbeat.ProbeAnswer(state="running")
+            elif key in node.backend.adoptable() and await self.starter.adopt({key}):
+                # its executor is gone, its Job runs on: this executor follows it from now
                 answer = heartbeat.ProbeAnswer(state="running")
             else:
                 answer = heartbeat.ProbeAnswer(state="unknown")

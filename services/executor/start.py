@@ -15,7 +15,7 @@ from uuid import UUID
 from aio_pika.abc import AbstractIncomingMessage
 from pydantic import ValidationError
 
-from services.executor.backends import Launch, Outcome
+from services.executor.backends import Key, Launch, Outcome
 from services.executor.node import Attempt, Node, ack
 from shared import fsm, heartbeat, hooks, lease
 from shared.errors import one_line
@@ -48,7 +48,7 @@ class Starter:
             except ValidationError as exc:  # only a bug or a foreign publisher does this
                 await node.dead_letter(message, f"unreadable dispatch: {exc}")
                 continue
-            if dispatch.node != node.id:
+            if dispatch.node not in node.serves:
                 await node.dead_letter(message, f"a dispatch for node {dispatch.node!r}")
                 continue
             key = (dispatch.task_id, dispatch.attempt)
@@ -81,9 +81,11 @@ class Starter:
 
     async def _claim(self, dispatches: Sequence[Received]) -> int:
         node = self.node
-        reason = f"started on {node.id}"
         owner = str(node.boot_id)
-        moves = [fsm.plan(d, State.RUNNING, reason, lease_owner=owner) for d, _ in dispatches]
+        moves = [
+            fsm.plan(d, State.RUNNING, f"started on {d.node}", lease_owner=owner)
+            for d, _ in dispatches
+        ]
         claimed: list[Task] = []
         tries = 0
         sent_at = time.monotonic()  # before the first try: its COMMIT may be the one that held
@@ -114,18 +116,17 @@ class Starter:
                 )
                 await ack(message)
         for task in won.values():
-            attempt = Attempt(task, messages[task.id], sent_at)
-            node.active[(task.id, task.attempt)] = attempt
-            run = asyncio.create_task(self._run(attempt))
-            node.runs.add(run)
-            run.add_done_callback(node.runs.discard)
+            self._begin(Attempt(task, messages[task.id], sent_at))
         return len(won)
 
     async def _run(self, attempt: Attempt) -> None:
         node, task = self.node, attempt.task
-        with hooks.attempt(task, node.id, attempt.message.headers) as seen:
+        headers = attempt.message.headers if attempt.message is not None else {}
+        with hooks.attempt(task, task.node or node.id, headers) as seen:
             refused = node.policy.refuses(task.spec.job)
-            if refused:  # the scheduler checks too; this node does not take its word for it
+            if attempt.message is None:  # adopted: its Job runs already; follow it
+                outcome = await node.backend.follow((task.id, task.attempt), task.timeout_s)
+            elif refused:  # the scheduler checks too; this node does not take its word for it
                 outcome = Outcome.failed(refused)
             else:
                 env = {
@@ -136,12 +137,46 @@ class Starter:
                     task.heartbeat_timeout_s, attempt.renewed_at, time.monotonic()
                 )
                 job = task.spec.job
-                outcome = await node.backend.run(
-                    Launch(task.id, task.attempt, job, task.timeout_s, env, task.inputs, lease_s)
+                launch = Launch(
+                    task.id,
+                    task.attempt,
+                    job,
+                    task.timeout_s,
+                    env,
+                    task.inputs,
+                    lease_s,
+                    node=task.node,
+                    resources=task.spec.resources,
                 )
+                outcome = await node.backend.run(launch)
             seen.ended(outcome.ok, outcome.error)
         node.unreported[(task.id, task.attempt)] = outcome
         await node.outcomes.put((attempt, outcome))
+
+    async def adopt(self, keys: set[Key]) -> int:
+        """Take over attempts that run on without the executor that started them (a cluster's
+        Jobs): their leases move to this incarnation, and this executor follows them to their
+        outcomes. Only attempts still Running are adopted; returns how many."""
+        node = self.node
+        keys -= set(node.active)
+        if not keys:
+            return 0
+        sent_at = time.monotonic()
+        adopted = await node.store.leases.adopt(node.boot_id, sorted(keys))
+        for task in adopted:
+            key = (task.id, task.attempt)
+            if key in node.active:
+                continue
+            log.info("adopted %s attempt %d (its Job runs on)", task.id, task.attempt)
+            self._begin(Attempt(task, None, sent_at))
+        return len(adopted)
+
+    def _begin(self, attempt: Attempt) -> None:
+        node, task = self.node, attempt.task
+        node.active[(task.id, task.attempt)] = attempt
+        run = asyncio.create_task(self._run(attempt))
+        node.runs.add(run)
+        run.add_done_callback(node.runs.discard)
 
     async def _hand_back_unstarted(self) -> None:
         """On shutdown, dispatches received but not started go back to Ready at once."""
@@ -157,7 +192,7 @@ class Starter:
                 continue
             # best effort: if a server is away, recovery's stuck-in-Scheduling sweep does it
             with contextlib.suppress(*TRANSIENT):
-                why = f"node {node.id} shut down before start"
+                why = f"node {dispatch.node} shut down before start"
                 moved = await node.store.tasks.transition(fsm.plan(dispatch, State.READY, why))
                 if moved is not None:
                     await node.queue.push([moved])

@@ -53,6 +53,8 @@ class Hub:
         self.resolve_all = True
         # retries: a task entered RetryWait
         self.retry = asyncio.Event()
+        # schedule timeouts: a task entered Ready, so the earliest deadline may be earlier
+        self.deadlines = asyncio.Event()
 
     def work_arrived(self) -> None:
         """Intake, a retry, a release or a parked task's return queued work: dispatch now."""
@@ -74,6 +76,8 @@ class Hub:
             self.dispatch.set()
         if State.RETRY_WAIT.value in states:
             self.retry.set()
+        if State.READY.value in states:
+            self.deadlines.set()
 
     def node_notify(self, *_: object) -> None:
         """A node joined or changed: parked tasks may fit now."""
@@ -85,6 +89,7 @@ class Hub:
         self.unpark.set()
         self.unpark_resources.set()
         self.retry.set()
+        self.deadlines.set()
         self.dispatch.set()
         self.resolve_all = True
         self.resolve.set()

@@ -3,6 +3,7 @@
 intake     submissions in batches -> Created -> Pending -> Ready (intake.py)
 dispatch   pop by aged priority, place under the nodes' locks, send each attempt (dispatch.py)
 retries    RetryWait tasks whose backoff ran out -> Ready (retries.py)
+timeouts   tasks not started within their schedule timeout -> Failed, final (timeouts.py)
 reconcile  the Redis queue against Postgres (reconcile.py)
 workflows  release or skip Pending workflow tasks as upstreams finish (resolve.py)
 
@@ -23,6 +24,7 @@ from services.scheduler.intake import Intake
 from services.scheduler.reconcile import Reconciler
 from services.scheduler.resolve import Resolver
 from services.scheduler.retries import Retries
+from services.scheduler.timeouts import ScheduleTimeouts
 from shared.bus import SUBMIT_QUEUE, AmqpBus
 from shared.queues import ReadyQueue
 from shared.resilience import TRANSIENT, supervise
@@ -42,6 +44,7 @@ class Scheduler(Service):
         self.dispatch = Dispatcher(settings, store, bus, queue, hub)
         self.intake = Intake(settings, store, bus, queue, hub, self.dispatch)
         self.retries = Retries(settings, store, queue, hub)
+        self.timeouts = ScheduleTimeouts(settings, store, queue, hub)
         self.reconciler = Reconciler(settings, store, queue, hub)
         self.resolver = Resolver(settings, store, queue, hub)
         self._channel: AbstractChannel | None = None
@@ -52,6 +55,7 @@ class Scheduler(Service):
             ("intake", self.intake.run),
             ("dispatch", functools.partial(self.dispatch.run, stop)),
             ("retry sweep", functools.partial(self.retries.run, stop)),
+            ("schedule timeouts", functools.partial(self.timeouts.run, stop)),
             ("reconcile", functools.partial(self.reconciler.run, stop)),
             ("workflows", functools.partial(self.resolver.run, stop)),
         ]

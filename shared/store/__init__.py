@@ -1,6 +1,6 @@
 """Postgres, and the only place SQL lives (the statements are in sql/*.sql, named and
 described; `queries` loads them). One class per aggregate — tasks, claims, leases, workflows,
-nodes, outbox, late results — and a unit of work:
+nodes, outbox, late results, launches — and a unit of work:
 
     store = await Store.open(settings)
     task = await store.tasks.get(task_id)            # each call its own transaction
@@ -21,6 +21,7 @@ import asyncpg
 from shared.store.claims import Claims
 from shared.store.db import Db, create_pool
 from shared.store.late import LateResults
+from shared.store.launches import Launches
 from shared.store.leases import LeaseLink, Leases
 from shared.store.nodes import NODE_CHANNEL, NodeRow, Nodes
 from shared.store.notify import TASK_CHANNEL, Handler, Notice, PgListener, parse_notify
@@ -53,6 +54,7 @@ class Tx:
         self.nodes = Nodes(db, node_ttl_s)
         self.outbox = Outbox(db)
         self.late = LateResults(db)
+        self.launches = Launches(db)
 
 
 class Store(Tx):

@@ -48,3 +48,8 @@ class Claims:
         return await self._claim(
             Q.claim_stuck_scheduling, lambda t: fsm.plan(t, State.READY, why), limit, older_than_s
         )
+
+    async def fail_unstarted(self, limit: int, plan: Callable[[Task], Move]) -> list[Task]:
+        """Tasks waiting to start (Ready, Scheduling) past their schedule deadline, moved on
+        as `plan` decides (Failed, final)."""
+        return await self._claim(Q.claim_schedule_timed_out, plan, limit)

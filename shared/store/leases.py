@@ -34,6 +34,16 @@ class Leases:
         )
         return {(r["id"], r["attempt"]) for r in rows}
 
+    async def adopt(self, owner: UUID, attempts: Sequence[tuple[UUID, int]]) -> list[Task]:
+        """Take over the leases of these attempts while they are Running (their objects run on
+        without the executor that started them); returns the tasks adopted."""
+        if not attempts:
+            return []
+        rows = await self.db.fetch(
+            Q.adopt_leases, owner, *_columns(attempts), self.db.lease_margin_s
+        )
+        return [task(r) for r in rows]
+
     async def release(self, owner: UUID, attempts: Sequence[tuple[UUID, int]]) -> None:
         """Give up the leases of attempts `owner` no longer runs (their processes are gone)."""
         if attempts:

@@ -59,7 +59,14 @@ CREATE TABLE tasks (
     -- the attempt lease: which attempt's process may be alive, whose, until when
     lease_owner         uuid,
     lease_attempt       integer,
-    lease_until         timestamptz
+    lease_until         timestamptz,
+    -- the schedule-to-start timeout, and when it runs out (kept while an attempt comes back to
+    -- Ready without having run; set anew when the task enters Ready from Pending or RetryWait)
+    schedule_timeout_s  double precision CHECK (schedule_timeout_s > 0),
+    schedule_deadline   timestamptz,
+    -- attempts that never started (a backend's launch failure), and how many may
+    launch_failures     integer NOT NULL DEFAULT 0 CHECK (launch_failures >= 0),
+    max_launch_failures integer NOT NULL DEFAULT 3 CHECK (max_launch_failures >= 0)
 );
 
 CREATE INDEX tasks_runnable ON tasks (priority DESC, queued_at, id) WHERE status = 'ready';
@@ -72,6 +79,8 @@ CREATE INDEX tasks_lost_since ON tasks (updated_at) WHERE status = 'lost';
 CREATE INDEX tasks_workflow ON tasks (workflow_id) WHERE workflow_id IS NOT NULL;
 CREATE INDEX tasks_active_uses ON tasks (workflow_id)
     WHERE status IN ('scheduling', 'running') AND uses <> '{}';
+CREATE INDEX tasks_schedule_deadline ON tasks (schedule_deadline)
+    WHERE status IN ('ready', 'scheduling') AND schedule_deadline IS NOT NULL;
 
 -- The transition history and the outbox at once.
 CREATE TABLE task_events (
@@ -121,6 +130,18 @@ CREATE TABLE late_results (
     at        timestamptz NOT NULL DEFAULT now()
 );
 CREATE INDEX late_results_task ON late_results (task_id);
+
+-- The object each attempt of a cluster backend runs as (a Kubernetes Job), once it exists.
+CREATE TABLE launches (
+    task_id    uuid NOT NULL REFERENCES tasks (id) ON DELETE CASCADE,
+    attempt    integer NOT NULL,
+    name       text NOT NULL,
+    uid        text NOT NULL,
+    executor   text NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (task_id, attempt)
+);
+CREATE INDEX launches_executor ON launches (executor);
 
 CREATE TABLE task_deps (
     task_id       uuid NOT NULL REFERENCES tasks (id) ON DELETE CASCADE,

@@ -128,6 +128,8 @@ class Tasks:
             list(traceparents) if traceparents is not None else [None] * len(specs),
             workflow_id,
             [json.dumps(list(u)) for u in uses] if uses is not None else ["[]"] * len(specs),
+            [s.schedule_timeout_s for s in specs],
+            [s.max_launch_failures for s in specs],
         )
         created = {row["id"]: task(row) for row in rows}
         by_id: dict[UUID, Task] = {}
@@ -241,6 +243,12 @@ class Tasks:
     async def next_retry_due(self) -> float | None:
         """Seconds until the earliest retry is due (Postgres time); None if none waits."""
         due: float | None = await self.db.fetchval(Q.next_retry_due)
+        return due
+
+    async def next_schedule_deadline(self) -> float | None:
+        """Seconds until the earliest schedule timeout of a task waiting to start runs out
+        (Postgres time; negative when overdue); None if no waiting task has one."""
+        due: float | None = await self.db.fetchval(Q.next_schedule_deadline)
         return due
 
     # -- priorities -------------------------------------------------------------------------

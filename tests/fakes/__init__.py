@@ -58,6 +58,11 @@ class FakeReadyQueue:
             del ready[task_id]
         return out
 
+    async def remove(self, ids: Sequence[UUID]) -> None:
+        for members in self.sets.values():
+            for task_id in ids:
+                members.pop(task_id, None)
+
     async def park(self, tasks: Iterable[Any], key: str = PARKED_KEY) -> int:
         parked = self.sets.setdefault(key, {})
         n = 0

@@ -4,7 +4,7 @@ move through the same `fsm.plan` and the same CAS, lease and event rules as sql/
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -37,6 +37,7 @@ def new_task(spec: TaskSpec, task_id: UUID | None = None, **fields: Any) -> Task
         "priority": spec.priority,
         "retry_count": 0,
         "max_retries": spec.max_retries,
+        "max_launch_failures": spec.max_launch_failures,
         "next_retry_at": None,
         "timeout_s": spec.timeout_s,
         "heartbeat_timeout_s": spec.heartbeat_timeout_s,
@@ -63,6 +64,7 @@ def new_task(spec: TaskSpec, task_id: UUID | None = None, **fields: Any) -> Task
         "workflow_id": None,
         "wf_task": None,
         "uses": [],
+        "schedule_timeout_s": spec.schedule_timeout_s,
     }
     values.update(fields)
     return Task(**values)
@@ -91,7 +93,9 @@ class FakeTasks:
         p, now, to = move.patch, _now(), move.target
         ends_lease = move.source is State.RUNNING and to not in (State.PAUSED, State.CANCELED)
         changes: dict[str, Any] = {
-            k: v for k, v in p.items() if k in {"attempt", "retry_count", "node", "result"}
+            k: v
+            for k, v in p.items()
+            if k in {"attempt", "retry_count", "node", "result", "launch_failures"}
         }
         changes.update({k: p[k] for k in ("error", "log_tail", "inputs") if k in p})
         changes.update({k: p[k] for k in ("paused_by", "paused_reason") if k in p})
@@ -101,6 +105,8 @@ class FakeTasks:
             changes["paused_at"] = now
         if to is State.READY:
             changes["queued_at"] = now
+            if move.source not in fsm.HOLDS_SLOT and task.schedule_timeout_s is not None:
+                changes["schedule_deadline"] = now + timedelta(seconds=task.schedule_timeout_s)
         if to is State.RUNNING:
             lease = timedelta(seconds=task.heartbeat_timeout_s)
             changes |= {
@@ -180,6 +186,20 @@ class FakeTasks:
     async def set_wait_reasons(self, reasons: Mapping[UUID, str]) -> None:
         self.d.wait_reasons.update(reasons)
 
+    def _with_deadline(self) -> list[Task]:
+        waiting = [
+            t
+            for t in self.d.tasks.values()
+            if t.status in fsm.AWAITS_START and t.schedule_deadline is not None
+        ]
+        return sorted(waiting, key=lambda t: t.schedule_deadline or _now())
+
+    async def next_schedule_deadline(self) -> float | None:
+        first = next(iter(self._with_deadline()), None)
+        if first is None or first.schedule_deadline is None:
+            return None
+        return (first.schedule_deadline - _now()).total_seconds()
+
     async def ended_with(self, attempts: Sequence[tuple[UUID, int]], reason: str) -> set[UUID]:
         wanted = {(i, v + 1) for i, v in attempts}
         return {
@@ -187,6 +207,20 @@ class FakeTasks:
             for i, src, _, v, why in self.d.events
             if (i, v) in wanted and src is State.RUNNING and why.startswith(reason)
         }
+
+
+class FakeClaims:
+    def __init__(self, tasks: FakeTasks) -> None:
+        self.tasks = tasks
+
+    async def fail_unstarted(self, limit: int, plan: Callable[[Task], Move]) -> list[Task]:
+        now = _now()
+        due = [
+            t
+            for t in self.tasks._with_deadline()
+            if t.schedule_deadline and t.schedule_deadline <= now
+        ]
+        return await self.tasks.transition_many([plan(t) for t in due[:limit]])
 
 
 class FakeLeases:
@@ -299,6 +333,7 @@ class InMemoryStore:
         self.lease_margin_s = lease_margin_s
         self.data = _Data()
         self.tasks = FakeTasks(self.data, lease_margin_s)
+        self.claims = FakeClaims(self.tasks)
         self.leases = FakeLeases(self.data)
         self.nodes = FakeNodes(self.data)
         self.workflows = FakeWorkflows(self.data)

@@ -29,6 +29,8 @@ class Snap:
     retry_count: int = 0
     max_retries: int = 0
     id: UUID = ONE
+    launch_failures: int = 0
+    max_launch_failures: int = 3
 
 
 @pytest.mark.parametrize("source", list(State))
@@ -54,6 +56,14 @@ def test_terminal_states_have_no_exits() -> None:
         for target in State:
             with pytest.raises(IllegalTransition):
                 fsm.plan(spent, target)
+
+
+def test_a_launch_failure_goes_back_to_ready_without_spending_a_retry_up_to_its_cap() -> None:
+    move = fsm.plan(Snap(State.RUNNING, attempt=2, retry_count=1, max_retries=1), State.READY)
+    assert move.patch == {"launch_failures": 1}  # retry_count untouched, attempt kept
+    spent = Snap(State.RUNNING, launch_failures=3, max_launch_failures=3)
+    with pytest.raises(IllegalTransition, match="launch failures spent"):
+        fsm.plan(spent, State.READY)
 
 
 def test_running_is_entered_only_from_scheduling() -> None:
@@ -101,6 +111,15 @@ def test_a_dependency_timeout_failure_is_final_at_once() -> None:
     assert fsm.is_terminal(
         State.FAILED, fsm.has_retry_left(Snap(State.FAILED, retry_count=3, max_retries=3))
     )
+
+
+@pytest.mark.parametrize("source", sorted(fsm.AWAITS_START))
+def test_a_schedule_timeout_failure_is_final_at_once(source: State) -> None:
+    """Ready or Scheduling -> Failed (not started in time) spends every retry left."""
+    failed = fsm.plan(Snap(source, retry_count=1, max_retries=3), State.FAILED)
+    assert failed.patch == {"retry_count": 3}
+    assert "schedule timeout" in failed.reason
+    assert fsm.rule_for(source, State.FAILED).ends_retries
 
 
 def _apply(task: Snap, move: fsm.Move) -> Snap:

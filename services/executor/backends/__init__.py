@@ -8,12 +8,13 @@ when the heartbeat-monitor probes (`running`, `frozen`), and stops it when the t
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from uuid import UUID
 
-from shared.models import CommandJob, HandlerJob
+from shared.models import CommandJob, HandlerJob, Resources
 
 Key = tuple[UUID, int]  # (task id, attempt)
 
@@ -28,6 +29,8 @@ class Launch:
     inputs: Any = None  # a workflow task's inputs from its upstreams (None: none)
     # seconds the attempt's lease is known to last from now (None: no lease is kept)
     lease_s: float | None = None
+    node: str | None = None  # the node placement chose (a backend serving several needs it)
+    resources: Resources | None = None  # what the task asked for (a cluster enforces it)
 
 
 @dataclass(frozen=True)
@@ -38,26 +41,95 @@ class Outcome:
     timed_out: bool
     stopped: bool  # ended by stop_task() or close()
     log_tail: str  # the end of the attempt's combined stdout and stderr
+    lost: bool = False  # it ended without an exit of its own (evicted, its node or Job gone)
+    unstarted: bool = False  # it never started (launch failure): no retry is spent on it
+    final: bool = False  # a failure no retry can mend (an image that does not exist)
 
     @classmethod
-    def failed(cls, error: str, log_tail: str = "", *, timed_out: bool = False) -> Outcome:
-        return cls(False, None, error, timed_out, False, log_tail)
+    def failed(
+        cls, error: str, log_tail: str = "", *, timed_out: bool = False, final: bool = False
+    ) -> Outcome:
+        return cls(False, None, error, timed_out, False, log_tail, final=final)
+
+    @classmethod
+    def launch_failed(cls, error: str, *, final: bool = False) -> Outcome:
+        return cls(False, None, error, False, False, "", unstarted=not final, final=final)
+
+    @classmethod
+    def gone(cls, error: str, log_tail: str = "") -> Outcome:
+        return cls(False, None, error, False, False, log_tail, lost=True)
 
     @classmethod
     def halted(cls, log_tail: str = "") -> Outcome:
         return cls(False, None, "stopped", False, True, log_tail)
 
 
+@dataclass(frozen=True)
+class NodeOffer:
+    """A node a backend runs attempts on, as placement sees it."""
+
+    id: str
+    slots: int
+    cpu: float
+    memory_mb: int
+    gpu: int
+    labels: Mapping[str, str]
+    ready: bool
+    hostname: str = ""  # Kubernetes: the node's kubernetes.io/hostname label, to pin Jobs
+
+
 class Backend(Protocol):
     """Runs attempts for one executor. `run` never raises for the task's own failures."""
 
     reaped: list[Key]  # attempts a previous executor left running, killed by start()
+    @property
+    def offers_changed(self) -> asyncio.Event:
+        """Set when offers() may have changed."""
+        ...
+
+
+    def offers(self) -> Mapping[str, NodeOffer] | None:
+        """The nodes this backend runs attempts on; None: one node, as configured."""
+        ...
 
     async def start(self) -> None: ...
     async def run(self, launch: Launch) -> Outcome: ...
     async def stop_task(self, task_id: UUID, attempt: int) -> bool: ...
+    def adoptable(self) -> set[Key]:
+        """Attempts this backend can follow though this executor did not start them (a
+        cluster's Jobs run on without their executor); local processes cannot be."""
+        ...
+
+    async def follow(self, key: Key, timeout_s: float | None) -> Outcome:
+        """Follow an adopted attempt (one of `adoptable()`) to its outcome."""
+        ...
+
     def running(self) -> set[Key]: ...
     def renew(self, key: Key, seconds: float) -> None: ...
     def frozen(self, key: Key) -> bool: ...
     async def watch(self) -> None: ...  # raises when the backend as a whole has failed
     async def close(self) -> None: ...
+
+
+class OneNode:
+    """The part of a Backend whose attempts are processes of this executor's one node: it
+    offers that node as configured, and a process is followed only by the executor that
+    started it (nothing to adopt)."""
+
+    @property
+    def offers_changed(self) -> asyncio.Event:
+        """Never set: the one node does not change (an event per backend: events bind to
+        the loop that first waits on them)."""
+        event: asyncio.Event | None = self.__dict__.get("_offers_changed")
+        if event is None:
+            event = self.__dict__["_offers_changed"] = asyncio.Event()
+        return event
+
+    def offers(self) -> None:
+        return None  # one node: the executor's own (SKED_NODE_ID, SKED_SLOTS, ...)
+
+    def adoptable(self) -> set[Key]:
+        return set()
+
+    async def follow(self, key: Key, timeout_s: float | None) -> Outcome:
+        return Outcome.gone("a local process cannot be adopted")

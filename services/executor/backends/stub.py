@@ -7,10 +7,10 @@ import asyncio
 from collections.abc import Callable
 from uuid import UUID
 
-from services.executor.backends import Key, Launch, Outcome
+from services.executor.backends import Key, Launch, OneNode, Outcome
 
 
-class StubBackend:
+class StubBackend(OneNode):
     """A Backend whose attempts end as `outcome(launch)` says, when the test lets them
     (`release`), or at once when `hold` is False. Records every launch."""
 

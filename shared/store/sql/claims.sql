@@ -32,3 +32,14 @@ WHERE status = 'scheduling' AND updated_at < now() - make_interval(secs => $2)
 ORDER BY updated_at
 LIMIT $1
 FOR UPDATE SKIP LOCKED
+
+-- name: claim_schedule_timed_out
+-- Tasks still waiting to start (Ready or Scheduling) whose schedule deadline has passed, by
+-- Postgres's clock, earliest first. A claim CAS Scheduling -> Running racing this one either
+-- holds the row (it is skipped here and runs) or waits, then loses to the Failed move.
+SELECT {{task_columns()}} FROM tasks
+WHERE status IN ({{awaits_start_states}}) AND schedule_deadline IS NOT NULL
+  AND schedule_deadline <= now()
+ORDER BY schedule_deadline
+LIMIT $1
+FOR UPDATE SKIP LOCKED

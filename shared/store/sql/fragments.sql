@@ -11,7 +11,8 @@
 {{p}}updated_at, {{p}}queued_at, {{p}}started_at, {{p}}finished_at, {{p}}log_tail, {{p}}cpu,
 {{p}}memory_mb, {{p}}gpu, {{p}}traceparent, {{p}}hb_at, {{p}}hb_deadline, {{p}}hb_seq,
 {{p}}workflow_id, {{p}}wf_task, {{p}}uses, {{p}}inputs, {{p}}lease_owner, {{p}}lease_attempt,
-{{p}}lease_until
+{{p}}lease_until, {{p}}schedule_timeout_s, {{p}}schedule_deadline, {{p}}launch_failures,
+{{p}}max_launch_failures
 
 -- fragment: event_columns
 -- Every column an Event is read from (models.Event).
@@ -45,6 +46,11 @@ HAVING count(*) > 0
 -- fragment: slot_states
 -- The states in which an attempt holds its node's slot and resources (fsm.HOLDS_SLOT).
 'scheduling', 'running'
+
+-- fragment: awaits_start_states
+-- The states in which a task waits for its attempt to start (fsm.AWAITS_START); the partial
+-- index tasks_schedule_deadline is written over the same list.
+'ready', 'scheduling'
 
 -- fragment: terminal_states
 -- The states that end a task outright (fsm.ALWAYS_TERMINAL).

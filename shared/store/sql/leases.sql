@@ -87,3 +87,20 @@ WHERE status = 'running'
 SELECT (SELECT extract(epoch FROM min(hb_deadline) - now())::float8
         FROM tasks WHERE status = 'running') AS wait_s,
        extract(epoch FROM pg_postmaster_start_time())::float8 AS started
+
+-- name: adopt_leases
+-- An executor ($1: its incarnation) takes over the leases of attempts still Running whose
+-- object it can follow (a Kubernetes Job runs on without the executor that created it): from
+-- now on it renews them and reports their outcomes. Returns the tasks adopted.
+WITH u AS (SELECT * FROM unnest($2::uuid[], $3::int[]) AS u(id, attempt)),
+locked AS (
+    {{locked_in_id_order(t.status = 'running' AND t.attempt = u.attempt)}}
+)
+UPDATE tasks t SET
+    lease_owner = $1, lease_attempt = t.attempt,
+    lease_until = greatest(t.lease_until, now() + make_interval(secs => t.heartbeat_timeout_s)),
+    hb_deadline = greatest(t.hb_deadline,
+                           now() + make_interval(secs => t.heartbeat_timeout_s + $4))
+FROM u JOIN locked USING (id)
+WHERE t.id = u.id AND t.status = 'running' AND t.attempt = u.attempt
+RETURNING {{task_columns(t.)}}

@@ -4,7 +4,9 @@
 -- Create tasks and walk them through their first moves in one statement: each row is inserted
 -- in the last state of the walk ($13-$15, planned and checked by fsm.walk), with one event per
 -- step. A redelivered submission (same id) or a taken idempotency key creates nothing; no
--- CAS is needed, as nobody else can hold a row this statement creates.
+-- CAS is needed, as nobody else can hold a row this statement creates. A task walked into
+-- Ready gets its schedule deadline ($19: schedule_timeout_s) as `transition` would give it.
+-- $20: max_launch_failures.
 WITH w AS (
     SELECT * FROM unnest($13::text[], $14::text[], $15::text[]) WITH ORDINALITY
                   AS w(from_status, to_status, reason, version)
@@ -13,17 +15,20 @@ WITH w AS (
 ), ins AS (
     INSERT INTO tasks (id, name, kind, spec, status, status_reason, version, priority,
                        max_retries, timeout_s, heartbeat_timeout_s, idempotency_key, cpu,
-                       memory_mb, gpu, traceparent, queued_at, workflow_id, wf_task, uses)
+                       memory_mb, gpu, traceparent, queued_at, workflow_id, wf_task, uses,
+                       schedule_timeout_s, schedule_deadline, max_launch_failures)
     SELECT u.id, u.name, u.kind, u.spec::jsonb, last.to_status, last.reason, last.version,
            u.priority, u.max_retries, u.timeout_s, u.hb, u.ikey, u.cpu, u.memory_mb, u.gpu,
            u.traceparent, CASE WHEN last.to_status = 'ready' THEN now() END, $17::uuid,
            CASE WHEN $17::uuid IS NULL THEN NULL ELSE u.name END,
-           ARRAY(SELECT jsonb_array_elements_text(u.uses::jsonb))
+           ARRAY(SELECT jsonb_array_elements_text(u.uses::jsonb)), u.sched,
+           CASE WHEN last.to_status = 'ready' THEN now() + make_interval(secs => u.sched) END,
+           u.max_launch
     FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int[], $6::int[],
                 $7::float8[], $8::float8[], $9::text[], $10::float8[], $11::bigint[],
-                $12::int[], $16::text[], $18::text[])
+                $12::int[], $16::text[], $18::text[], $19::float8[], $20::int[])
          AS u(id, name, kind, spec, priority, max_retries, timeout_s, hb, ikey, cpu, memory_mb,
-              gpu, traceparent, uses)
+              gpu, traceparent, uses, sched, max_launch)
     CROSS JOIN last
     ON CONFLICT DO NOTHING
     RETURNING {{task_columns()}}
@@ -45,7 +50,9 @@ WHERE id = ANY($1::uuid[]) OR idempotency_key = ANY($2::text[])
 -- Leases (docs/architecture.md, "At most one live attempt"): a move into Running takes one
 -- for the attempt; a move out of Running that proves the process ended ends it; Paused and
 -- Canceled keep it until the executor gives it back. Lost, and the start of a next attempt,
--- wait until the lease has run out by the margin.
+-- wait until the lease has run out by the margin. The schedule deadline is set anew when the
+-- task enters Ready from a waiting state, never when an attempt that held a slot comes back
+-- (so a task bouncing between Ready and Scheduling still times out).
 WITH u AS (
     SELECT id, version, from_status, to_status, reason, patch::jsonb AS p
     FROM unnest($1::uuid[], $2::int[], $3::text[], $4::text[], $5::text[], $6::text[])
@@ -60,6 +67,7 @@ WITH u AS (
         updated_at = now(),
         attempt = COALESCE((u.p ->> 'attempt')::int, t.attempt),
         retry_count = COALESCE((u.p ->> 'retry_count')::int, t.retry_count),
+        launch_failures = COALESCE((u.p ->> 'launch_failures')::int, t.launch_failures),
         node = CASE WHEN u.p ? 'node' THEN u.p ->> 'node' ELSE t.node END,
         next_retry_at = CASE WHEN u.p ? 'retry_in_s'
                              THEN now() + make_interval(secs => (u.p ->> 'retry_in_s')::float8)
@@ -74,6 +82,10 @@ WITH u AS (
                              ELSE t.paused_reason END,
         paused_at = CASE WHEN u.to_status = 'paused' THEN now() ELSE t.paused_at END,
         queued_at = CASE WHEN u.to_status = 'ready' THEN now() ELSE t.queued_at END,
+        schedule_deadline = CASE WHEN u.to_status = 'ready'
+                                      AND u.from_status NOT IN ({{slot_states}})
+                                 THEN now() + make_interval(secs => t.schedule_timeout_s)
+                                 ELSE t.schedule_deadline END,
         started_at = CASE WHEN u.to_status = 'running' THEN now() ELSE t.started_at END,
         hb_at = CASE WHEN u.to_status = 'running' THEN now() ELSE t.hb_at END,
         hb_deadline = CASE WHEN u.to_status = 'running'
@@ -168,6 +180,12 @@ WHERE e.from_status = 'running' AND starts_with(e.reason, $3)
 -- Seconds until the earliest retry is due, by Postgres's clock (NULL: no task waits).
 SELECT extract(epoch FROM min(next_retry_at) - now())::float8 FROM tasks
 WHERE status = 'retry_wait'
+
+-- name: next_schedule_deadline
+-- Seconds until the earliest schedule timeout of a task waiting to start runs out, by
+-- Postgres's clock (NULL: no waiting task has one).
+SELECT extract(epoch FROM min(schedule_deadline) - now())::float8 FROM tasks
+WHERE status IN ({{awaits_start_states}}) AND schedule_deadline IS NOT NULL
 
 -- name: lock_workflow_priorities
 -- Serialises the priority changes of one workflow ($1), so two never mix stale own priorities.

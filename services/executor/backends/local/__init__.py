@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
-from services.executor.backends import Key, Launch, Outcome
+from services.executor.backends import Key, Launch, OneNode, Outcome
 from services.executor.backends.local.process import Proc, SpawnError, Warden, exit_text
 from services.executor.backends.local.records import Records
 from services.executor.backends.local.worker import MAX_REPLY_BYTES, describe
@@ -108,7 +108,7 @@ class _Run:
             self.proc.renew(seconds)
 
 
-class LocalBackend:
+class LocalBackend(OneNode):
     """Runs attempts on this machine: commands as process trees, handlers in up to `slots`
     long-lived workers (`warm_workers` started at once, the rest on first use)."""
 

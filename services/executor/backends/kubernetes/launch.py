@@ -1,0 +1,164 @@
+"""Launching an attempt's Job: fenced, idempotent, recorded.
+
+Fenced: every older attempt's Job of the task is deleted and its pods confirmed gone first.
+Idempotent: a create answered 5xx or cut off is tried again and then meets its own Job (409),
+which is adopted only when its labels name this attempt and its uid is the recorded one, if
+any — a stranger's object is never adopted by name alone. Recorded: the uid, so that the Job
+of a launched attempt is never created again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+from uuid import UUID
+
+from services.executor.backends import Key, Launch, NodeOffer
+from services.executor.backends.kubernetes.kube import Kube, KubeError, Obj, name_of
+from services.executor.backends.kubernetes.manifest import (
+    TASK_LABEL,
+    JobOptions,
+    job_manifest,
+    key_of,
+)
+from shared.errors import one_line
+from shared.models import CommandJob, Resources
+
+log = logging.getLogger(__name__)
+
+CREATE_TRIES = 5  # a create answered 5xx or cut off is tried again (and then meets its Job)
+
+
+class LaunchBook(Protocol):
+    """Where the uid of each attempt's Job is recorded (Postgres: shared.store.launches)."""
+
+    async def recorded(self, task_id: UUID, attempt: int) -> str | None: ...
+    async def record(self, task_id: UUID, attempt: int, name: str, uid: str) -> None: ...
+
+
+class MemoryBook:
+    """A LaunchBook for one process (tests of the backend alone)."""
+
+    def __init__(self) -> None:
+        self.uids: dict[Key, str] = {}
+
+    async def recorded(self, task_id: UUID, attempt: int) -> str | None:
+        return self.uids.get((task_id, attempt))
+
+    async def record(self, task_id: UUID, attempt: int, name: str, uid: str) -> None:
+        self.uids[(task_id, attempt)] = uid
+
+
+class LaunchFailed(Exception):
+    def __init__(self, why: str, permanent: bool = False) -> None:
+        super().__init__(why)
+        self.permanent = permanent
+
+
+class Launcher:
+    def __init__(
+        self,
+        kube: Kube,
+        book: LaunchBook,
+        options: JobOptions,
+        offers: Callable[[], Mapping[str, NodeOffer]],
+        start_budget_s: float,
+        pods_changed: asyncio.Event,
+    ) -> None:
+        self.kube = kube
+        self.book = book
+        self.options = options
+        self.offers = offers
+        self.start_budget_s = start_budget_s
+        self._pods_changed = pods_changed
+
+    async def launch(self, launch: Launch, job: CommandJob) -> None:
+        """Create the attempt's Job once: fenced, idempotent, recorded."""
+        task_id, attempt = launch.task_id, launch.attempt
+        await self._fence(task_id, attempt)
+        node = self.offers().get(launch.node or "")
+        if node is None:
+            raise LaunchFailed(f"node {launch.node} is not a node of this cluster (any more)")
+        env = {**launch.env}
+        if launch.inputs is not None:
+            env["SKED_INPUTS_JSON"] = json.dumps(launch.inputs)
+        try:
+            body = job_manifest(
+                task_id,
+                attempt,
+                node.id,
+                node.hostname or node.id,
+                job,
+                launch.resources or Resources(),
+                env,
+                launch.timeout_s,
+                self.options,
+            )
+        except ValueError as exc:
+            raise LaunchFailed(str(exc), permanent=True) from None
+        created = await self._create(body, task_id, attempt)
+        await self.book.record(task_id, attempt, name_of(created), uid_of(created))
+
+    async def _create(self, body: Mapping[str, Any], task_id: UUID, attempt: int) -> Obj:
+        name = body["metadata"]["name"]
+        pause = 0.2
+        for tries in range(1, CREATE_TRIES + 1):
+            try:
+                return await self.kube.create_job(body)
+            except KubeError as exc:
+                if exc.status == 409:
+                    return await self._adopt(name, task_id, attempt)
+                if exc.status in (400, 403, 422):  # an invalid manifest, a refusal: permanent
+                    raise LaunchFailed(f"Job refused: {exc}", permanent=exc.status != 403) from None
+                why = str(exc)
+            except (OSError, TimeoutError) as exc:
+                why = one_line(exc)
+            if tries == CREATE_TRIES:
+                raise LaunchFailed(f"Job not created after {tries} tries: {why}")
+            log.warning("creating Job %s failed (%s); trying again", name, why)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 2.0)
+        raise AssertionError("unreachable")
+
+    async def _adopt(self, name: str, task_id: UUID, attempt: int) -> Obj:
+        """A Job by this attempt's name exists: ours only if its labels say so (and its uid is
+        the recorded one, when one is): a stranger's object is never adopted by name alone."""
+        found = await self.kube.get_job(name)
+        if found is None:
+            raise LaunchFailed(f"Job {name} answered 409 but is gone")
+        recorded = await self.book.recorded(task_id, attempt)
+        if key_of(found) != (task_id, attempt) or (recorded and recorded != uid_of(found)):
+            raise LaunchFailed(f"a Job named {name} exists and is not this attempt's", True)
+        log.info("Job %s existed already (a create whose answer was lost): adopted", name)
+        return found
+
+    async def _fence(self, task_id: UUID, attempt: int) -> None:
+        """Delete every older attempt's Job of this task and wait until their pods are gone."""
+        selector = f"{TASK_LABEL}={task_id}"
+        jobs, _ = await self.kube.jobs(selector)
+        for old in jobs:
+            key = key_of(old)
+            if key is not None and key[1] < attempt:
+                await self.kube.delete_job(name_of(old))
+        deadline = time.monotonic() + self.start_budget_s
+        while True:
+            pods, _ = await self.kube.pods(selector)
+            older = [p for p in pods if (k := key_of(p)) is not None and k[1] < attempt]
+            if not older:
+                return
+            if time.monotonic() > deadline:
+                raise LaunchFailed(f"pods of an older attempt still present: {name_of(older[0])}")
+            self._pods_changed.clear()
+            try:  # woken by the pod informer; re-listed at least every second regardless
+                async with asyncio.timeout(1.0):
+                    await self._pods_changed.wait()
+            except TimeoutError:
+                pass
+
+
+def uid_of(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("uid") or "")

@@ -1,0 +1,219 @@
+"""What sked asks of Kubernetes, as wire dicts (pure): one Job per attempt, and the sked node a
+cluster node becomes.
+
+The Job is built so that Kubernetes never retries behind sked's back (sked owns retries):
+`backoffLimit: 0`, `restartPolicy: Never`, and a pod failure policy that fails the Job on the
+first failed or disrupted pod, keeping the cause in the Job's condition. The run timeout is
+sked's, counted from the container's start; `activeDeadlineSeconds` is only a backstop (it
+also counts the image pull).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+from services.executor.backends import NodeOffer
+from shared.models import CommandJob, Resources
+
+MANAGED_BY = "app.kubernetes.io/managed-by"
+TASK_LABEL = "sked.io/task-id"
+ATTEMPT_LABEL = "sked.io/attempt"
+NODE_LABEL = "sked.io/node"
+SELECTOR = f"{MANAGED_BY}=sked"  # every object sked creates
+CONTAINER = "task"
+GPU = "nvidia.com/gpu"
+HOSTNAME = "kubernetes.io/hostname"
+
+# The backstop deadline allows this much for pulling the image and starting the container
+# beyond the run timeout; sked's own timer (from the container's start) normally acts first.
+BACKSTOP_EXTRA_S = 600
+
+_NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")  # what a sked node id may be
+
+
+def job_name(task_id: UUID, attempt: int) -> str:
+    """The Job of one attempt: the same name every time it is asked for (a retried create
+    then meets its own Job). 5 + 36 + 1 + 10 characters at most: under Kubernetes' 63, with
+    room for the pod's 6-character suffix."""
+    return f"sked-{task_id}-{attempt}"
+
+
+def labels(task_id: UUID, attempt: int, node: str) -> dict[str, str]:
+    return {
+        MANAGED_BY: "sked",
+        TASK_LABEL: str(task_id),
+        ATTEMPT_LABEL: str(attempt),
+        NODE_LABEL: node,
+    }
+
+
+def key_of(obj: Mapping[str, Any]) -> tuple[UUID, int] | None:
+    """(task id, attempt) from a Job's or pod's labels; None for anything not sked's."""
+    found = (obj.get("metadata") or {}).get("labels") or {}
+    try:
+        return UUID(found[TASK_LABEL]), int(found[ATTEMPT_LABEL])
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """The deployment's part of every Job (settings)."""
+
+    namespace: str
+    ttl_s: int = 3600
+    tolerations: Sequence[Mapping[str, Any]] = ()
+    image_pull_secrets: Sequence[str] = ()
+
+
+def _quantities(resources: Resources) -> tuple[dict[str, str], dict[str, str]]:
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+    if resources.cpu > 0:
+        requests["cpu"] = limits["cpu"] = f"{round(resources.cpu * 1000)}m"
+    if resources.memory_mb > 0:
+        requests["memory"] = limits["memory"] = f"{resources.memory_mb}Mi"
+    if resources.gpu > 0:
+        limits[GPU] = str(resources.gpu)  # an extended resource: requests default to limits
+    return requests, limits
+
+
+def job_manifest(
+    task_id: UUID,
+    attempt: int,
+    node: str,
+    hostname: str,
+    job: CommandJob,
+    resources: Resources,
+    env: Mapping[str, str],
+    timeout_s: float | None,
+    options: JobOptions,
+) -> dict[str, Any]:
+    """The Job for one attempt of a command task, pinned to the cluster node sked placed it
+    on (by its hostname label). `env`: the task's own environment plus sked's (heartbeat)."""
+    if not job.image:
+        raise ValueError("the kubernetes backend needs job.image")
+    marks = labels(task_id, attempt, node)
+    requests, limits = _quantities(resources)
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": job.image,
+        "command": list(job.argv),
+        "env": [{"name": k, "value": v} for k, v in {**job.env, **env}.items()],
+        "resources": {"requests": requests, "limits": limits},
+        # the end of the log stands in for the termination message when the task wrote none
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {"allowPrivilegeEscalation": False},
+    }
+    if job.cwd:
+        container["workingDir"] = job.cwd
+    pod: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,  # a task gets no credentials of the cluster
+        "enableServiceLinks": False,
+        "nodeSelector": {HOSTNAME: hostname},
+        "containers": [container],
+    }
+    if options.tolerations:
+        pod["tolerations"] = [dict(t) for t in options.tolerations]
+    if options.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": n} for n in options.image_pull_secrets]
+    spec: dict[str, Any] = {
+        "backoffLimit": 0,
+        # no replacement pod, whatever ended the first: the cause stays in the Job's condition
+        "podFailurePolicy": {
+            "rules": [
+                {
+                    "action": "FailJob",
+                    "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+                },
+                {
+                    "action": "FailJob",
+                    "onExitCodes": {"containerName": CONTAINER, "operator": "NotIn", "values": [0]},
+                },
+            ]
+        },
+        "ttlSecondsAfterFinished": options.ttl_s,
+        "template": {"metadata": {"labels": marks}, "spec": pod},
+    }
+    if timeout_s is not None:
+        spec["activeDeadlineSeconds"] = int(timeout_s) + 1 + BACKSTOP_EXTRA_S
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": job_name(task_id, attempt),
+            "namespace": options.namespace,
+            "labels": marks,
+        },
+        "spec": spec,
+    }
+
+
+# -- cluster nodes as sked nodes ---------------------------------------------------------------
+
+
+_SUFFIX = {
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
+}
+
+
+def quantity(text: object) -> float:
+    """A Kubernetes quantity ('3800m', '16Gi', '2', '1e3') as a number (cpu in cores, memory
+    in bytes). A value that is not a quantity counts as 0: a node that reports nonsense
+    offers nothing rather than stopping the executor."""
+    value = str(text or "").strip()
+    try:
+        if value.endswith("m"):
+            return float(value[:-1]) / 1000
+        for suffix in sorted(_SUFFIX, key=len, reverse=True):
+            if value.endswith(suffix):
+                return float(value[: -len(suffix)]) * _SUFFIX[suffix]
+        return float(value)
+    except ValueError:
+        return 0.0
+
+
+def node_ready(node: Mapping[str, Any]) -> bool:
+    """Its Ready condition is True (cordoned or not: a cordoned node still runs its pods)."""
+    conditions = (node.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def node_offer(node: Mapping[str, Any]) -> NodeOffer | None:
+    """What a cluster node offers, from its API object: allocatable cpu, memory and GPUs, its
+    labels; ready only when its Ready condition is True and it is not cordoned. None for a
+    node whose name cannot be a sked node id."""
+    meta = node.get("metadata") or {}
+    name = str(meta.get("name") or "")
+    if not _NODE_ID.match(name):
+        return None
+    status = node.get("status") or {}
+    free = status.get("allocatable") or {}
+    cordoned = bool((node.get("spec") or {}).get("unschedulable"))
+    node_labels = {str(k): str(v) for k, v in (meta.get("labels") or {}).items()}
+    return NodeOffer(
+        id=name,
+        slots=max(1, int(quantity(free.get("pods", "110")))),
+        cpu=quantity(free.get("cpu")),
+        memory_mb=int(quantity(free.get("memory")) // 2**20),
+        gpu=int(quantity(free.get(GPU))),
+        labels=node_labels,
+        ready=node_ready(node) and not cordoned,
+        hostname=node_labels.get(HOSTNAME, name),
+    )

@@ -1,0 +1,136 @@
+"""How an attempt's Job stands, judged from its Job and pod objects (pure).
+
+Kinds, in the order they are checked:
+  lost           the Job vanished; its pod was evicted, preempted or otherwise disrupted
+  exited         the container terminated with an exit code (0: success)
+  launch_failed  it never got to run: permanent (image not found, invalid name, unauthorized,
+                 invalid manifest) fails the task at once; otherwise (unschedulable, image pull
+                 back-off, no pod) only once the start budget is spent, and the task goes back
+                 to Ready without spending a retry
+  running        the container started (sked's run timer counts from `started_at`)
+  pending        none of the above yet
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Kind = Literal["pending", "running", "exited", "launch_failed", "lost"]
+
+# An image that will never be pulled, however long we wait.
+_NOT_PULLABLE = re.compile(
+    r"not found|manifest unknown|unauthorized|denied|repository does not exist|"
+    r"invalid reference format|no such host",
+    re.IGNORECASE,
+)
+_PERMANENT_WAITING = {"InvalidImageName", "ErrImageNeverPull"}
+_PULLING = {"ErrImagePull", "ImagePullBackOff"}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kind: Kind
+    reason: str = ""
+    exit_code: int | None = None
+    permanent: bool = False  # launch_failed: fail the task now rather than try again
+    started_at: str | None = None  # running / exited: when the container started
+
+
+def _condition(obj: Mapping[str, Any], kind: str) -> Mapping[str, Any] | None:
+    for cond in (obj.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == kind and cond.get("status") == "True":
+            return dict(cond)
+    return None
+
+
+def _container(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    return dict(statuses[0].get("state") or {}) if statuses else {}
+
+
+def _said(obj: Mapping[str, Any] | None) -> str:
+    """'Reason: message' of a condition or container state, as one line."""
+    if not obj:
+        return ""
+    reason, message = obj.get("reason") or "", obj.get("message") or ""
+    text = f"{reason}: {message}" if reason and message else reason or message
+    return " ".join(str(text).split())[:500]
+
+
+def latest(pods: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The Job's newest pod (there is one: backoffLimit 0; a second means a replacement)."""
+    return max(
+        pods,
+        key=lambda p: str((p.get("metadata") or {}).get("creationTimestamp") or ""),
+        default=None,
+    )
+
+
+def judge(
+    job: Mapping[str, Any] | None,
+    pods: Sequence[Mapping[str, Any]],
+    waited_s: float,
+    budget_s: float,
+) -> Verdict:
+    """The attempt's state from its Job (None: gone) and pods; `waited_s` since the Job was
+    created or adopted (a monotonic duration), `budget_s` the start budget."""
+    if job is None:
+        return Verdict("lost", "its Job vanished")
+    pod = latest(pods)
+    if pod is not None:
+        disrupted = _condition(pod, "DisruptionTarget")
+        if disrupted is not None:
+            return Verdict("lost", f"pod disrupted ({_said(disrupted)})")
+        status = pod.get("status") or {}
+        if status.get("phase") == "Failed" and status.get("reason") in {"Evicted", "Preempting"}:
+            return Verdict("lost", f"pod {_said(status)}")
+        state = _container(pod)
+        ended = state.get("terminated")
+        if ended is not None and ended.get("exitCode") is not None:
+            return Verdict(
+                "exited",
+                _said(ended),
+                exit_code=int(ended["exitCode"]),
+                started_at=ended.get("startedAt"),
+            )
+        if state.get("running") is not None:
+            return Verdict("running", started_at=state["running"].get("startedAt"))
+        waiting = state.get("waiting") or {}
+        why = waiting.get("reason") or ""
+        message = str(waiting.get("message") or "")
+        if why in _PERMANENT_WAITING or (why in _PULLING and _NOT_PULLABLE.search(message)):
+            return Verdict(
+                "launch_failed", f"image cannot be pulled ({_said(waiting)})", permanent=True
+            )
+    failed = _condition(job, "Failed")
+    if failed is not None:
+        if failed.get("reason") == "DeadlineExceeded":
+            return Verdict(
+                "launch_failed", f"deadline before the container started ({_said(failed)})"
+            )
+        return Verdict("lost", f"Job failed with no exit code ({_said(failed)})")
+    if _condition(job, "Complete") is not None:
+        return Verdict("exited", "Complete", exit_code=0)
+    if waited_s < budget_s:
+        return Verdict("pending")
+    return Verdict("launch_failed", f"not started within {budget_s:g} s: {_pending_why(pod)}")
+
+
+def _pending_why(pod: Mapping[str, Any] | None) -> str:
+    if pod is None:
+        return "no pod was created"
+    scheduled = next(
+        (
+            c
+            for c in (pod.get("status") or {}).get("conditions") or []
+            if c.get("type") == "PodScheduled" and c.get("status") == "False"
+        ),
+        None,
+    )
+    if scheduled is not None:
+        return _said(scheduled) or "unschedulable"
+    waiting = _container(pod).get("waiting")
+    return _said(waiting) or "pod pending"

@@ -1,0 +1,120 @@
+"""The nodes one executor serves, as placement and the bus see them.
+
+A local executor is one node, as configured (SKED_NODE_ID, SKED_SLOTS, ...): its row is owned
+by this incarnation, so a second executor started with the same node id takes the node over
+and the first stops. A cluster backend (Kubernetes) offers many nodes that come and go; their
+rows are owned by the cluster (a fixed id per node), so several replicas may serve one cluster
+and refresh the same rows. For each node served: its row in Postgres, its dispatch queue
+(consumed with a prefetch of its slots). Probes are answered for every node the backend
+knows, ready or not: the attempts on a node that turned NotReady are still this executor's to
+judge (the backend's loss ladder), or another replica's to adopt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from uuid import NAMESPACE_URL, UUID, uuid5
+
+from aio_pika.abc import AbstractChannel, AbstractQueue
+
+from services.executor.backends import NodeOffer
+from services.executor.node import Node
+from shared.bus import PROBE_EXCHANGE
+from shared.resilience import TRANSIENT
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def cluster_owner(node_id: str) -> UUID:
+    """The owner id of a cluster node's row: the same for every replica serving it."""
+    return uuid5(NAMESPACE_URL, f"sked:cluster-node:{node_id}")
+
+
+def local_offer(settings: Settings) -> NodeOffer:
+    s = settings
+    return NodeOffer(
+        s.node_id, s.slots, s.node_cpu, s.node_memory_mb, s.node_gpu, s.node_labels, True
+    )
+
+
+@dataclass
+class Served:
+    offer: NodeOffer
+    owner: UUID
+    queue: AbstractQueue
+    tag: str
+
+
+class Serving:
+    def __init__(self, node: Node, channel: AbstractChannel, probes: AbstractQueue) -> None:
+        self.node = node
+        self.channel = channel
+        self.probes = probes
+        self.served: dict[str, Served] = {}
+        self.probed: set[str] = set()
+
+    def offers(self) -> dict[str, NodeOffer]:
+        found = self.node.backend.offers()
+        return {self.node.id: local_offer(self.node.settings)} if found is None else dict(found)
+
+    def owner(self, node_id: str) -> UUID:
+        local = self.node.backend.offers() is None
+        return self.node.boot_id if local else cluster_owner(node_id)
+
+    async def sync(self) -> None:
+        """Serve what the backend offers now: join new nodes, refresh changed ones, and stop
+        consuming for the nodes that went away or are not ready."""
+        node, store = self.node, self.node.store
+        known = self.offers()
+        for node_id in set(known) - self.probed:
+            await self.probes.bind(PROBE_EXCHANGE, node_id)
+            self.probed.add(node_id)
+        for node_id in self.probed - set(known):
+            with contextlib.suppress(*TRANSIENT):
+                await self.probes.unbind(PROBE_EXCHANGE, node_id)
+            self.probed.discard(node_id)
+        offers = {k: o for k, o in known.items() if o.ready}
+        for node_id in list(self.served):
+            if node_id not in offers or offers[node_id] != self.served[node_id].offer:
+                await self._leave(node_id, ready=node_id in offers)
+        for node_id, offer in offers.items():
+            if node_id in self.served:
+                continue
+            owner = self.owner(node_id)
+            await store.nodes.register(
+                offer.id, offer.slots, offer.cpu, offer.memory_mb, offer.gpu, offer.labels, owner
+            )
+            await self.channel.set_qos(prefetch_count=offer.slots)  # for the next consumer
+            queue = await node.bus.declare_node_queue(self.channel, node_id)
+            tag = await queue.consume(node.inbox.put)
+            self.served[node_id] = Served(offer, owner, queue, tag)
+            node.serves.add(node_id)
+            log.info("serving node %s (%d slots)", node_id, offer.slots)
+
+    async def _leave(self, node_id: str, ready: bool = False) -> None:
+        served = self.served.pop(node_id)
+        self.node.serves.discard(node_id)
+        with contextlib.suppress(*TRANSIENT):
+            await self.node.store.nodes.set_ready(node_id, served.owner, ready)
+            await served.queue.cancel(served.tag)
+        if not ready:
+            log.info("node %s is no longer served (gone, cordoned or not ready)", node_id)
+
+    async def beat(self) -> bool:
+        """Refresh every served node's row; False when a local node was taken over."""
+        node = self.node
+        for node_id, served in list(self.served.items()):
+            slots = served.offer.slots
+            load = sum(1 for t in node.active.values() if t.task.node == node_id) / slots
+            if not await node.store.nodes.heartbeat(node_id, served.owner, load):
+                if served.owner == node.boot_id:
+                    return False
+                await self._leave(node_id)  # its row was re-registered under another owner
+        return True
+
+    async def leave_all(self) -> None:
+        for node_id in list(self.served):
+            await self._leave(node_id)

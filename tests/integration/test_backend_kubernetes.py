@@ -1,0 +1,300 @@
+"""The Kubernetes backend against a fake API server over real HTTP (tests/fakes/kube.py) whose
+driver creates each Job's pod and walks it through a scenario: launch, outcomes, launch
+failures, fencing, idempotent creates, stop, timeout, watches that break, the loss ladder."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from services.executor.backends import Launch, Outcome
+from services.executor.backends.kubernetes import KubernetesBackend
+from services.executor.backends.kubernetes.kube import Kube, api_client
+from services.executor.backends.kubernetes.launch import MemoryBook
+from services.executor.backends.kubernetes.manifest import JobOptions, job_name
+from shared.models import CommandJob, Resources
+from tests.fakes.kube import (
+    Evicted,
+    Fail,
+    FakeCluster,
+    ImageNotFound,
+    ImagePullBackOff,
+    RunUntilDeleted,
+    Succeed,
+    Unschedulable,
+    fake_cluster,
+)
+
+NS = "sked-jobs"
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[FakeCluster]:
+    async with fake_cluster() as c:
+        c.add_node("n1", cpu="4", memory="8Gi")
+        c.add_node("gpu1", cpu="8", memory="32Gi", gpu=2)
+        yield c
+
+
+@pytest.fixture
+async def backend(cluster: FakeCluster) -> AsyncIterator[KubernetesBackend]:
+    api = await api_client(None, host=cluster.url)
+    b = KubernetesBackend(
+        Kube(api, NS),
+        MemoryBook(),
+        JobOptions(NS, ttl_s=60),
+        start_budget_s=1.0,
+        relist_s=30,
+        node_grace_s=0.5,
+    )
+    await b.start()
+    yield b
+    await b.close()
+
+
+def launch(
+    attempt: int = 1,
+    node: str = "n1",
+    timeout_s: float | None = None,
+    task_id: uuid.UUID | None = None,
+    gpu: int = 0,
+) -> Launch:
+    return Launch(
+        task_id or uuid.uuid4(),
+        attempt,
+        CommandJob(argv=["python", "-c", "print(1)"], image="python:3.12", env={"K": "v"}),
+        timeout_s,
+        {"SKED_HEARTBEAT_URL": "http://monitor/heartbeat"},
+        node=node,
+        resources=Resources(cpu=0.5, memory_mb=256, gpu=gpu),
+    )
+
+
+async def run(backend: KubernetesBackend, what: Launch, timeout: float = 10) -> Outcome:
+    async with asyncio.timeout(timeout):
+        return await backend.run(what)
+
+
+def by_name(cluster: FakeCluster, what: Launch) -> dict[str, Any]:
+    return cluster.created_jobs[[_name(j) for j in cluster.created_jobs].index(_job(what))]
+
+
+def _name(job: dict[str, Any]) -> str:
+    return str(job["metadata"]["name"])
+
+
+def _job(what: Launch) -> str:
+    return job_name(what.task_id, what.attempt)
+
+
+async def test_the_cluster_nodes_are_offered_as_they_stand(
+    cluster: FakeCluster, backend: KubernetesBackend
+) -> None:
+    offers = backend.offers()
+    assert set(offers) == {"n1", "gpu1"}
+    assert (offers["gpu1"].gpu, offers["gpu1"].cpu, offers["gpu1"].memory_mb) == (2, 8.0, 32768)
+    assert offers["n1"].ready
+    cluster.cordon("n1")
+    await cluster.wait_for(lambda: not backend.offers()["n1"].ready)
+    cluster.set_node_ready("gpu1", False)
+    await cluster.wait_for(lambda: not backend.offers()["gpu1"].ready)
+
+
+async def test_an_attempt_runs_as_one_job_on_its_node_and_succeeds(
+    cluster: FakeCluster, backend: KubernetesBackend
+) -> None:
+    cluster.script = lambda job: Succeed(log="hello from the pod\n")
+    what = launch(node="gpu1", gpu=1)
+    outcome = await run(backend, what)
+    assert (outcome.ok, outcome.result, outcome.error) == (True, {"exit_code": 0}, None)
+    assert "hello from the pod" in outcome.log_tail
+    job = by_name(cluster, what)
+    pod = job["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"kubernetes.io/hostname": "gpu1"}
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert [p["spec"]["nodeName"] for p in cluster.pods_of(_job(what))] == ["gpu1"]
+    assert cluster.create_counts[_job(what)] == 1
+
+
+async def test_an_exit_code_fails_the_attempt(
+    cluster: FakeCluster, backend: KubernetesBackend
+) -> None:
+    cluster.script = lambda job: Fail(exit_code=3, log="boom\n")
+    outcome = await run(backend, launch())
+    assert (outcome.ok, outcome.result, outcome.error) == (False, {"exit_code": 3}, "exit code 3")
+    assert (outcome.lost, outcome.unstarted) == (False, False)
+
+
+async def test_a_create_stored_but_answered_500_is_adopted_on_409(
+    cluster: FakeCluster, backend: KubernetesBackend
+) -> None:
+    cluster.fail_next_create()
+    what = launch()
+    outcome = await run(backend, what)
+    assert outcome.ok
+    assert cluster.create_counts[_job(what)] == 1  # stored once
+    assert cluster.create_attempts[_job(what)] == 2  # the retry met 409 and adopted it
+    assert await backend.launcher.book.recorded(what.task_id, what.attempt)
+
+
+async def test_a_stranger_by_the_same_name_is_not_adopted(
+    cluster: FakeCluster, backend: KubernetesBackend
+) -> None:
+    what = launch()
+    body = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": _job(what), "namespace": NS, "labels": {"app": "other"}},
+        "spec": {
+            "template": {
+                "spec": {
+                    "restartPolicy": "Never",
+                    "containers": [{"name": "c", "image": "busybox"}],
+                }
+            }
+        },
+    }
+    cluster.script = lambda job: RunUntilDeleted()
+    await backend.kube.create_job(body)
+    outcome = await run(backend, what)
+    assert outcome.final
+    assert "not this attempt's" in (outcome.error or "")
+
+
+async def test_image_pull_back_off_and_unschedulable_are_launch_failures(
+    cluster: FakeCluster, backend: KubernetesBackend
+) -> None:
+    cluster.script = lambda job: ImagePullBackOff()
+    pulled = await run(backend, launch())
+    assert (pulled.unstarted, pulled.final) == (True, False)
+    assert "ImagePullBackOff" in (pulled.error or "")
+    cluster.script = lambda job: Unschedulable()
+    stuck = await run(backend, launch())
+    assert stuck.unstarted
+    assert "Unschedulable" in (stuck.error or "")
+    # the Jobs of attempts that never started are deleted
+    await cluster.wait_for(lambda: not cluster.jobs, timeout=5)
+
+
+async def test_an_image_that_does_not_exist_fails_at_once(
+    cluster: FakeCluster, backend: KubernetesBackend
+) -> None:
+    cluster.script = lambda job: ImageNotFound()
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    outcome = await run(backend, launch())
+    assert (outcome.unstarted, outcome.final) == (False, True)
+    assert "not found" in (outcome.error or "")
+    assert loop.time() - began < 1.0  # not after the start budget: at once
+
+
+async def test_an_evicted_pod_is_lost(cluster: FakeCluster, backend: KubernetesBackend) -> None:
+    cluster.script = lambda job: Evicted(after_s=0.2, reason="TerminationByKubelet")
+    outcome = await run(backend, launch())
+    assert outcome.lost
+    assert "TerminationByKubelet" in (outcome.error or "")
+
+
+async def test_the_run_timeout_deletes_the_job_and_its_pods(
+    cluster: FakeCluster, backend: KubernetesBackend
+) -> None:
+    cluster.script = lambda job: RunUntilDeleted(log="working\n")
+    what = launch(timeout_s=0.5)
+    outcome = await run(backend, what)
+    assert outcome.timed_out
+    await cluster.wait_for(lambda: not cluster.jobs and not cluster.pods, timeout=5)
+
+
+async def test_stop_deletes_the_job_and_ends_once_the_pods_are_gone(
+    cluster: FakeCluster, backend: KubernetesBackend
+) -> None:
+    cluster.script = lambda job: RunUntilDeleted()
+    what = launch()
+    running = asyncio.create_task(run(backend, what))
+    await cluster.wait_for(
+        lambda: any(p["status"].get("phase") == "Running" for p in cluster.pods_of(_job(what)))
+    )
+    assert await backend.stop_task(what.task_id, what.attempt)
+    outcome = await running
+    assert outcome.stopped
+    assert not cluster.pods_of(_job(what))
+    assert _job(what) not in cluster.jobs
+
+
+async def test_a_next_attempt_is_created_only_after_the_old_pods_are_gone(
+    cluster: FakeCluster, backend: KubernetesBackend
+) -> None:
+    cluster.gc_delay_s = 0.5  # the old pods linger a while after their Job is deleted
+    cluster.script = lambda job: (
+        RunUntilDeleted() if job["metadata"]["name"].endswith("-1") else Succeed()
+    )
+    task_id = uuid.uuid4()
+    first = launch(1, task_id=task_id)
+    old = asyncio.create_task(run(backend, first))
+    await cluster.wait_for(lambda: cluster.pods_of(_job(first)))
+    events: list[tuple[int, str, str, str]] = []
+    cluster.api.listeners.append(
+        lambda e: events.append((e.rv, e.type, e.obj["kind"], e.obj["metadata"]["name"]))
+    )
+    second = launch(2, task_id=task_id)
+    assert (await run(backend, second)).ok
+    old_pods_gone = max(
+        v for v, t, k, n in events if k == "Pod" and t == "DELETED" and n.startswith(_job(first))
+    )
+    new_job_created = min(
+        v for v, t, k, n in events if k == "Job" and t == "ADDED" and n == _job(second)
+    )
+    assert old_pods_gone < new_job_created
+    assert (await old).lost  # attempt 1's Job was taken away under it
+
+
+async def test_broken_watches_resync_and_miss_no_outcome(
+    cluster: FakeCluster, backend: KubernetesBackend
+) -> None:
+    cluster.script = lambda job: Succeed(after_s=0.6)
+    whats = [launch() for _ in range(4)]
+    runs = [asyncio.create_task(run(backend, w)) for w in whats]
+    await cluster.wait_for(lambda: len(cluster.jobs) == 4)
+    lists = backend.jobs.lists
+    cluster.expire_next_watch(count=3)  # the next watches are answered 410
+    cluster.cut_watches(abrupt=True)  # and the current ones are cut mid-stream
+    outcomes = await asyncio.gather(*runs)
+    assert all(o.ok for o in outcomes)
+    assert backend.jobs.lists > lists  # listed afresh rather than trusting the watch
+
+
+async def test_a_node_that_turns_not_ready_climbs_the_ladder_before_lost(
+    cluster: FakeCluster, backend: KubernetesBackend
+) -> None:
+    cluster.script = lambda job: RunUntilDeleted(log="step 1\n")
+    what = launch()
+    running = asyncio.create_task(run(backend, what))
+    await cluster.wait_for(
+        lambda: any(p["status"].get("phase") == "Running" for p in cluster.pods_of(_job(what)))
+    )
+    cluster.set_node_ready("n1", False)
+    outcome = await asyncio.wait_for(running, 10)
+    assert outcome.lost
+    reason = outcome.error or ""
+    assert "node n1 NotReady" in reason
+    assert "Job and pod: running" in reason
+    assert "log unchanged" in reason
+
+
+async def test_a_job_that_vanished_after_launch_is_lost_and_never_recreated(
+    cluster: FakeCluster, backend: KubernetesBackend
+) -> None:
+    cluster.script = lambda job: RunUntilDeleted()
+    what = launch()
+    running = asyncio.create_task(run(backend, what))
+    await cluster.wait_for(lambda: cluster.pods_of(_job(what)))
+    await backend.kube.delete_job(_job(what))  # someone else deleted it
+    assert (await asyncio.wait_for(running, 10)).lost
+    # the same attempt delivered again: never created twice
+    again = await run(backend, what)
+    assert again.lost
+    assert cluster.create_counts[_job(what)] == 1

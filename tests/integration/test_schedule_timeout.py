@@ -1,0 +1,233 @@
+"""The schedule-to-start timeout against real Postgres: when the deadline is set (and what keeps
+it), the sweep's claim (due or not, Ready or Scheduling, never Running), its index, its race
+with an executor's start claim, and a workflow downstream of a task it failed."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from uuid import UUID, uuid4
+
+import asyncpg
+
+from shared import control, fsm, workflows
+from shared.client import is_done
+from shared.dag import WorkflowSpec
+from shared.fsm import State
+from shared.models import Task
+from shared.outcome import not_started
+from shared.store import Store
+from shared.store.queries import Q
+from tests.helpers import spec
+
+REASON = "not started within 2 s (schedule_timeout_s)"
+
+
+async def ready(store: Store, name: str = "t", **kw: object) -> Task:
+    (task, _), *_ = await store.tasks.admit_many(
+        [spec(name, **kw)], [uuid4()], (State.PENDING, State.READY)
+    )
+    return task
+
+
+async def placed(store: Store, name: str = "t", **kw: object) -> Task:
+    task = await ready(store, name, **kw)
+    moved: Task = await fsm.apply(store.tasks, task, State.SCHEDULING, node="n1")
+    return moved
+
+
+async def make_overdue(pool: asyncpg.Pool, *tasks: Task) -> None:
+    """Move the deadlines into the past (Postgres time), rather than wait for them."""
+    await pool.execute(
+        "UPDATE tasks SET schedule_deadline = now() - interval '1 second' WHERE id = ANY($1)",
+        [t.id for t in tasks],
+    )
+
+
+async def sweep(store: Store) -> list[Task]:
+    return await store.claims.fail_unstarted(100, not_started)
+
+
+async def test_the_deadline_is_set_on_entering_ready_and_kept_by_a_bounce(store: Store) -> None:
+    plain = await ready(store, "plain")
+    assert (plain.schedule_timeout_s, plain.schedule_deadline) == (None, None)
+    task = await ready(store, schedule_timeout_s=2, max_retries=1)
+    assert task.schedule_timeout_s == 2.0
+    assert task.queued_at is not None
+    assert task.schedule_deadline is not None
+    assert (task.schedule_deadline - task.queued_at).total_seconds() == 2.0  # one now()
+    first, queued = task.schedule_deadline, task.queued_at
+    # Scheduling -> Ready (a dispatch not confirmed): queued anew, the clock goes on
+    task = await fsm.apply(store.tasks, task, State.SCHEDULING, node="n1")
+    task = await fsm.apply(store.tasks, task, State.READY, reason="dispatch not confirmed")
+    assert task.queued_at is not None
+    assert task.queued_at > queued
+    assert task.schedule_deadline == first
+    # started, failed, retried: RetryWait -> Ready starts a new clock
+    task = await fsm.apply(store.tasks, task, State.SCHEDULING, node="n1")
+    task = await fsm.apply(store.tasks, task, State.RUNNING, lease_owner=str(uuid4()))
+    task = await fsm.apply(store.tasks, task, State.FAILED, error="exit 1")
+    task = await fsm.apply(store.tasks, task, State.RETRY_WAIT, retry_in_s=0)
+    assert task.schedule_deadline == first  # not waiting to start: left as it was
+    task = await fsm.apply(store.tasks, task, State.READY)
+    assert task.queued_at is not None
+    assert task.schedule_deadline is not None
+    assert (task.schedule_deadline - task.queued_at).total_seconds() == 2.0
+    assert task.schedule_deadline > first
+
+
+async def test_a_resume_starts_a_new_clock(store: Store) -> None:
+    class NoQueue:
+        async def push(self, tasks: object) -> None:
+            return None
+
+    task = await ready(store, schedule_timeout_s=2)
+    await control.pause(store, task.id, "hold on", by="test")
+    resumed = await control.resume(store, NoQueue(), task.id)  # type: ignore[arg-type]
+    assert resumed.status is State.READY
+    assert resumed.schedule_deadline is not None
+    assert task.schedule_deadline is not None
+    assert resumed.schedule_deadline > task.schedule_deadline
+
+
+async def test_the_sweep_fails_only_overdue_tasks_waiting_to_start(
+    store: Store, pool: asyncpg.Pool
+) -> None:
+    due_ready = await ready(store, "due-ready", schedule_timeout_s=2, max_retries=3)
+    due_placed = await placed(store, "due-placed", schedule_timeout_s=2)
+    not_due = await ready(store, "not-due", schedule_timeout_s=60)
+    without = await ready(store, "without")
+    running = await placed(store, "running", schedule_timeout_s=2)
+    running = await fsm.apply(store.tasks, running, State.RUNNING, lease_owner=str(uuid4()))
+    await make_overdue(pool, due_ready, due_placed, running)
+    assert await store.tasks.next_schedule_deadline() is not None
+    assert (await store.tasks.next_schedule_deadline() or 0) < 0
+
+    failed = {t.id: t for t in await sweep(store)}
+    assert set(failed) == {due_ready.id, due_placed.id}
+    for task in failed.values():
+        assert task.status is State.FAILED
+        assert task.retry_count == task.max_retries  # final: no retry spent or left
+        assert (task.status_reason, task.error) == (REASON, REASON)
+        assert task.finished_at is not None
+        assert task.started_at is None
+        assert is_done(task)
+    assert failed[due_placed.id].node == "n1"
+    history = await store.tasks.history(due_placed.id)
+    assert [(e.from_status, e.to_status, e.reason) for e in history[-1:]] == [
+        (State.SCHEDULING, State.FAILED, REASON)
+    ]
+    for other in (not_due, without, running):
+        assert (await store.tasks.get(other.id)).status is other.status
+    due_in = await store.tasks.next_schedule_deadline()
+    assert due_in is not None
+    assert 50 < due_in <= 60  # the not-due one's
+    assert await sweep(store) == []
+
+
+async def test_no_deadline_at_all_is_none(store: Store) -> None:
+    await ready(store, "without")
+    assert await store.tasks.next_schedule_deadline() is None
+
+
+async def test_the_sweep_and_its_look_ahead_use_the_partial_index(
+    store: Store, pool: asyncpg.Pool
+) -> None:
+    for i in range(20):
+        await ready(store, f"t{i}", schedule_timeout_s=60)
+    async with pool.acquire() as conn:
+        await conn.execute("SET enable_seqscan = off")  # a tiny table: make the choice visible
+        await conn.execute("ANALYZE tasks")
+        for query, args in ((Q.claim_schedule_timed_out, (100,)), (Q.next_schedule_deadline, ())):
+            plan = "\n".join(r[0] for r in await conn.fetch(f"EXPLAIN {query.sql}", *args))
+            assert "tasks_schedule_deadline" in plan, plan
+
+
+async def test_a_start_claim_holding_the_row_wins_and_the_sweep_skips_it(
+    store: Store, pool: asyncpg.Pool
+) -> None:
+    task = await placed(store, schedule_timeout_s=2)
+    await make_overdue(pool, task)
+    start = fsm.plan(task, State.RUNNING, "started on n1", lease_owner=str(uuid4()))
+    async with store.transaction() as tx:
+        assert len(await tx.tasks.transition_many([start])) == 1  # holds the row until COMMIT
+        assert await sweep(store) == []  # SKIP LOCKED: not waited for, not failed
+    assert (await store.tasks.get(task.id)).status is State.RUNNING
+    assert await sweep(store) == []  # started: no longer waiting to start
+
+
+async def test_a_start_claim_racing_the_sweep_loses_to_the_failed_move(
+    store: Store, pool: asyncpg.Pool
+) -> None:
+    task = await placed(store, schedule_timeout_s=2)
+    await make_overdue(pool, task)
+    start = fsm.plan(task, State.RUNNING, "started on n1", lease_owner=str(uuid4()))
+    async with store.transaction() as tx:
+        failed = await tx.claims.fail_unstarted(10, not_started)
+        assert [t.id for t in failed] == [task.id]
+        # the executor's claim now waits for the row, then finds it moved on
+        claim = asyncio.create_task(store.tasks.transition_many([start]))
+        await asyncio.sleep(0.2)
+        assert not claim.done()
+    assert await asyncio.wait_for(claim, 10) == []
+    after = await store.tasks.get(task.id)
+    assert (after.status, after.started_at, after.lease_owner) == (State.FAILED, None, None)
+
+
+async def test_many_claims_and_sweeps_at_once_end_each_task_one_way(
+    store: Store, pool: asyncpg.Pool
+) -> None:
+    tasks = [await placed(store, f"t{i}", schedule_timeout_s=2) for i in range(40)]
+    await make_overdue(pool, *tasks)
+    owner = str(uuid4())
+
+    async def claim(task: Task) -> None:
+        await asyncio.sleep(random.uniform(0, 0.05))
+        await store.tasks.transition_many(
+            [fsm.plan(task, State.RUNNING, "started on n1", lease_owner=owner)]
+        )
+
+    async def sweeper() -> None:
+        for _ in range(10):
+            await store.claims.fail_unstarted(5, not_started)
+            await asyncio.sleep(0.005)
+
+    await asyncio.gather(*(claim(t) for t in tasks), sweeper(), sweeper())
+    await sweep(store)  # whatever neither got to
+    ends: dict[UUID, State] = {}
+    for task in tasks:
+        after = await store.tasks.get(task.id)
+        assert after.status in (State.RUNNING, State.FAILED), after
+        ends[task.id] = after.status
+        targets = [e.to_status for e in await store.tasks.history(task.id)]
+        assert targets[-1] is after.status
+        assert (State.RUNNING in targets) != (State.FAILED in targets), targets
+    assert set(ends.values()) <= {State.RUNNING, State.FAILED}
+
+
+async def test_a_workflow_resolves_past_a_task_that_never_started(
+    store: Store, pool: asyncpg.Pool
+) -> None:
+    wf = WorkflowSpec.parse(
+        {
+            "name": "wf",
+            "tasks": [
+                {"name": "stuck", "command": ["true"], "schedule_timeout_s": 2},
+                {
+                    "name": "cleanup",
+                    "command": ["true"],
+                    "needs": [{"task": "stuck", "condition": "on_failure"}],
+                },
+                {"name": "report", "command": ["true"], "needs": ["stuck"]},
+            ],
+        }
+    )
+    wf_id = uuid4()
+    (stuck,) = await workflows.admit(store, wf_id, wf)
+    assert stuck.schedule_deadline is not None  # a root: Ready at admission, its clock running
+    await make_overdue(pool, stuck)
+    assert [t.id for t in await sweep(store)] == [stuck.id]
+    ids = {name: workflows.task_id(wf_id, name) for name in ("cleanup", "report")}
+    released, ended = await workflows.resolve(store, list(ids.values()))
+    assert [t.id for t in released] == [ids["cleanup"]]
+    assert [(t.id, t.status) for t in ended] == [(ids["report"], State.SKIPPED)]
