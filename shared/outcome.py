@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from typing import Any
+from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict
 
@@ -35,7 +36,7 @@ class Report(BaseModel):
     final: bool = False  # a failure no retry can mend (an image that does not exist)
 
 
-def end_move(task: Task, report: Report, reason: str) -> Move:
+def end_move(task: Task, report: Report, reason: str, owner: UUID | None = None) -> Move:
     """Running (or Lost) -> Success | TimedOut | Failed, carrying result, error and log tail.
 
     The report is made storable first (`storable`): whatever an attempt printed or returned,
@@ -48,7 +49,10 @@ def end_move(task: Task, report: Report, reason: str) -> Move:
     target = State.TIMED_OUT if report.timed_out else State.FAILED
     why = f"{reason}: {report.error or target.label}"
     if report.lost and task.status is State.RUNNING:
-        return fsm.plan(task, State.LOST, f"{why} (lost)", **changes)
+        # reported by the executor that holds the attempt's lease (`owner`): it may declare
+        # its own attempt lost before the lease runs out, as its backend fences the next one
+        holder = {"lease_owner": str(owner)} if owner is not None else {}
+        return fsm.plan(task, State.LOST, f"{why} (lost)", **changes, **holder)
     if report.unstarted and task.status is State.RUNNING:
         if fsm.has_launch_left(task):
             spent = f"launch failure {task.launch_failures + 1} of {task.max_launch_failures}"

@@ -102,7 +102,7 @@ class Finisher:
         """One transaction: the current attempts' ends (and retries), the late results of the
         rest, their leases given back. Returns the late ones."""
         node = self.node
-        ends = [end_move(a.task, r, f"ended on {a.task.node}") for a, r in current]
+        ends = [end_move(a.task, r, f"ended on {a.task.node}", node.boot_id) for a, r in current]
         async with node.store.transaction() as tx:
             ended = await tx.tasks.transition_many(ends)
             await tx.tasks.transition_many(retries(ended))

@@ -106,7 +106,7 @@ class Executor(Service):
         node = self.node
         if self.serving is not None:
             await self.serving.leave_all()
-        if node.backend.adoptable():
+        if node.backend.detached:
             # a cluster's Jobs run on without this executor: a restarted one (or another
             # replica, when their leases lapse) adopts them; a rollout kills no task
             await self._finish_what_ended()

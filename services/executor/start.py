@@ -124,34 +124,38 @@ class Starter:
         headers = attempt.message.headers if attempt.message is not None else {}
         with hooks.attempt(task, task.node or node.id, headers) as seen:
             refused = node.policy.refuses(task.spec.job)
-            if attempt.message is None:  # adopted: its Job runs already; follow it
-                outcome = await node.backend.follow((task.id, task.attempt), task.timeout_s)
-            elif refused:  # the scheduler checks too; this node does not take its word for it
-                outcome = Outcome.failed(refused)
-            else:
-                env = {
-                    "SKED_HEARTBEAT_URL": node.settings.heartbeat_url,
-                    "SKED_HEARTBEAT_TOKEN": heartbeat.token(node.secret, task.id, task.attempt),
-                }
-                lease_s = lease.remaining_s(
-                    task.heartbeat_timeout_s, attempt.renewed_at, time.monotonic()
-                )
-                job = task.spec.job
-                launch = Launch(
-                    task.id,
-                    task.attempt,
-                    job,
-                    task.timeout_s,
-                    env,
-                    task.inputs,
-                    lease_s,
-                    node=task.node,
-                    resources=task.spec.resources,
-                )
-                outcome = await node.backend.run(launch)
+            try:
+                outcome = await self._outcome(attempt, refused)
+            except Exception as exc:  # a backend's bug must not leave the attempt hanging
+                log.exception("the backend failed running %s attempt %d", task.id, task.attempt)
+                outcome = Outcome.failed(f"the backend failed: {one_line(exc)}")
             seen.ended(outcome.ok, outcome.error)
         node.unreported[(task.id, task.attempt)] = outcome
         await node.outcomes.put((attempt, outcome))
+
+    async def _outcome(self, attempt: Attempt, refused: str | None) -> Outcome:
+        node, task = self.node, attempt.task
+        if attempt.message is None:  # adopted: its Job runs already; follow it
+            return await node.backend.follow((task.id, task.attempt), task.timeout_s)
+        if refused:  # the scheduler checks too; this node does not take its word for it
+            return Outcome.failed(refused)
+        env = {
+            "SKED_HEARTBEAT_URL": node.settings.heartbeat_url,
+            "SKED_HEARTBEAT_TOKEN": heartbeat.token(node.secret, task.id, task.attempt),
+        }
+        lease_s = lease.remaining_s(task.heartbeat_timeout_s, attempt.renewed_at, time.monotonic())
+        launch = Launch(
+            task.id,
+            task.attempt,
+            task.spec.job,
+            task.timeout_s,
+            env,
+            task.inputs,
+            lease_s,
+            node=task.node,
+            resources=task.spec.resources,
+        )
+        return await node.backend.run(launch)
 
     async def adopt(self, keys: set[Key]) -> int:
         """Take over attempts that run on without the executor that started them (a cluster's

@@ -142,7 +142,12 @@ class FakeTasks:
             task = self.d.tasks.get(move.task_id)
             if task is None or (task.version, task.status) != (move.version, move.source):
                 continue
-            if move.target in (State.LOST, State.RUNNING) and not self._lease_over(task):
+            holder = move.target is State.LOST and str(task.lease_owner) == str(
+                move.patch.get("lease_owner")
+            )
+            if move.target in (State.LOST, State.RUNNING) and not (
+                self._lease_over(task) or holder
+            ):
                 continue
             self.d.tasks[task.id] = moved = self._apply(task, move)
             out.append(moved)

@@ -82,11 +82,14 @@ class Backend(Protocol):
     """Runs attempts for one executor. `run` never raises for the task's own failures."""
 
     reaped: list[Key]  # attempts a previous executor left running, killed by start()
+    # its attempts run on without this executor (a cluster's Jobs): a draining executor
+    # leaves them to be adopted rather than stopping them
+    detached: bool
+
     @property
     def offers_changed(self) -> asyncio.Event:
         """Set when offers() may have changed."""
         ...
-
 
     def offers(self) -> Mapping[str, NodeOffer] | None:
         """The nodes this backend runs attempts on; None: one node, as configured."""
@@ -115,6 +118,8 @@ class OneNode:
     """The part of a Backend whose attempts are processes of this executor's one node: it
     offers that node as configured, and a process is followed only by the executor that
     started it (nothing to adopt)."""
+
+    detached = False
 
     @property
     def offers_changed(self) -> asyncio.Event:

@@ -50,7 +50,8 @@ WHERE id = ANY($1::uuid[]) OR idempotency_key = ANY($2::text[])
 -- Leases (docs/architecture.md, "At most one live attempt"): a move into Running takes one
 -- for the attempt; a move out of Running that proves the process ended ends it; Paused and
 -- Canceled keep it until the executor gives it back. Lost, and the start of a next attempt,
--- wait until the lease has run out by the margin. The schedule deadline is set anew when the
+-- wait until the lease has run out by the margin — except a Lost reported by the lease's
+-- holder itself (a cluster backend whose next launch fences the old attempt's pods). The schedule deadline is set anew when the
 -- task enters Ready from a waiting state, never when an attempt that held a slot comes back
 -- (so a task bouncing between Ready and Scheduling still times out).
 WITH u AS (
@@ -103,7 +104,8 @@ WITH u AS (
                            THEN now() ELSE t.finished_at END
     FROM u JOIN locked USING (id)
     WHERE t.id = u.id AND t.version = u.version AND t.status = u.from_status
-      AND (u.to_status NOT IN ('lost', 'running') OR {{lease_over($7)}})
+      AND (u.to_status NOT IN ('lost', 'running') OR {{lease_over($7)}}
+           OR (u.to_status = 'lost' AND t.lease_owner = (u.p ->> 'lease_owner')::uuid))
     RETURNING {{task_columns(t.)}}, u.from_status AS _from, u.reason AS _reason
 ), ev AS (
     INSERT INTO task_events (task_id, from_status, to_status, version, attempt, reason)

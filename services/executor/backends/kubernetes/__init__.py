@@ -22,8 +22,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 from uuid import UUID
+
+import aiohttp
 
 from services.executor.backends import Key, Launch, NodeOffer, Outcome
 from services.executor.backends.kubernetes.kube import (
@@ -77,6 +81,8 @@ class Followed:
 
 
 class KubernetesBackend:
+    detached = True  # a Job runs on without its executor
+
     def __init__(
         self,
         kube: Kube,
@@ -170,6 +176,8 @@ class KubernetesBackend:
                 await self.launcher.launch(launch, job)
             except LaunchFailed as exc:
                 return Outcome.launch_failed(str(exc), final=exc.permanent)
+            except API_TROUBLE as exc:  # a next attempt's fence deletes what this one left
+                return Outcome.launch_failed(f"Kubernetes API: {one_line(exc)}")
             return await self._follow(key, followed, launch.timeout_s)
         finally:
             self.followed.pop(key, None)
@@ -193,7 +201,7 @@ class KubernetesBackend:
     async def _follow_recorded(
         self, key: Key, followed: Followed, uid: str | None, timeout_s: float | None
     ) -> Outcome:
-        found = await self.kube.get_job(followed.name)
+        found = await patiently(lambda: self.kube.get_job(followed.name))
         if found is None or (uid is not None and uid_of(found) != uid):
             # the Job of a launched attempt vanished (or was replaced by a stranger): a loss
             return Outcome.gone("its Job was launched and has vanished")
@@ -218,13 +226,13 @@ class KubernetesBackend:
                 if followed.name not in self.jobs.objects:
                     # the cache may lag the API (a create not yet watched, a list taken before
                     # it): a Job is gone only when the API says so
-                    found = await self.kube.get_job(followed.name)
+                    found = await patiently(lambda: self.kube.get_job(followed.name))
                     if found is not None:
                         self.jobs.objects.setdefault(followed.name, found)
                         continue
                 return Outcome.gone(verdict.reason, await self._log(key))
             elif verdict.kind == "launch_failed":
-                await self.kube.delete_job(followed.name)
+                await patiently(lambda: self.kube.delete_job(followed.name))
                 return Outcome.launch_failed(verdict.reason, final=verdict.permanent)
             else:
                 if verdict.kind == "running" and followed.started is None:
@@ -234,7 +242,7 @@ class KubernetesBackend:
                     return lost
             wait = self._next_look(followed, timeout_s)
             if wait is not None and wait <= 0:  # sked's run timer, from the container's start
-                await self.kube.delete_job(followed.name)
+                await patiently(lambda: self.kube.delete_job(followed.name))
                 tail = await self._log(key)
                 return Outcome.failed(
                     f"ran past its timeout of {timeout_s:g} s", tail, timed_out=True
@@ -280,8 +288,9 @@ class KubernetesBackend:
             f"node {followed.node} NotReady for {now - since:.0f} s (grace {self.node_grace_s:g} s)"
         ]
         # the Job's and pod's status, read afresh from the API rather than from the cache
-        job = await self.kube.get_job(followed.name)
-        pods = [p for p in (await self.kube.pods(f"{TASK_LABEL}={key[0]}"))[0] if key_of(p) == key]
+        job = await patiently(lambda: self.kube.get_job(followed.name))
+        listed, _ = await patiently(lambda: self.kube.pods(f"{TASK_LABEL}={key[0]}"))
+        pods = [p for p in listed if key_of(p) == key]
         fresh = judge(job, pods, now - followed.since, self.start_budget_s)
         if fresh.kind in ("exited", "launch_failed"):
             return None  # it did end, on its own: the cache catches up and it is reported so
@@ -322,7 +331,11 @@ class KubernetesBackend:
             return False
         followed.last_log = await self._log((task_id, attempt))
         followed.stopped, followed.stopped_at = True, time.monotonic()
-        await self.kube.delete_job(followed.name)
+        try:  # the watch loop calls this: bounded; the next attempt's fence deletes it anyway
+            async with asyncio.timeout(10):
+                await patiently(lambda: self.kube.delete_job(followed.name))
+        except TimeoutError:
+            log.warning("Job %s not deleted yet (the API does not answer)", followed.name)
         followed.changed.set()
         return True
 
@@ -340,3 +353,21 @@ class KubernetesBackend:
     def _on_pod(self, name: str, obj: Obj | None) -> None:
         self._pods_changed.set()
         self._wake(obj, name)
+
+
+# What the API or the network may do to any call; none of it is the task's fault.
+API_TROUBLE = (KubeError, OSError, aiohttp.ClientError, TimeoutError, ValueError)
+T = TypeVar("T")
+
+
+async def patiently(call: Callable[[], Awaitable[T]], what: str = "Kubernetes API") -> T:
+    """`call()` until it answers: an attempt is followed through an API outage, not given up
+    (the executor's shutdown cancels it)."""
+    pause = 0.2
+    while True:
+        try:
+            return await call()
+        except API_TROUBLE as exc:
+            log.warning("%s: %s; trying again in %.1f s", what, one_line(exc), pause)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 5.0)
