@@ -16,9 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 from uuid import UUID, uuid4
@@ -26,8 +24,16 @@ from uuid import UUID, uuid4
 from opentelemetry.trace import SpanKind
 from redis.asyncio import Redis
 
-from shared import control, fsm, telemetry
-from shared.bus import SCHEMA_HEADER, SUBMIT_KEY, TASKS_EXCHANGE, WORKFLOW_KEY, AmqpBus, Outgoing
+from shared import control, heartbeat, telemetry
+from shared.bus import (
+    PROBE_EXCHANGE,
+    SCHEMA_HEADER,
+    SUBMIT_KEY,
+    TASKS_EXCHANGE,
+    WORKFLOW_KEY,
+    AmqpBus,
+    Outgoing,
+)
 from shared.dag import WorkflowSpec
 from shared.errors import NotFound, SkedError
 from shared.fsm import State
@@ -36,65 +42,13 @@ from shared.queues import ReadyQueue
 from shared.resilience import TRANSIENT
 from shared.settings import Settings
 from shared.store import TASK_CHANNEL, NodeRow, Store, parse_notify
+from shared.views import WorkflowView
 
 
 class WaitTimeout(SkedError, TimeoutError):
     def __init__(self, pending: Iterable[UUID], timeout: float) -> None:
         ids = ", ".join(str(i) for i in pending)
         super().__init__(f"not terminal after {timeout:g} s: {ids}")
-
-
-def is_done(task: Task) -> bool:
-    return fsm.is_terminal(task.status, fsm.has_retry_left(task))
-
-
-@dataclass(frozen=True)
-class WorkflowView:
-    """A workflow as stored: its tasks and edges (upstream, downstream, condition)."""
-
-    id: UUID
-    name: str
-    tasks: list[Task]
-    edges: list[tuple[UUID, UUID, str]]
-
-    def counts(self) -> dict[str, int]:
-        return dict(Counter(t.status.value for t in self.tasks))
-
-    def status(self) -> str:
-        """The aggregate: running until every task is terminal; then failed if any task
-        failed or timed out, canceled if any was canceled, else succeeded."""
-        if not all(is_done(t) for t in self.tasks):
-            return "paused" if any(t.status is State.PAUSED for t in self.tasks) else "running"
-        states = {t.status for t in self.tasks}
-        if states & {State.FAILED, State.TIMED_OUT}:
-            return "failed"
-        if State.CANCELED in states:
-            return "canceled"
-        return "succeeded"
-
-    def dot(self) -> str:
-        """The DAG in Graphviz DOT, each node labelled with its name and state."""
-        colours = {
-            "success": "palegreen",
-            "failed": "salmon",
-            "timed_out": "salmon",
-            "running": "lightblue",
-            "skipped": "lightgrey",
-            "canceled": "lightgrey",
-            "paused": "khaki",
-        }
-        names = {t.id: t.wf_task or t.name for t in self.tasks}
-        lines = [f'digraph "{self.name}" {{', "  rankdir=LR;", "  node [style=filled];"]
-        for t in self.tasks:
-            colour = colours.get(t.status.value, "white")
-            lines.append(
-                f'  "{names[t.id]}" [label="{names[t.id]}\\n{t.status.label}", fillcolor={colour}];'
-            )
-        for upstream, downstream, condition in self.edges:
-            label = "" if condition == "on_success" else f' [label="{condition}"]'
-            lines.append(f'  "{names[upstream]}" -> "{names[downstream]}"{label};')
-        lines.append("}")
-        return "\n".join(lines) + "\n"
 
 
 class SkedClient:
@@ -254,6 +208,24 @@ class SkedClient:
 
     async def get(self, task_id: UUID | str) -> Task:
         return await (await self._db()).tasks.get(UUID(str(task_id)))
+
+    async def log(self, task_id: UUID | str, timeout: float = 5.0) -> str | None:
+        """The task's log: while an attempt runs, as it is now, asked of its executor (a
+        pod's log on Kubernetes, the process's log file locally); else the tail stored when
+        the attempt ended. None if there is none yet."""
+        task = await self.get(task_id)
+        if task.status is State.RUNNING and task.node is not None:
+            probe = heartbeat.Probe(task_id=task.id, attempt=task.attempt, want="log")
+            bus = await self._publisher()
+            got = await bus.request(
+                PROBE_EXCHANGE, task.node, probe.model_dump_json().encode(), timeout
+            )
+            if isinstance(got, bytes):
+                with contextlib.suppress(ValueError):
+                    answer = heartbeat.ProbeAnswer.model_validate_json(got)
+                    if answer.log is not None:
+                        return answer.log
+        return task.log_tail
 
     async def history(self, task_id: UUID | str) -> list[Event]:
         return await (await self._db()).tasks.history(UUID(str(task_id)))

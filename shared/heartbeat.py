@@ -58,6 +58,12 @@ class Probe(BaseModel):
 
     task_id: UUID
     attempt: int = Field(ge=1, le=INT32_MAX)
+    # "state": how the attempt stands (the monitor's ladder); "log": its log as it is now
+    # (`sked logs` of a running attempt: a pod's log, a local process's log file)
+    want: Literal["state", "log"] = "state"
+
+
+LIVE_LOG_CHARS = 64 * 1024
 
 
 class ProbeAnswer(BaseModel):
@@ -66,6 +72,7 @@ class ProbeAnswer(BaseModel):
     # frozen: its lease lapsed and the node's watchdog stopped it (as good as no answer)
     state: Literal["running", "finished", "frozen", "unknown"]
     report: Report | None = None  # with "finished": the real outcome
+    log: str | None = Field(default=None, max_length=LIVE_LOG_CHARS)  # with want="log"
 
 
 def token(secret: str, task_id: UUID, attempt: int) -> str:

@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--command", help='the command line to run, e.g. "python job.py --x 1"')
     what.add_argument("--handler", help="a Python callable, module:function")
     p.add_argument("--args", help="JSON arguments for --handler")
+    p.add_argument(
+        "--image", help="with --command: its container image (the Kubernetes backend needs one)"
+    )
     p.add_argument("--name")
     p.add_argument("--priority", type=int, default=0)
     p.add_argument("--max-retries", type=int, default=0)

@@ -24,13 +24,14 @@ from services.cli.output import (
     workflow_json,
 )
 from shared import fsm
-from shared.client import SkedClient, WaitTimeout, WorkflowView
+from shared.client import SkedClient, WaitTimeout
 from shared.dag import WorkflowSpec
 from shared.errors import SkedError
 from shared.fsm import State
 from shared.models import Task, TaskSpec
 from shared.settings import Settings, parse_labels
 from shared.store.migrate import migrate
+from shared.views import WorkflowView
 
 T = TypeVar("T")
 
@@ -91,8 +92,12 @@ def spec_from_args(args: argparse.Namespace) -> TaskSpec:
     if args.command is not None:
         argv = shlex.split(args.command)
         job = {"kind": "command", "argv": argv}
+        if args.image is not None:
+            job["image"] = args.image
         default_name = Path(argv[0]).name if argv else "command"
     else:
+        if args.image is not None:
+            raise SkedError("--image goes with --command: a handler runs in the executor's image")
         try:
             job_args = json.loads(args.args) if args.args is not None else None
         except json.JSONDecodeError as exc:
@@ -190,11 +195,13 @@ async def _events(args: argparse.Namespace) -> int:
 
 async def _logs(args: argparse.Namespace) -> int:
     async with SkedClient() as client:
-        task = await client.get(parse_task_id(args.id))
-    if task.log_tail is None:
-        print(f"(no log yet: the task is {task.status.label})", file=sys.stderr)
-        return 0
-    sys.stdout.write(task.log_tail)
+        task_id = parse_task_id(args.id)
+        text = await client.log(task_id)
+        if text is None:
+            task = await client.get(task_id)
+            print(f"(no log yet: the task is {task.status.label})", file=sys.stderr)
+            return 0
+    sys.stdout.write(text)
     return 0
 
 

@@ -8,10 +8,10 @@ from collections.abc import Awaitable
 from typing import Any
 from uuid import UUID
 
-from shared.client import WorkflowView
 from shared.errors import SkedError
 from shared.fsm import State
 from shared.models import Task
+from shared.views import WorkflowView
 
 
 def print_json(value: Any) -> None:

@@ -33,6 +33,7 @@ from services.executor.start import Starter
 from services.executor.watch import Watcher
 from shared import heartbeat
 from shared.bus import AmqpBus
+from shared.jsonvalue import clean_text
 from shared.outcome import storable
 from shared.queues import ReadyQueue
 from shared.resilience import TRANSIENT
@@ -169,7 +170,13 @@ class Executor(Service):
             return
         try:
             key = (probe.task_id, probe.attempt)
-            if key in node.unreported:
+            if probe.want == "log":
+                async with asyncio.timeout(self.settings.probe_timeout_s):
+                    tail = await node.backend.log_tail(key, heartbeat.LIVE_LOG_CHARS)
+                tail = None if tail is None else clean_text(tail)
+                known = key in node.backend.running()
+                answer = heartbeat.ProbeAnswer(state="running" if known else "unknown", log=tail)
+            elif key in node.unreported:
                 report = storable(report_of(node.unreported[key]))
                 answer = heartbeat.ProbeAnswer(state="finished", report=report)
             elif node.backend.frozen(key):

@@ -79,8 +79,9 @@ async def start(
 async def services(
     deployment: Deployment, cluster: FakeCluster, budget_s: float = 15
 ) -> ServiceProcess:
-    for name in ("scheduler", "relay", "recovery", "heartbeat-monitor"):
+    for name in ("scheduler", "relay", "recovery"):
         await deployment.start(name)
+    await deployment.start("heartbeat-monitor", "--port", "0")  # pods send it no beats here
     return await start(deployment, cluster, budget_s=budget_s)
 
 
@@ -241,6 +242,12 @@ async def test_cancel_and_timeout_delete_the_job_and_its_pods(
     await services(deployment, cluster)
     canceled, timed = await client.submit_many([task("forever"), task("forever", timeout_s=1)])
     await cluster.wait_for(lambda: cluster.pods_of(job_name(canceled, 1)), timeout=30)
+
+    async def live_log() -> str | None:
+        return await client.log(canceled)
+
+    # `sked logs` of a running attempt reads its pod's log, through its executor
+    assert "working" in await eventually(live_log, timeout=30, what="the pod's log")
     await client.cancel(canceled, "not needed")
     done = await client.wait_all([canceled, timed], timeout=60)
     assert done[canceled].status is State.CANCELED

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from shared.client import SkedClient
+from shared.errors import NotFound
 from shared.fsm import State
 from tests.e2e.conftest import Deployment
+from tests.helpers import eventually
 
 
 async def test_one_command_and_one_handler(deployment: Deployment, client: SkedClient) -> None:
@@ -34,3 +36,25 @@ async def test_one_command_and_one_handler(deployment: Deployment, client: SkedC
         State.RUNNING,
         State.SUCCESS,
     ]
+
+
+async def test_the_log_of_a_running_attempt_is_read_from_its_executor(
+    deployment: Deployment, client: SkedClient
+) -> None:
+    await deployment.start("scheduler")
+    await deployment.start("relay")
+    await deployment.executor("n1", 1)
+    task_id = await client.submit(
+        {"name": "talk", "job": {"kind": "command", "argv": ["sh", "-c", "echo started; sleep 60"]}}
+    )
+
+    async def live() -> str | None:
+        try:
+            task = await client.get(task_id)
+        except NotFound:
+            return None
+        return await client.log(task_id) if task.status is State.RUNNING else None
+
+    assert "started" in await eventually(live, what="the running attempt's log")
+    await client.cancel(task_id, "seen enough")
+    assert (await client.wait(task_id, timeout=30)).status is State.CANCELED

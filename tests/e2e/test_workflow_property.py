@@ -19,8 +19,9 @@ import asyncpg
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.client import SkedClient, is_done
+from shared.client import SkedClient
 from shared.fsm import State
+from shared.views import is_done
 from tests.e2e.checks import check_all_histories
 from tests.e2e.conftest import Deployment
 from tests.faults.checks import read_stamps

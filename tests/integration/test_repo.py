@@ -9,13 +9,13 @@ import asyncpg
 import pytest
 
 from shared import fsm
-from shared.client import is_done
 from shared.errors import IllegalTransition, InvalidSpec, NotFound, StaleWrite, UnknownState
 from shared.fsm import State
 from shared.models import TaskSpec
 from shared.store import Store, Tx, parse_notify
 from shared.store.db import Db
 from shared.store.queries import Q
+from shared.views import is_done
 from tests.helpers import spec
 
 

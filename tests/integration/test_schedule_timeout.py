@@ -11,13 +11,13 @@ from uuid import UUID, uuid4
 import asyncpg
 
 from shared import control, fsm, workflows
-from shared.client import is_done
 from shared.dag import WorkflowSpec
 from shared.fsm import State
 from shared.models import Task
 from shared.outcome import not_started
 from shared.store import Store
 from shared.store.queries import Q
+from shared.views import is_done
 from tests.helpers import spec
 
 REASON = "not started within 2 s (schedule_timeout_s)"

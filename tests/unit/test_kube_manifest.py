@@ -10,6 +10,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
+from services.cli import build_parser
+from services.cli.commands import spec_from_args
 from services.executor.backends.kubernetes.manifest import (
     GPU,
     JobOptions,
@@ -20,6 +22,7 @@ from services.executor.backends.kubernetes.manifest import (
     quantity,
 )
 from services.executor.backends.kubernetes.status import judge
+from shared.errors import SkedError
 from shared.models import CommandJob, Resources
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -234,3 +237,11 @@ def test_judging_launch_failures() -> None:
     assert "Unschedulable" in unschedulable.reason
     assert judge(failed_job("DeadlineExceeded"), [], 0, 10).kind == "launch_failed"
     assert "no pod" in judge(JOB, [], 11, 10).reason
+
+
+def test_sked_submit_takes_an_image_for_a_command_only() -> None:
+    args = build_parser().parse_args(["submit", "--command", "run.sh", "--image", "app:2"])
+    assert spec_from_args(args).job == CommandJob(argv=["run.sh"], image="app:2")
+    args = build_parser().parse_args(["submit", "--handler", "m:f", "--image", "app:2"])
+    with pytest.raises(SkedError, match="--image goes with --command"):
+        spec_from_args(args)

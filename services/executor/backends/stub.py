@@ -49,6 +49,9 @@ class StubBackend(OneNode):
         self._gates[key].set()
         return True
 
+    async def log_tail(self, key: Key, limit: int) -> str | None:
+        return f"log of {key[0]} attempt {key[1]}\n"[-limit:] if key in self._gates else None
+
     def running(self) -> set[Key]:
         return set(self._gates)
 

@@ -315,6 +315,12 @@ class KubernetesBackend:
     def _has_pods(self, key: Key) -> bool:
         return bool(self._pods_of(key))
 
+    async def log_tail(self, key: Key, limit: int) -> str | None:
+        """The pod's log as it is now (the newest pod of the attempt's Job)."""
+        if latest(self._pods_of(key)) is None:
+            return None
+        return (await self._log(key))[-limit:]
+
     async def _log(self, key: Key) -> str:
         pod = latest(self._pods_of(key))
         if pod is None:

@@ -254,6 +254,10 @@ class LocalBackend(OneNode):
             inputs_path.unlink(missing_ok=True)
             output_path.unlink(missing_ok=True)
 
+    async def log_tail(self, key: Key, limit: int) -> str | None:
+        path = self._logs / f"{key[0]}-{key[1]}.log"
+        return _tail(path, limit) if path.exists() else None
+
     def _tail(self, log_path: Path) -> str:
         return _tail(log_path, self.log_tail_bytes)
 
