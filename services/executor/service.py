@@ -33,6 +33,7 @@ from services.executor.start import Starter
 from services.executor.watch import Watcher
 from shared import heartbeat
 from shared.bus import AmqpBus
+from shared.fsm import State
 from shared.jsonvalue import clean_text
 from shared.outcome import storable
 from shared.queues import ReadyQueue
@@ -43,6 +44,8 @@ from shared.settings import Settings
 from shared.store import TASK_CHANNEL, Handler, Store
 
 log = logging.getLogger(__name__)
+
+SWEEP_EVERY = 30  # node heartbeats between sweeps for superseded attempts (detached backends)
 
 
 class Executor(Service):
@@ -88,8 +91,26 @@ class Executor(Service):
         await probes.consume(self._on_probe)
         self.serving = Serving(node, channel, probes)
         await self.serving.sync()
-        # a cluster's Jobs run on while their executor restarts: follow ours again
+        # a cluster's Jobs run on while their executor restarts: follow ours again, and
+        # delete those whose task moved on meanwhile (canceled, paused, lost and retried)
         await self.starter.adopt(set(await self.store.launches.by(node.id).mine()))
+        await self.discard_superseded()
+
+    async def discard_superseded(self) -> int:
+        """Stop what the backend runs for attempts no longer current (nobody follows them)."""
+        node = self.node
+        keys = node.backend.adoptable() - set(node.active)
+        if not keys:
+            return 0
+        current = {t.id: t for t in await self.store.tasks.get_many(list({k[0] for k in keys}))}
+        stale = {
+            (task_id, attempt)
+            for task_id, attempt in keys
+            if (t := current.get(task_id)) is None
+            or not (t.status is State.RUNNING and t.attempt == attempt)
+        }
+        await node.backend.discard(stale)
+        return len(stale)
 
     def announce(self) -> str:
         assert self.serving is not None
@@ -145,6 +166,7 @@ class Executor(Service):
         and refresh the rows of the nodes served."""
         node, serving = self.node, self.serving
         assert serving is not None
+        beats = 0
         while not self.stopping.is_set():
             changed = node.backend.offers_changed
             await wait_any(self.stopping, changed, timeout=self.settings.node_heartbeat_s)
@@ -152,6 +174,10 @@ class Executor(Service):
                 return
             changed.clear()
             await serving.sync()
+            beats += 1
+            if node.backend.detached and beats % SWEEP_EVERY == 0:
+                # Jobs whose executor was gone when their task moved on: nobody else stops them
+                await self.discard_superseded()
             if not await serving.beat():
                 log.error("node %s was taken over by another executor; stopping", node.id)
                 self.stop()

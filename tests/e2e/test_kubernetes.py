@@ -105,6 +105,7 @@ async def test_fifty_tasks_run_as_jobs_on_the_nodes_sked_placed_them_on(
     cluster: FakeCluster, deployment: Deployment, client: SkedClient
 ) -> None:
     await services(deployment, cluster)
+    await start(deployment, cluster, "ky")  # a second replica serving the same cluster
     gpu = [task("ok", resources={"gpu": 1, "cpu": 1, "memory_mb": 512}) for _ in range(10)]
     cpu = [task("ok", resources={"cpu": 0.5, "memory_mb": 256}) for _ in range(40)]
     ids = await client.submit_many([*gpu, *cpu])
@@ -116,7 +117,7 @@ async def test_fifty_tasks_run_as_jobs_on_the_nodes_sked_placed_them_on(
     for number, task_id in enumerate(ids):
         t = done[task_id]
         name = job_name(t.id, t.attempt)
-        assert cluster.create_counts[name] == 1
+        assert cluster.create_counts[name] == 1  # two replicas, no double launch
         pod = sent[name]["spec"]["template"]["spec"]
         assert pod["nodeSelector"] == {"kubernetes.io/hostname": t.node}
         container = pod["containers"][0]
@@ -142,6 +143,7 @@ async def test_an_executor_killed_mid_run_adopts_its_jobs_when_it_restarts(
 ) -> None:
     executor = await services(deployment, cluster)
     ids = await client.submit_many([task("slow") for _ in range(6)])
+    doomed = await client.submit(task("forever"))
 
     async def all_running() -> bool:
         tasks = [await get(client, i) for i in ids]
@@ -149,7 +151,7 @@ async def test_an_executor_killed_mid_run_adopts_its_jobs_when_it_restarts(
 
     await eventually(all_running, timeout=60, what="every attempt running")
     # mid-run: every Job's pod is running (not merely claimed in Postgres)
-    names = [job_name(i, 1) for i in ids]
+    names = [job_name(i, 1) for i in [*ids, doomed]]
     await cluster.wait_for(
         lambda: (
             all(p["status"].get("phase") == "Running" for n in names for p in cluster.pods_of(n))
@@ -158,12 +160,15 @@ async def test_an_executor_killed_mid_run_adopts_its_jobs_when_it_restarts(
         timeout=30,
     )
     executor.kill()
+    await client.cancel(doomed, "canceled while its executor was down")  # its Job runs on
     await start(deployment, cluster)  # the same node id: it finds the attempts it launched
     done = await client.wait_all(ids, timeout=60)
     assert all(t.status is State.SUCCESS for t in done.values())
     assert all(t.attempt == 1 for t in done.values())
     assert set(cluster.create_counts.values()) == {1}  # no Job was created twice
     assert "adopted" in deployment.procs[-1].log()
+    # the Job of the task canceled meanwhile is superseded: the restarted executor deletes it
+    await cluster.wait_for(lambda: not cluster.pods_of(job_name(doomed, 1)), timeout=30)
 
 
 async def test_launch_failures_go_back_to_ready_without_a_retry_until_the_cap(

@@ -107,6 +107,11 @@ class Backend(Protocol):
         """Follow an adopted attempt (one of `adoptable()`) to its outcome."""
         ...
 
+    async def discard(self, keys: set[Key]) -> None:
+        """Stop these attempts, not followed here, whose task moved on (a cluster's Jobs left
+        behind by an executor that was down when its tasks were canceled or retried)."""
+        ...
+
     def running(self) -> set[Key]: ...
     def renew(self, key: Key, seconds: float) -> None: ...
     def frozen(self, key: Key) -> bool: ...
@@ -142,3 +147,6 @@ class OneNode:
 
     async def follow(self, key: Key, timeout_s: float | None) -> Outcome:
         return Outcome.gone("a local process cannot be adopted")
+
+    async def discard(self, keys: set[Key]) -> None:
+        return None  # what a previous executor left is reaped from its records at start

@@ -20,6 +20,7 @@ again: if it vanishes, the attempt is lost.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -329,6 +330,13 @@ class KubernetesBackend:
             return await self.kube.pod_log(name_of(pod), LOG_TAIL_CHARS)
         except (KubeError, OSError, TimeoutError) as exc:
             return f"(log not readable: {one_line(exc)})"
+
+    async def discard(self, keys: set[Key]) -> None:
+        """Delete the Jobs of these superseded attempts (and, Background, their pods)."""
+        for key in keys - set(self.followed):
+            with contextlib.suppress(*API_TROUBLE):
+                if await self.kube.delete_job(job_name(*key)):
+                    log.info("deleted the Job of %s attempt %d: the task moved on", *key)
 
     async def stop_task(self, task_id: UUID, attempt: int) -> bool:
         """Delete the attempt's Job (and pods); its run() returns once the pods are gone."""
