@@ -46,6 +46,7 @@ class WorkflowTask(BaseModel):
 
     name: str = Field(min_length=1, max_length=200)
     command: list[str] | None = None
+    image: str | None = None  # with command: its container image (the Kubernetes backend)
     handler: str | None = None
     args: JsonValue = None
     needs: list[Edge] = Field(default_factory=list)
@@ -58,7 +59,7 @@ class WorkflowTask(BaseModel):
     def _shape(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        known = {"name", "command", "handler", "args", "needs", "uses", "options"}
+        known = {"name", "command", "image", "handler", "args", "needs", "uses", "options"}
         out = {k: v for k, v in data.items() if k in known}
         # the file form puts options at the task's top level; the dumped form, under "options"
         out["options"] = {
@@ -73,8 +74,10 @@ class WorkflowTask(BaseModel):
         """The task spec this workflow task runs with (InvalidSpec names the task)."""
         if (self.command is None) == (self.handler is None):
             raise InvalidSpec(f"task {self.name!r}: give exactly one of command or handler")
+        if self.image is not None and self.command is None:
+            raise InvalidSpec(f"task {self.name!r}: image goes with command")
         job: dict[str, Any] = (
-            {"kind": "command", "argv": self.command}
+            {"kind": "command", "argv": self.command, "image": self.image}
             if self.command is not None
             else {"kind": "handler", "handler": self.handler, "args": self.args}
         )

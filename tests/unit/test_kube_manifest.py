@@ -22,7 +22,8 @@ from services.executor.backends.kubernetes.manifest import (
     quantity,
 )
 from services.executor.backends.kubernetes.status import judge
-from shared.errors import SkedError
+from shared.dag import WorkflowTask
+from shared.errors import InvalidSpec, SkedError
 from shared.models import CommandJob, Resources
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -245,3 +246,10 @@ def test_sked_submit_takes_an_image_for_a_command_only() -> None:
     args = build_parser().parse_args(["submit", "--handler", "m:f", "--image", "app:2"])
     with pytest.raises(SkedError, match="--image goes with --command"):
         spec_from_args(args)
+
+
+def test_a_workflow_task_names_its_image_beside_its_command() -> None:
+    spec = WorkflowTask.model_validate({"name": "t", "command": ["run"], "image": "app:3"}).spec()
+    assert spec.job == CommandJob(argv=["run"], image="app:3")
+    with pytest.raises(InvalidSpec, match="image goes with command"):
+        WorkflowTask.model_validate({"name": "t", "handler": "m:f", "image": "app:3"}).spec()
