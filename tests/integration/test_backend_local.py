@@ -481,7 +481,12 @@ async def test_orphans_of_an_executor_killed_with_its_warden_are_reaped(tmp_path
     script = f"sleep 60 & echo $! > {command_pid}; wait"
     executor, task_id, leaders = await start_two_attempts(tmp_path, script)
     try:
-        for pid in [executor.pid, *warden_tree(executor.pid)]:
+        # all at once: stopped first, so that the warden cannot see the executor die and
+        # kill the trees itself (it would, given a moment: that is its job) before its turn
+        together = [executor.pid, *warden_tree(executor.pid)]
+        for pid in together:
+            os.kill(pid, signal.SIGSTOP)
+        for pid in together:
             os.kill(pid, signal.SIGKILL)
     finally:
         executor.wait(timeout=10)
