@@ -1,8 +1,10 @@
 """`sked dev`: the whole deployment in one terminal, each service its own process.
 
-Applies migrations, then runs the scheduler, the relay, the heartbeat-monitor, recovery and N
-executors (`sked service …`),
-prefixing every log line with its process's name. Ctrl-C (or SIGTERM) stops them all: each
+Applies migrations, then runs the scheduler, the relay, the heartbeat-monitor, recovery, the
+operator API (127.0.0.1:8480; `sked token create` makes a token) and N executors (`sked service …`),
+prefixing every log line with its process's name. Each process serves its metrics on a port
+of its own: the i-th (from 0, in the order above) on `--metrics-port` + i (default 9464 and
+up; 0: each any free port, named in its log; -1: none). Ctrl-C (or SIGTERM) stops them all: each
 gets SIGTERM and a grace period, then SIGKILL. If any one dies, the rest are stopped too and the
 exit code says so.
 """
@@ -38,6 +40,7 @@ def _commands(executors: int, slots: int) -> list[tuple[str, list[str]]]:
         ("relay", [*sked, "relay"]),
         ("monitor", [*sked, "heartbeat-monitor"]),
         ("recovery", [*sked, "recovery"]),
+        ("api", [*sked, "api"]),
     ]
     for i in range(1, executors + 1):
         node = f"dev-{i}"
@@ -53,7 +56,13 @@ async def _pump(child: Child, colour: str, tty: bool) -> None:
         sys.stdout.flush()
 
 
-async def _dev(executors: int, slots: int) -> int:
+def metrics_env(base: int, index: int) -> dict[str, str]:
+    """SKED_METRICS_PORT for the `index`-th process: its own port above `base` (0: any free
+    one; -1: metrics off)."""
+    return {"SKED_METRICS_PORT": str(base + index if base > 0 else base)}
+
+
+async def _dev(executors: int, slots: int, metrics_port: int) -> int:
     settings = Settings()
     await migrate(settings.database_url)
     # every process of this deployment signs and checks heartbeats with one secret, made here
@@ -72,7 +81,12 @@ async def _dev(executors: int, slots: int) -> int:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C reaches only us; we stop the children in order
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "SKED_HEARTBEAT_SECRET": secret},
+            env={
+                **os.environ,
+                "PYTHONUNBUFFERED": "1",
+                "SKED_HEARTBEAT_SECRET": secret,
+                **metrics_env(metrics_port, i),
+            },
         )
         child = Child(name, proc)
         children.append(child)
@@ -96,13 +110,13 @@ async def _dev(executors: int, slots: int) -> int:
     return 1 if crashed else 0
 
 
-def run_dev(executors: int, slots: int) -> int:
+def run_dev(executors: int, slots: int, metrics_port: int = 9464) -> int:
     if executors < 1:
         return 2
     code = 0
 
     async def main() -> None:
         nonlocal code
-        code = await _dev(executors, slots)
+        code = await _dev(executors, slots, metrics_port)
 
     return run_main(main) or code

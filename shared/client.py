@@ -24,7 +24,8 @@ from uuid import UUID, uuid4
 from opentelemetry.trace import SpanKind
 from redis.asyncio import Redis
 
-from shared import control, heartbeat, telemetry
+from shared import control, heartbeat, modes, telemetry
+from shared.alerts import Alerter
 from shared.bus import (
     PROBE_EXCHANGE,
     SCHEMA_HEADER,
@@ -35,6 +36,7 @@ from shared.bus import (
     Outgoing,
 )
 from shared.dag import WorkflowSpec
+from shared.degrade import DegradeState, Mode
 from shared.errors import NotFound, SkedError
 from shared.fsm import State
 from shared.models import Event, Task, TaskSpec, task_id_for
@@ -190,9 +192,9 @@ class SkedClient:
         """Pause a non-terminal task (a running attempt is stopped). Raises NotAllowed."""
         return await control.pause(await self._db(), UUID(str(task_id)), reason, by)
 
-    async def resume(self, task_id: UUID | str) -> Task:
+    async def resume(self, task_id: UUID | str, by: str | None = None) -> Task:
         """Resume a paused task: it runs again as a new attempt, with no retry spent."""
-        return await control.resume(await self._db(), self._queue(), UUID(str(task_id)))
+        return await control.resume(await self._db(), self._queue(), UUID(str(task_id)), by)
 
     async def cancel(self, task_id: UUID | str, reason: str = "", by: str | None = None) -> Task:
         """Cancel a non-terminal task (a running attempt is stopped). Raises NotAllowed."""
@@ -233,6 +235,24 @@ class SkedClient:
     async def tasks(self, statuses: Iterable[object] | None = None, limit: int = 100) -> list[Task]:
         """Tasks, newest first, optionally only those in `statuses`."""
         return await (await self._db()).tasks.list_tasks(statuses=statuses, limit=limit)
+
+    async def degrade_status(self) -> DegradeState:
+        """The degrade mode every scheduler obeys."""
+        return await (await self._db()).degrade.read()
+
+    async def degrade(
+        self, mode: Mode, reason: str, by: str, for_s: float | None = None
+    ) -> DegradeState:
+        """Set the degrade mode (NORMAL lifts it) for `for_s` seconds or until lifted; its
+        event and alert go out. Raises ModeChanged if it changed meanwhile."""
+        bus = await self._publisher()
+        alerter = Alerter(bus, self.settings.alertmanager_url)
+        try:
+            store = await self._db()
+            _, after = await modes.change(store.degrade, mode, reason, by, for_s, bus, alerter)
+        finally:
+            await alerter.close()
+        return after
 
     async def nodes(self) -> list[NodeRow]:
         """The registered nodes with their capacity and usage."""

@@ -89,9 +89,11 @@ async def cancel(
     raise StaleWrite(f"task {task_id} kept changing; cancel not applied")
 
 
-async def resume(store: Store, queue: ReadyQueue, task_id: UUID) -> Task:
+async def resume(store: Store, queue: ReadyQueue, task_id: UUID, by: str | None = None) -> Task:
     """Paused -> Pending -> Ready, and into the ready queue. The next attempt gets a new
-    attempt number; retry_count is unchanged (a pause costs no retry)."""
+    attempt number; retry_count is unchanged (a pause costs no retry). `by`, when given, is
+    named in the event (the operator API gives its token's name)."""
+    said = "resumed" if by is None else f"resumed by {by}"
     for _ in range(ATTEMPTS):
         task = await store.tasks.get(task_id)
         if task.status is not State.PAUSED:
@@ -99,17 +101,17 @@ async def resume(store: Store, queue: ReadyQueue, task_id: UUID) -> Task:
             raise NotAllowed(f"task {task_id} is {task.status.label}, not paused")
         if await store.workflows.has_deps(task_id):
             # a workflow task: back to Pending; the scheduler re-evaluates its dependencies
-            moved = await store.tasks.transition(fsm.plan(task, State.PENDING, "resumed"))
+            moved = await store.tasks.transition(fsm.plan(task, State.PENDING, said))
             if moved is None:
                 continue
             return moved
         async with store.transaction() as tx:
-            pending = await tx.tasks.transition_many([fsm.plan(task, State.PENDING, "resumed")])
+            pending = await tx.tasks.transition_many([fsm.plan(task, State.PENDING, said)])
             if not pending:
                 continue  # it moved meanwhile: look again
             # a task with no dependencies is ready at once
             ready = await tx.tasks.transition_many(
-                [fsm.plan(pending[0], State.READY, "resumed: no dependencies")]
+                [fsm.plan(pending[0], State.READY, f"{said}: no dependencies")]
             )
         await queue.push(ready)
         return ready[0]

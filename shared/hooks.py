@@ -1,4 +1,4 @@
-"""Seams where observers plug in — tracing today, metrics next — so that neither is woven into
+"""Seams where observers plug in — tracing and metrics — so that neither is woven into
 the store, the scheduler or the executor. A hook implements the calls it cares about (the
 base class does nothing); `install` adds one; the code at each seam calls the module functions
 below, which cost one empty-list check when nothing is installed."""
@@ -47,6 +47,12 @@ class Hook:
     ) -> Iterator[Attempt]:
         """Around one attempt's run on `node` (the dispatch's headers, if any)."""
         yield Attempt()
+
+    def dispatch_pass(self, seconds: float, placed: int) -> None:
+        """One dispatch pass took `seconds` and placed `placed` tasks."""
+
+    def heartbeats(self, result: str, n: int) -> None:
+        """`n` heartbeats met `result`: accepted, refused, shed, or stale (see shared.metrics)."""
 
 
 installed: list[Hook] = []
@@ -101,3 +107,14 @@ class _Attempts(Attempt):
 def attempt(task: Task, node: str, headers: Mapping[str, Any] | None) -> Iterator[Attempt]:
     with contextlib.ExitStack() as stack:
         yield _Attempts([stack.enter_context(h.attempt(task, node, headers)) for h in installed])
+
+
+def dispatch_pass(seconds: float, placed: int) -> None:
+    for hook in installed:
+        hook.dispatch_pass(seconds, placed)
+
+
+def heartbeats(result: str, n: int) -> None:
+    if n:
+        for hook in installed:
+            hook.heartbeats(result, n)

@@ -46,6 +46,8 @@ class NodeState:
     used_cpu: float = 0.0
     used_memory_mb: int = 0
     used_gpu: int = 0
+    # live and registered, but cordoned by an operator: not ready, and named in reasons
+    cordoned: bool = False
 
     def placed(self, need: Need) -> NodeState:
         """This node after reserving `need` on it."""
@@ -130,7 +132,16 @@ class Choice:
 
 def why_not(need: Need, nodes: Sequence[NodeState]) -> str:
     """Why no node fits `need`: the first requirement that rules out every node, or that the
-    nodes that could take it are all full (`waits_for_room` tells the two apart)."""
+    nodes that could take it are all full (`waits_for_room` tells the two apart); and how many
+    cordoned nodes could have taken it."""
+    reason = _why_not(need, nodes)
+    cordoned = sum(
+        1 for n in nodes if n.cordoned and matches(n, need.selector) and not capacity_gap(n, need)
+    )
+    return f"{reason} ({cordoned} cordoned node(s) could take it)" if cordoned else reason
+
+
+def _why_not(need: Need, nodes: Sequence[NodeState]) -> str:
     ready = [n for n in nodes if n.ready]
     if not ready:
         return "no ready node"

@@ -120,6 +120,15 @@ class ReadyQueue:
     async def size(self) -> int:
         return int(await self.redis.zcard(READY_KEY))
 
+    async def depths(self) -> dict[str, int]:
+        """Tasks in line ("ready"), parked because no node can take them ("parked"), and
+        waiting for a named resource ("resource")."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key in (READY_KEY, PARKED_KEY, RESOURCE_KEY):
+                pipe.zcard(key)
+            counts = await pipe.execute()
+        return dict(zip(("ready", "parked", "resource"), map(int, counts), strict=True))
+
     async def absent(self, ids: Sequence[UUID]) -> list[UUID]:
         """Those of `ids` that are neither queued nor parked."""
         if not ids:

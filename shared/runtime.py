@@ -12,7 +12,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
 
-from shared import telemetry
+from shared import metrics, telemetry
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,8 @@ def run_service(
 ) -> int:
     """A service process from start to exit code: its log lines (named `log_as`, default the
     service), its traces as sked-<service>, then `main(settings)` on uvloop. A service that
-    signs or checks heartbeat tokens refuses to start without a real secret (exit 2)."""
+    signs or checks heartbeat tokens refuses to start without a real secret (exit 2). Its
+    metrics, with SKED_METRICS_PORT set, on GET /metrics."""
     if signs_heartbeats:
         try:
             settings.require_heartbeat_secret()
@@ -164,4 +165,5 @@ def run_service(
             return 2
     configure_logging(settings, log_as or service)
     telemetry.setup(f"sked-{service}")
+    metrics.setup(settings, service)
     return run_main(lambda: main(settings))

@@ -86,6 +86,14 @@ class Settings(BaseSettings):
     lease_margin_s: float = Field(default=0.5, ge=0.1, le=60)
     stuck_scheduling_s: float = Field(default=30.0, gt=0, description="dispatched, not started")
 
+    # The operator API (services/api): where it listens (port 0: any free one). With both
+    # api_url (e.g. http://127.0.0.1:8480) and api_token set, the CLI's read and control
+    # commands go through the API instead of the database.
+    api_host: str = "127.0.0.1"
+    api_port: int = Field(default=8480, ge=0, le=65535)
+    api_url: str | None = None
+    api_token: str | None = None
+
     # Executor (one process = one node).
     node_id: str = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "node")
     slots: int = Field(default=4, ge=1, le=10_000)
@@ -104,6 +112,34 @@ class Settings(BaseSettings):
     # Variables a task's process gets from the executor's environment besides PATH, HOME,
     # LANG and TZ (comma-separated names, e.g. PYTHONPATH); never a SKED_* variable.
     task_env_pass: Annotated[list[str], NoDecode] = Field(default_factory=list)
+
+    # Degrade modes (shared/degrade.py). Partial dispatches only tasks at or above this
+    # priority, at most this many per pass. The automatic triggers, evaluated every
+    # degrade_check_s by one scheduler: GPUs held above a share of the healthy nodes' ->
+    # partial; fewer than a share of the nodes seen within degrade_nodes_seen_s healthy ->
+    # full; more tasks waiting than a bound -> partial; each for its duration.
+    degrade_min_priority: int = Field(default=100, ge=-1000, le=1000)
+    degrade_partial_batch: int = Field(default=10, ge=1, le=10_000)
+    degrade_check_s: float = Field(default=5.0, gt=0)
+    degrade_gpu_ratio: float = Field(default=0.95, gt=0, le=1)
+    degrade_gpu_for_s: float = Field(default=600.0, gt=0)
+    degrade_healthy_ratio: float = Field(default=0.5, ge=0, le=1)
+    degrade_healthy_for_s: float = Field(default=1800.0, gt=0)
+    degrade_waiting: int = Field(default=10_000, ge=0)
+    degrade_waiting_for_s: float = Field(default=300.0, gt=0)
+    degrade_nodes_seen_s: float = Field(default=3600.0, gt=0)
+    # Alerts (shared/alerts.py): Alertmanager's base URL (unset: logged and published only),
+    # and the backlogs past which an alert fires.
+    alertmanager_url: str | None = None
+    alert_outbox_backlog: int = Field(default=100_000, ge=1)
+    alert_ready_backlog: int = Field(default=50_000, ge=1)
+    # Prometheus metrics (shared/metrics.py): GET /metrics on this port (0: any free one, named
+    # in the log; -1: off, the default, as several processes share a host in `sked dev` and
+    # tests), on this address (containers set 0.0.0.0). The processes with metrics on elect
+    # one (a Postgres advisory lock) to compute the cluster-wide gauges every metrics_cluster_s.
+    metrics_port: int = Field(default=-1, ge=-1, le=65535)
+    metrics_host: str = "127.0.0.1"
+    metrics_cluster_s: float = Field(default=5.0, gt=0)
 
     # Where an executor runs attempts: "local" processes on this machine (one executor = one
     # node), or "kubernetes" Jobs on a cluster's nodes (one executor serves the cluster).

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
+from shared import metrics
 from shared.bus import AmqpBus
 from shared.queues import ReadyQueue
 from shared.runtime import Service, serve
@@ -56,12 +57,14 @@ def serving(
     build: Callable[[Settings, Backends], Service | Awaitable[Service]],
 ) -> Callable[[Settings], Awaitable[None]]:
     """A service process's async main: open the backends, build the service on them (a build
-    may be async: an API client needs the running loop), serve it until SIGTERM, close the
-    backends."""
+    may be async: an API client needs the running loop), serve it until SIGTERM (standing for
+    computing the cluster-wide gauges meanwhile, with metrics on), close the backends."""
 
     async def main(settings: Settings) -> None:
         async with backends(settings) as b:
             built = build(settings, b)
-            await serve(await built if inspect.isawaitable(built) else built)
+            service = await built if inspect.isawaitable(built) else built
+            async with metrics.cluster(settings, b.store, b.ready_queue):
+                await serve(service)
 
     return main

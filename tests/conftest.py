@@ -170,6 +170,10 @@ def service_env(settings: Settings) -> dict[str, str]:
         SKED_REDIS_URL=settings.redis_url,
         SKED_HEARTBEAT_SECRET=settings.heartbeat_secret,
         PYTHONUNBUFFERED="1",
+        # Small test clusters fill their few GPUs on purpose: the automatic GPU degrade
+        # trigger (partial mode) would hold back their priority-0 tasks. Tests of the triggers
+        # set their own thresholds (tests/integration/test_degrade.py).
+        SKED_DEGRADE_GPU_RATIO="1",
     )
     return env
 

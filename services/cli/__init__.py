@@ -1,6 +1,8 @@
 """The `sked` command line: operate a deployment, run its services, submit and inspect tasks.
 
-Every command reads the deployment from `SKED_*` variables (shared.settings), like the services.
+Every command reads the deployment from `SKED_*` variables (shared.settings), like the services;
+with SKED_API_URL and SKED_API_TOKEN set, the read and control commands (and `sked node`) go
+through the operator API instead of the database.
 Read commands take `--json`. Exit codes: 0 ok, 1 a task did not succeed / check failed,
 2 a usage or input error (the message says which).
 """
@@ -12,6 +14,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from services.cli import degrade, nodes, tokens
 from services.cli.commands import (
     SERVICES,
     _cmd_dev,
@@ -70,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("dev", help="run scheduler, relay and executors in the foreground")
     p.add_argument("--executors", type=int, default=2, help="how many executors (default 2)")
     p.add_argument("--slots", type=int, default=4, help="slots per executor (default 4)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9464,
+        help="GET /metrics of the i-th process on this port + i (default 9464; 0: any free "
+        "ports, logged; -1: off)",
+    )
     p.set_defaults(func=_cmd_dev)
 
     p = sub.add_parser("submit", help="submit one task; prints its id")
@@ -153,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("nodes", help="registered executors, their capacity and usage")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=lambda a: run(_nodes(a)))
+
+    degrade.add_parser(sub)
+    nodes.add_parser(sub)
+    tokens.add_parser(sub)
     return parser
 
 

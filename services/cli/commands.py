@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from uuid import UUID
 
+from services.cli.nodes import state_of
 from services.cli.output import (
     parse_task_id,
     print_id,
@@ -23,8 +24,9 @@ from services.cli.output import (
     status_lines,
     workflow_json,
 )
+from services.cli.remote import Client, connect
 from shared import fsm
-from shared.client import SkedClient, WaitTimeout
+from shared.client import WaitTimeout
 from shared.dag import WorkflowSpec
 from shared.errors import SkedError
 from shared.fsm import State
@@ -41,6 +43,7 @@ SERVICES: dict[str, str] = {
     "relay": "services.relay.__main__",
     "heartbeat-monitor": "services.heartbeat_monitor.__main__",
     "recovery": "services.recovery.__main__",
+    "api": "services.api.__main__",
 }
 
 
@@ -81,7 +84,7 @@ def _cmd_service(args: argparse.Namespace) -> int:
 def _cmd_dev(args: argparse.Namespace) -> int:
     from services.dev import run_dev
 
-    return run_dev(args.executors, args.slots)
+    return run_dev(args.executors, args.slots, args.metrics_port)
 
 
 # -- submit ----------------------------------------------------------------------------------
@@ -129,18 +132,18 @@ async def _submit(args: argparse.Namespace) -> int:
         summary = f"{task.status.label}: {task.error or task.result}"
         return task.as_json(), summary, task.status is State.SUCCESS
 
-    return await _submitted(args, lambda c: c.submit(spec), SkedClient.wait, ended)
+    return await _submitted(args, lambda c: c.submit(spec), lambda c, i, t: c.wait(i, t), ended)
 
 
 async def _submitted(
     args: argparse.Namespace,
-    submit: Callable[[SkedClient], Awaitable[UUID]],
-    wait: Callable[[SkedClient, UUID, float | None], Awaitable[T]],
+    submit: Callable[[Client], Awaitable[UUID]],
+    wait: Callable[[Client, UUID, float | None], Awaitable[T]],
     ended: Callable[[T], tuple[Any, str, bool]],
 ) -> int:
     """Submit and print the id; with --wait, wait and print how it ended: exit 0 only if it
     succeeded."""
-    async with SkedClient() as client:
+    async with connect() as client:
         ident = await submit(client)
         if not args.wait:
             return print_id(ident, args.json)
@@ -158,7 +161,7 @@ async def _submitted(
 
 
 async def _status(args: argparse.Namespace) -> int:
-    async with SkedClient() as client:
+    async with connect() as client:
         task = await client.get(parse_task_id(args.id))
     if args.json:
         print_json(task.as_json())
@@ -168,7 +171,7 @@ async def _status(args: argparse.Namespace) -> int:
 
 
 async def _list(args: argparse.Namespace) -> int:
-    async with SkedClient() as client:
+    async with connect() as client:
         tasks = await client.tasks(statuses=args.status, limit=args.limit)
     if args.json:
         print_json([t.as_json() for t in tasks])
@@ -179,7 +182,7 @@ async def _list(args: argparse.Namespace) -> int:
 
 
 async def _events(args: argparse.Namespace) -> int:
-    async with SkedClient() as client:
+    async with connect() as client:
         events = await client.history(parse_task_id(args.id))
     if args.json:
         print_json([e.model_dump(mode="json") for e in events])
@@ -194,7 +197,7 @@ async def _events(args: argparse.Namespace) -> int:
 
 
 async def _logs(args: argparse.Namespace) -> int:
-    async with SkedClient() as client:
+    async with connect() as client:
         task_id = parse_task_id(args.id)
         text = await client.log(task_id)
         if text is None:
@@ -207,7 +210,7 @@ async def _logs(args: argparse.Namespace) -> int:
 
 async def _wait(args: argparse.Namespace) -> int:
     ids = [parse_task_id(i) for i in args.ids]
-    async with SkedClient() as client:
+    async with connect() as client:
         try:
             done = await client.wait_all(ids, args.timeout)
         except WaitTimeout as exc:
@@ -221,7 +224,7 @@ async def _wait(args: argparse.Namespace) -> int:
 
 async def _control(args: argparse.Namespace) -> int:
     task_id = parse_task_id(args.id)
-    async with SkedClient() as client:
+    async with connect() as client:
         if args.action == "pause":
             task = await client.pause(task_id, args.reason, args.by)
         elif args.action == "resume":
@@ -236,7 +239,7 @@ async def _control(args: argparse.Namespace) -> int:
 
 
 async def _priority(args: argparse.Namespace) -> int:
-    async with SkedClient() as client:
+    async with connect() as client:
         changed = await client.set_priority(parse_task_id(args.id), args.priority)
     if args.json:
         print_json([t.as_json() for t in changed])
@@ -269,12 +272,12 @@ async def _submit_workflow(args: argparse.Namespace) -> int:
         return workflow_json(view), summary, view.status() == "succeeded"
 
     return await _submitted(
-        args, lambda c: c.submit_workflow(spec), SkedClient.wait_workflow, ended
+        args, lambda c: c.submit_workflow(spec), lambda c, i, t: c.wait_workflow(i, t), ended
     )
 
 
 async def _workflow(args: argparse.Namespace) -> int:
-    async with SkedClient() as client:
+    async with connect() as client:
         view = await client.workflow(parse_task_id(args.id))
     if args.dot:
         sys.stdout.write(view.dot())
@@ -288,13 +291,13 @@ async def _workflow(args: argparse.Namespace) -> int:
 
 
 async def _nodes(args: argparse.Namespace) -> int:
-    async with SkedClient() as client:
+    async with connect() as client:
         nodes = await client.nodes()
     if args.json:
         print_json([n.as_json() for n in nodes])
         return 0
     for n in nodes:
-        state = "ready" if n.ready and n.live else ("gone" if not n.live else "draining")
+        state = state_of(n)
         labels = ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())) or "-"
         print(
             f"{n.id:<20} {state:<8} slots {n.used_slots}/{n.slots}  cpu {n.used_cpu:g}/{n.cpu:g}"

@@ -7,6 +7,7 @@ import logging
 import uuid
 from collections.abc import Sequence
 
+from shared import hooks
 from shared.errors import one_line
 from shared.heartbeat import Beat
 from shared.resilience import TRANSIENT, isolate
@@ -41,10 +42,13 @@ class Beats:
                 self.pending[key] = beat.seq
         self.stats["received"] += len(beats)
         self.stats["shed"] += shed
+        hooks.heartbeats("accepted", len(beats) - shed)
+        hooks.heartbeats("shed", shed)
         return shed
 
     def refused(self) -> None:
         self.stats["refused"] += 1
+        hooks.heartbeats("refused", 1)
 
     async def flush(self) -> int:
         """Write the coalesced beats in one statement; returns how many were applied."""
@@ -61,6 +65,7 @@ class Beats:
         refused = len(batch) - applied
         self.stats["applied"] += applied
         self.stats["not_applied"] += refused
+        hooks.heartbeats("stale", refused)
         if refused:
             # an older attempt, a replayed sequence, or a task that left Running meanwhile
             log.info("%d heartbeat(s) acknowledged but not applied (stale attempt or seq)", refused)

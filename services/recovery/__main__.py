@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from services.recovery.service import Recovery
+from shared.alerts import Alerter
 from shared.relay import OutboxRelay
 from shared.runtime import run_service, service_args
 from shared.settings import Settings
@@ -16,7 +17,8 @@ ABOUT = "Retry lost tasks, requeue stuck ones, repair the ready queue and the ou
 
 def build(settings: Settings, b: Backends) -> Recovery:
     relay = OutboxRelay(b.store, b.bus, settings.relay_batch)
-    return Recovery(settings, b.store, b.ready_queue, relay)
+    alerter = Alerter(b.bus, settings.alertmanager_url)
+    return Recovery(settings, b.store, b.ready_queue, relay, alerter)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -2,7 +2,8 @@
 replicas through FOR UPDATE SKIP LOCKED:
 
 lost       Lost -> RetryWait (backoff) while retries remain, else Failed. The heartbeat-monitor
-           asked the backend before declaring the loss, so the attempt is known gone.
+           asked the backend before declaring the loss, so the attempt is known gone. Each
+           loss raises the alert SkedTaskLost (shared/alerts.py).
 stuck      Scheduling for longer than SKED_STUCK_SCHEDULING_S (dispatched, never started: the
            dispatch was lost, or its node died first) -> Ready, and back into the queue. A late
            start of the old dispatch loses its CAS, so the attempt can never run twice.
@@ -16,6 +17,7 @@ import logging
 import random
 from collections.abc import Sequence
 
+from shared.alerts import Alert, Alerter
 from shared.fsm import State
 from shared.models import Task
 from shared.outcome import retry_or_fail
@@ -33,11 +35,17 @@ class Recovery(Service):
     name = "recovery"
 
     def __init__(
-        self, settings: Settings, store: Store, queue: ReadyQueue, relay: OutboxRelay
+        self,
+        settings: Settings,
+        store: Store,
+        queue: ReadyQueue,
+        relay: OutboxRelay,
+        alerter: Alerter | None = None,
     ) -> None:
         super().__init__(settings, store)
         self.queue = queue
         self.relay = relay
+        self.alerter = alerter or Alerter(None, None)
 
     def channels(self) -> Sequence[tuple[str, Handler]]:
         return [(TASK_CHANNEL, self._on_notify)]
@@ -69,7 +77,13 @@ class Recovery(Service):
         return done
 
     async def recover_lost(self) -> list[Task]:
-        return await self.store.claims.recover_lost(100, lambda t: retry_or_fail(t, "lost"))
+        moved = await self.store.claims.recover_lost(100, lambda t: retry_or_fail(t, "lost"))
+        if moved:
+            await self.alerter.send([lost_alert(t) for t in moved], moved[0].updated_at)
+        return moved
+
+    async def teardown(self) -> None:
+        await self.alerter.close()
 
     async def requeue_stuck(self) -> list[Task]:
         stuck = await self.store.claims.requeue_stuck_scheduling(
@@ -77,3 +91,16 @@ class Recovery(Service):
         )
         await self.queue.push(stuck)
         return stuck
+
+
+def lost_alert(task: Task) -> Alert:
+    """SkedTaskLost for a task recovery just moved on from Lost (to RetryWait or Failed)."""
+    then = "retried" if task.status is State.RETRY_WAIT else "failed"
+    return Alert(
+        "SkedTaskLost",
+        "warning",
+        f"task {task.name} ({task.id}) attempt {task.attempt} lost on {task.node}; {then}",
+        task.status_reason,
+        {"task_id": str(task.id), "node": task.node or "", "attempt": str(task.attempt)},
+        starts_at=task.updated_at,
+    )

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 from uuid import UUID
 
 from services.scheduler.hub import Hub, Part
 from shared import fsm, hooks
 from shared.bus import DISPATCH_EXCHANGE, AmqpBus, Outgoing
+from shared.degrade import Mode
 from shared.fsm import State
 from shared.models import Dispatch, Task
 from shared.placement import Choice, Need, NodeState, place_many, within_resources
@@ -52,7 +54,7 @@ class Dispatcher(Part):
                 if hub.parked_resource_waiters:
                     hub.parked_resource_waiters = False  # set again by any it re-parks
                     await self.queue.unpark(RESOURCE_KEY)
-            while await self.dispatch_once() >= self.settings.dispatch_batch:
+            while await self.timed_pass() >= self.settings.dispatch_batch:
                 pass  # a full batch went out: there may be more to place right away
             await wait_any(hub.dispatch, stopping, timeout=self.settings.reconcile_s)
             if not hub.new_work.is_set():
@@ -60,12 +62,21 @@ class Dispatcher(Part):
                 # new work cuts this short, so a submission never waits for it
                 await wait_any(hub.new_work, stopping, timeout=self.settings.dispatch_linger_s)
 
+    async def timed_pass(self) -> int:
+        """`dispatch_once`, its duration told to the hooks (metrics: sked_dispatch_pass_seconds)."""
+        started = time.perf_counter()
+        placed = await self.dispatch_once()
+        hooks.dispatch_pass(time.perf_counter() - started, placed)
+        return placed
+
     async def dispatch_once(self) -> int:
         """One pass: place as many queued tasks as nodes have room for. Returns how many.
 
         The nodes' rows stay locked from reading their usage to the CAS that reserves on them,
         so two schedulers placing at once serialise here and neither overcommits a node.
         """
+        if self.hub.degrade.mode() is Mode.FULL:
+            return 0  # degraded: nothing is dispatched (the pass below checks the row itself)
         if not await self.queue.size():
             return 0  # most wake-ups (a task finished) find nothing queued: skip the locks
         ends = self.hub.ends
@@ -76,13 +87,19 @@ class Dispatcher(Part):
                 free = sum(max(n.slots - n.used_slots, 0) for n in nodes if n.ready)
                 if free <= 0:
                     return 0
-                ids = await self.queue.pop(min(free, self.settings.dispatch_batch))
+                mode = (await tx.degrade.read()).effective()
+                if mode is Mode.FULL:
+                    return 0
+                if mode is Mode.PARTIAL:
+                    ids = await self._pop_urgent(tx, free)
+                else:
+                    ids = await self.queue.pop(min(free, self.settings.dispatch_batch))
                 if not ids:
                     return 0
                 tasks, fenced = await tx.tasks.get_ready(ids)
                 order = {task_id: i for i, task_id in enumerate(ids)}
                 tasks.sort(key=lambda t: order[t.id])
-                moved, waiting = await self.place(tx, tasks, nodes)
+                moved, waiting = await self.place(tx, tasks, nodes, mode)
         except TRANSIENT:
             await self._put_back(ids)
             raise
@@ -95,6 +112,17 @@ class Dispatcher(Part):
         await self.hand_over(moved, tasks + fenced, waiting, ends)
         return len(moved)
 
+    async def _pop_urgent(self, tx: Tx, free: int) -> list[UUID]:
+        """Partial mode: only tasks at or above the threshold priority, a small batch per
+        pass, chosen in Postgres (index tasks_runnable) and taken out of the queue; those
+        below wait in line untouched."""
+        s = self.settings
+        ids = await tx.degrade.ready_at_least(
+            s.degrade_min_priority, min(free, s.degrade_partial_batch)
+        )
+        await self.queue.remove(ids)
+        return ids
+
     async def _put_back(self, ids: list[UUID]) -> None:
         """The pass failed after its pop (nothing it wrote committed): return the popped tasks
         to the queue now rather than leave them to the reconcile period. If Postgres is the
@@ -106,27 +134,57 @@ class Dispatcher(Part):
             await self.queue.push(free + fenced)
 
     async def place(
-        self, tx: Tx, tasks: list[Task], nodes: list[NodeState] | None = None
+        self,
+        tx: Tx,
+        tasks: list[Task],
+        nodes: list[NodeState] | None = None,
+        mode: Mode | None = None,
     ) -> tuple[list[Task], dict[UUID, Choice]]:
         """Inside a transaction: place `tasks` in order on the locked nodes and CAS the placed
         ones Ready -> Scheduling. Returns them, and {task id: why not} for the rest.
+
+        The degrade mode in force (read in this transaction unless given) decides first:
+        full places nothing, partial only tasks at or above the threshold priority, a small
+        batch; the rest wait in line with the reason.
 
         Workflow tasks whose named resource is fully held wait (a holder's end frees a unit
         and wakes dispatch); the units are counted under the placement locks, so two passes
         never hand out the same one."""
         if nodes is None:
             nodes = [n.state() for n in await tx.nodes.lock_and_read()]
+        if mode is None:
+            mode = (await tx.degrade.read()).effective()
+        tasks, held_back = self._degraded(tasks, mode)
         users = {t.workflow_id for t in tasks if t.uses and t.workflow_id is not None}
         held = await tx.workflows.resources_held(list(users)) if users else {}
         tasks, blocked = within_resources(tasks, held)
         placed, unplaced = place_many([(t.id, need_of(t)) for t in tasks], nodes)
         unplaced.update(blocked)
+        unplaced.update(held_back)
         moves = [
             fsm.plan(t, State.SCHEDULING, "placed", node=placed[t.id])
             for t in tasks
             if t.id in placed
         ]
         return await tx.tasks.transition_many(moves), unplaced
+
+    def _degraded(self, tasks: list[Task], mode: Mode) -> tuple[list[Task], dict[UUID, Choice]]:
+        """The tasks the mode lets through, and a reason for each held back (in line)."""
+        if mode is Mode.NORMAL:
+            return tasks, {}
+        s = self.settings
+        if mode is Mode.FULL:
+            urgent: list[Task] = []
+        else:
+            above = [t for t in tasks if t.priority >= s.degrade_min_priority]
+            urgent = above[: s.degrade_partial_batch]
+        why = (
+            "degraded: full mode, nothing is dispatched"
+            if mode is Mode.FULL
+            else f"degraded: partial mode, only priority >= {s.degrade_min_priority}"
+        )
+        let = {t.id for t in urgent}
+        return urgent, {t.id: Choice(None, why, True) for t in tasks if t.id not in let}
 
     async def hand_over(
         self, moved: list[Task], tasks: list[Task], waiting: dict[UUID, Choice], ends: int

@@ -5,8 +5,10 @@ here, with a slow timer as the backstop for a missed notification."""
 from __future__ import annotations
 
 import asyncio
+import time
 from uuid import UUID
 
+from shared.degrade import DegradeState, Mode
 from shared.fsm import State
 from shared.queues import ReadyQueue
 from shared.settings import Settings
@@ -33,6 +35,31 @@ DECIDES_DOWNSTREAM = {
 }
 
 
+class DegradeView:
+    """This scheduler's copy of the degrade mode: the row as last read, and its end as a
+    deadline on this host's monotonic clock (the seconds Postgres said were left, counted
+    from the read), so a mode ends here on time whatever this host's wall clock says."""
+
+    def __init__(self) -> None:
+        self.state: DegradeState | None = None
+        self.deadline: float | None = None
+
+    def set(self, state: DegradeState, read_at: float) -> None:
+        self.state = state
+        left = state.remaining_s
+        self.deadline = None if left is None else read_at + left
+
+    def mode(self) -> Mode:
+        if self.state is None:
+            return Mode.NORMAL
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            return Mode.NORMAL
+        return self.state.effective()
+
+    def seconds_left(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+
 class Hub:
     def __init__(self) -> None:
         # dispatch: a pass may place something; new work cuts its linger short
@@ -55,6 +82,9 @@ class Hub:
         self.retry = asyncio.Event()
         # schedule timeouts: a task entered Ready, so the earliest deadline may be earlier
         self.deadlines = asyncio.Event()
+        # degrade: the mode row changed (NOTIFY sked_degrade); dispatch obeys `degrade`
+        self.degrade = DegradeView()
+        self.degrade_changed = asyncio.Event()
 
     def work_arrived(self) -> None:
         """Intake, a retry, a release or a parked task's return queued work: dispatch now."""
@@ -79,6 +109,9 @@ class Hub:
         if State.READY.value in states:
             self.deadlines.set()
 
+    def degrade_notify(self, *_: object) -> None:
+        self.degrade_changed.set()
+
     def node_notify(self, *_: object) -> None:
         """A node joined or changed: parked tasks may fit now."""
         self.unpark.set()
@@ -90,6 +123,7 @@ class Hub:
         self.unpark_resources.set()
         self.retry.set()
         self.deadlines.set()
+        self.degrade_changed.set()
         self.dispatch.set()
         self.resolve_all = True
         self.resolve.set()

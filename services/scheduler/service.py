@@ -6,6 +6,7 @@ retries    RetryWait tasks whose backoff ran out -> Ready (retries.py)
 timeouts   tasks not started within their schedule timeout -> Failed, final (timeouts.py)
 reconcile  the Redis queue against Postgres (reconcile.py)
 workflows  release or skip Pending workflow tasks as upstreams finish (resolve.py)
+degrade    the degrade mode dispatch obeys; the automatic triggers and alerts (degrade.py)
 
 They share one wake-up hub (hub.py): what each NOTIFY, and each loop's result, wakes.
 """
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 
 from aio_pika.abc import AbstractChannel
 
+from services.scheduler.degrade import Degrade
 from services.scheduler.dispatch import Dispatcher
 from services.scheduler.hub import Hub
 from services.scheduler.intake import Intake
@@ -25,12 +27,13 @@ from services.scheduler.reconcile import Reconciler
 from services.scheduler.resolve import Resolver
 from services.scheduler.retries import Retries
 from services.scheduler.timeouts import ScheduleTimeouts
+from shared.alerts import Alerter
 from shared.bus import SUBMIT_QUEUE, AmqpBus
 from shared.queues import ReadyQueue
 from shared.resilience import TRANSIENT, supervise
 from shared.service import Loop, Service
 from shared.settings import Settings
-from shared.store import NODE_CHANNEL, TASK_CHANNEL, Handler, Store
+from shared.store import DEGRADE_CHANNEL, NODE_CHANNEL, TASK_CHANNEL, Handler, Store
 
 
 class Scheduler(Service):
@@ -47,6 +50,8 @@ class Scheduler(Service):
         self.timeouts = ScheduleTimeouts(settings, store, queue, hub)
         self.reconciler = Reconciler(settings, store, queue, hub)
         self.resolver = Resolver(settings, store, queue, hub)
+        self.alerter = Alerter(bus, settings.alertmanager_url)
+        self.degrade = Degrade(settings, store, queue, hub, bus, self.alerter)
         self._channel: AbstractChannel | None = None
 
     def loops(self) -> Sequence[Loop]:
@@ -58,10 +63,15 @@ class Scheduler(Service):
             ("schedule timeouts", functools.partial(self.timeouts.run, stop)),
             ("reconcile", functools.partial(self.reconciler.run, stop)),
             ("workflows", functools.partial(self.resolver.run, stop)),
+            ("degrade", functools.partial(self.degrade.run, stop)),
         ]
 
     def channels(self) -> Sequence[tuple[str, Handler]]:
-        return [(TASK_CHANNEL, self.hub.task_notify), (NODE_CHANNEL, self.hub.node_notify)]
+        return [
+            (TASK_CHANNEL, self.hub.task_notify),
+            (NODE_CHANNEL, self.hub.node_notify),
+            (DEGRADE_CHANNEL, self.hub.degrade_notify),
+        ]
 
     def missed(self) -> None:
         self.hub.missed()
@@ -79,6 +89,7 @@ class Scheduler(Service):
         return f"scheduler consuming {SUBMIT_QUEUE}"
 
     async def teardown(self) -> None:
+        await self.alerter.close()
         if self._channel is not None:
             with contextlib.suppress(*TRANSIENT):
                 await self._channel.close()

@@ -1,6 +1,6 @@
 """Postgres, and the only place SQL lives (the statements are in sql/*.sql, named and
 described; `queries` loads them). One class per aggregate — tasks, claims, leases, workflows,
-nodes, outbox, late results, launches — and a unit of work:
+nodes, outbox, late results, launches, API tokens — and a unit of work:
 
     store = await Store.open(settings)
     task = await store.tasks.get(task_id)            # each call its own transaction
@@ -20,6 +20,8 @@ import asyncpg
 
 from shared.store.claims import Claims
 from shared.store.db import Db, create_pool
+from shared.store.degrade import DEGRADE_CHANNEL, Degrade
+from shared.store.gauges import ClusterCounts, ClusterGauges
 from shared.store.late import LateResults
 from shared.store.launches import Launches
 from shared.store.leases import LeaseLink, Leases
@@ -27,11 +29,15 @@ from shared.store.nodes import NODE_CHANNEL, NodeRow, Nodes
 from shared.store.notify import TASK_CHANNEL, Handler, Notice, PgListener, parse_notify
 from shared.store.outbox import Outbox, OutboxRow
 from shared.store.tasks import QueuedRow, Tasks
+from shared.store.tokens import Tokens
 from shared.store.workflows import Workflows
 
 __all__ = [
+    "DEGRADE_CHANNEL",
     "NODE_CHANNEL",
     "TASK_CHANNEL",
+    "ClusterCounts",
+    "ClusterGauges",
     "Handler",
     "NodeRow",
     "Notice",
@@ -55,6 +61,8 @@ class Tx:
         self.outbox = Outbox(db)
         self.late = LateResults(db)
         self.launches = Launches(db)
+        self.degrade = Degrade(db)
+        self.tokens = Tokens(db)
 
 
 class Store(Tx):
@@ -95,6 +103,10 @@ class Store(Tx):
 
     def lease_link(self) -> LeaseLink:
         return LeaseLink(self.dsn, self.lease_margin_s)
+
+    def cluster_gauges(self) -> ClusterGauges:
+        """The election and read of the once-per-deployment gauges (shared.metrics)."""
+        return ClusterGauges(self.pool)
 
     async def expire_connections(self) -> None:
         """Drop pooled connections (after Postgres restarted, say)."""

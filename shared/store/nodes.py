@@ -36,6 +36,10 @@ class NodeRow:
     used_cpu: float
     used_memory_mb: int
     used_gpu: int
+    # cordoned: takes no new work (what runs there runs on); kept across re-registration
+    cordoned_at: datetime | None = None
+    cordoned_by: str | None = None
+    cordon_reason: str | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> NodeRow:
@@ -46,7 +50,9 @@ class NodeRow:
         return cls(**values)
 
     def state(self) -> NodeState:
-        """What placement sees: a node that stopped heartbeating is not ready."""
+        """What placement sees: a node that stopped heartbeating, or is cordoned, is not
+        ready (`cordoned` says a live node is left out only for its cordon)."""
+        up = self.ready and self.live
         return NodeState(
             id=self.id,
             slots=self.slots,
@@ -54,7 +60,8 @@ class NodeRow:
             memory_mb=self.memory_mb,
             gpu=self.gpu,
             labels=self.labels,
-            ready=self.ready and self.live,
+            ready=up and self.cordoned_at is None,
+            cordoned=up and self.cordoned_at is not None,
             load=self.load,
             used_slots=self.used_slots,
             used_cpu=self.used_cpu,
@@ -64,8 +71,9 @@ class NodeRow:
 
     def as_json(self) -> dict[str, Any]:
         out = dict(vars(self))
-        for key in ("boot_id", "registered_at", "heartbeat_at"):
-            out[key] = str(out[key]) if key == "boot_id" else out[key].isoformat()
+        out["boot_id"] = str(self.boot_id)
+        for key in ("registered_at", "heartbeat_at", "cordoned_at"):
+            out[key] = None if out[key] is None else out[key].isoformat()
         out["labels"] = dict(self.labels)
         return out
 
@@ -103,9 +111,27 @@ class Nodes:
         """Inside a transaction: lock the live nodes, then read every node with its usage.
 
         Only the nodes locked here count as live: one that turned live between the lock and
-        the read waits for the next pass rather than being placed on unlocked.
+        the read waits for the next pass rather than being placed on unlocked. Cordoned nodes
+        are not locked (nothing is placed on them) and stay as read, cordon and all, so that
+        a task no other node can take says so.
         """
         assert self.db.in_transaction, "placement locks nodes inside a transaction"
         locked = {r["id"] for r in await self.db.fetch(Q.lock_live_nodes, self.ttl_s)}
         rows = [NodeRow.from_row(r) for r in await self.db.fetch(Q.nodes_with_usage, self.ttl_s)]
-        return [r if r.id in locked else replace(r, live=False) for r in rows]
+        return [
+            r if r.id in locked or r.cordoned_at is not None else replace(r, live=False)
+            for r in rows
+        ]
+
+    async def cordon(self, node_id: str, by: str, reason: str = "") -> bool:
+        """Cordon the node (no new work; what runs there runs on); False if unknown. A node
+        cordoned already keeps its first cordon."""
+        return await self.db.fetchval(Q.cordon_node, node_id, by, reason) is not None
+
+    async def uncordon(self, node_id: str) -> bool:
+        """Lift the node's cordon (parked tasks are looked at again); False if unknown."""
+        return await self.db.fetchrow(Q.uncordon_node, node_id) is not None
+
+    async def holders(self, node_id: str) -> list[UUID]:
+        """The tasks whose attempts hold the node (Scheduling or Running on it)."""
+        return [r["id"] for r in await self.db.fetch(Q.node_holders, node_id)]

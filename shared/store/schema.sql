@@ -115,7 +115,11 @@ CREATE TABLE nodes (
     load          double precision NOT NULL DEFAULT 0,
     boot_id       uuid NOT NULL,
     registered_at timestamptz NOT NULL DEFAULT now(),
-    heartbeat_at  timestamptz NOT NULL DEFAULT now()
+    heartbeat_at  timestamptz NOT NULL DEFAULT now(),
+    -- a cordoned node takes no new work; re-registering and heartbeats keep the cordon
+    cordoned_at   timestamptz,
+    cordoned_by   text,
+    cordon_reason text
 );
 
 -- Outcomes of attempts that no longer owned their task: kept, never applied.
@@ -143,6 +147,19 @@ CREATE TABLE launches (
 );
 CREATE INDEX launches_executor ON launches (executor);
 
+-- The degrade mode every scheduler obeys (shared/degrade.py): one row, changed by CAS.
+CREATE TABLE degrade (
+    id        boolean PRIMARY KEY DEFAULT true CHECK (id),
+    mode      text NOT NULL DEFAULT 'normal' CHECK (mode IN ('normal', 'partial', 'full')),
+    automatic boolean NOT NULL DEFAULT false,
+    reason    text NOT NULL DEFAULT '',
+    set_by    text NOT NULL DEFAULT '',
+    since     timestamptz NOT NULL DEFAULT now(),
+    until     timestamptz,
+    version   integer NOT NULL DEFAULT 1
+);
+INSERT INTO degrade DEFAULT VALUES;
+
 CREATE TABLE task_deps (
     task_id       uuid NOT NULL REFERENCES tasks (id) ON DELETE CASCADE,
     upstream_id   uuid NOT NULL REFERENCES tasks (id) ON DELETE CASCADE,
@@ -154,3 +171,24 @@ CREATE TABLE task_deps (
     PRIMARY KEY (task_id, upstream_id)
 );
 CREATE INDEX task_deps_upstream ON task_deps (upstream_id);
+
+-- Operator API tokens (services/api): only the SHA-256 of each secret; names never reused.
+CREATE TABLE api_tokens (
+    name          text PRIMARY KEY CHECK (name ~ '^[A-Za-z0-9][A-Za-z0-9_.@-]{0,62}$'),
+    role          text NOT NULL CHECK (role IN ('read', 'operate', 'admin')),
+    secret_sha256 text NOT NULL UNIQUE CHECK (secret_sha256 ~ '^[0-9a-f]{64}$'),
+    created_at    timestamptz NOT NULL DEFAULT now(),
+    revoked_at    timestamptz,
+    last_used_at  timestamptz
+);
+
+-- Every change made through the API, by token.
+CREATE TABLE api_audit (
+    id     bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    at     timestamptz NOT NULL DEFAULT now(),
+    token  text NOT NULL,
+    action text NOT NULL,
+    target text NOT NULL,
+    detail text NOT NULL DEFAULT ''
+);
+CREATE INDEX api_audit_at ON api_audit (at);

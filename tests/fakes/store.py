@@ -11,6 +11,7 @@ from typing import Any
 from uuid import UUID, uuid4
 
 from shared import fsm
+from shared.degrade import DegradeState, Mode
 from shared.fsm import Move, State
 from shared.models import Task, TaskSpec
 from shared.store import NodeRow
@@ -78,6 +79,9 @@ class _Data:
     late: list[tuple[UUID, int, bool, Any, str | None, str]] = field(default_factory=list)
     resources: dict[tuple[UUID, str], int] = field(default_factory=dict)  # capacities
     wait_reasons: dict[UUID, str] = field(default_factory=dict)
+    degrade: DegradeState = field(
+        default_factory=lambda: DegradeState(Mode.NORMAL, False, "", "", _now(), None, 1)
+    )
 
 
 class FakeTasks:
@@ -330,6 +334,42 @@ class FakeLate:
         self.d.late.extend(results)
 
 
+class FakeDegrade:
+    """The degrade row (shared/store/degrade.py): a mode set here has no end unless given
+    `remaining_s` (the fake has no clock of Postgres's to count it on)."""
+
+    def __init__(self, data: _Data) -> None:
+        self.d = data
+
+    async def read(self) -> DegradeState:
+        return self.d.degrade
+
+    async def set(
+        self,
+        mode: Mode,
+        reason: str,
+        set_by: str,
+        for_s: float | None,
+        version: int,
+        automatic: bool = False,
+    ) -> DegradeState | None:
+        if version != self.d.degrade.version:
+            return None
+        now = _now()
+        until = None if for_s is None else now + timedelta(seconds=for_s)
+        self.d.degrade = DegradeState(
+            mode, automatic, reason, set_by, now, until, version + 1, for_s
+        )
+        return self.d.degrade
+
+    async def ready_at_least(self, priority: int, limit: int) -> list[UUID]:
+        ready = [
+            t for t in self.d.tasks.values() if t.status is State.READY and t.priority >= priority
+        ]
+        ready.sort(key=lambda t: (-t.priority, t.queued_at or _now(), t.id))
+        return [t.id for t in ready[:limit]]
+
+
 class InMemoryStore:
     """The parts of shared.store.Store that services use, in memory. `transaction()` is all
     or nothing: an exception inside it restores what was there before."""
@@ -343,6 +383,7 @@ class InMemoryStore:
         self.nodes = FakeNodes(self.data)
         self.workflows = FakeWorkflows(self.data)
         self.late = FakeLate(self.data)
+        self.degrade = FakeDegrade(self.data)
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[InMemoryStore]:
@@ -355,7 +396,9 @@ class InMemoryStore:
                 before[1],
                 before[2],
             )
-            self.tasks.d = self.leases.d = self.nodes.d = self.workflows.d = self.late.d = self.data
+            for part in (self.tasks, self.leases, self.nodes, self.workflows, self.late):
+                part.d = self.data
+            self.degrade.d = self.data
             raise
 
     def put(self, task: Task) -> Task:

@@ -20,6 +20,7 @@ from services.scheduler.dispatch import Dispatcher
 from services.scheduler.hub import Hub
 from services.scheduler.intake import Intake
 from shared.bus import UNROUTABLE
+from shared.degrade import Mode
 from shared.fsm import State
 from shared.heartbeat import ProbeAnswer, Rung
 from shared.models import Dispatch, Task, TaskSpec
@@ -68,6 +69,31 @@ async def test_dispatch_places_by_priority_then_fifo_within_capacity() -> None:
     for d in sent:
         assert (await store.tasks.get(d.task_id)).status is State.SCHEDULING
     assert await queue.pop(10) == [low.id]  # the low one waits in line: no room
+
+
+async def test_degraded_dispatch_partial_lets_only_urgent_tasks_through_full_none() -> None:
+    store = InMemoryStore()
+    store.nodes.add("a", slots=20)
+    dispatcher, queue, bus, _ = scheduler_parts(store)
+    low = [await ready(store, spec(f"low{i}", priority=0)) for i in range(3)]
+    urgent = [await ready(store, spec(f"urgent{i}", priority=500)) for i in range(12)]
+    await queue.push([*low, *urgent])
+    state = await store.degrade.read()
+    full = await store.degrade.set(Mode.FULL, "test", "t", None, state.version)
+    assert full is not None
+    assert await dispatcher.dispatch_once() == 0  # full: nothing, whatever its priority
+    partial = await store.degrade.set(Mode.PARTIAL, "test", "t", None, full.version)
+    assert partial is not None
+    sent = await dispatcher.dispatch_once()
+    assert sent == dispatcher.settings.degrade_partial_batch  # a small batch per pass
+    assert {d.task_id for d in dispatched(bus)} <= {t.id for t in urgent}
+    assert await dispatcher.dispatch_once() == 2  # the other urgent ones; the low ones wait
+    assert {t.id for t in low} <= set(await queue.pop(20))
+    # a fresh submission placed at admission (no queue ahead) obeys the mode as well
+    async with store.transaction() as tx:
+        moved, waiting = await dispatcher.place(tx, [await ready(store, spec("new"))])
+    assert moved == []
+    assert "partial mode" in next(iter(waiting.values())).reason
 
 
 async def test_a_task_no_node_can_take_is_parked_with_its_reason() -> None:

@@ -25,6 +25,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from services.api.app import make_app as make_api
 from services.cli import build_parser
 from services.cli.commands import SERVICES
 from services.heartbeat_monitor.http import make_app
@@ -679,13 +680,17 @@ def monitor_routes() -> set[tuple[str, str]]:
 
 
 def monitor_ports(docs: list[Doc]) -> dict[str, int]:
+    """The monitor's HTTP ports (its `metrics` port is checked by metrics_problems)."""
     container = first_container(docs, "Deployment", "heartbeat-monitor")
-    return {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+    return {
+        p["name"]: p["containerPort"] for p in container.get("ports", []) if p["name"] != METRICS
+    }
 
 
 def probe_problems(docs: list[Doc]) -> list[str]:
     """The monitor listens on the pod's interfaces at its container port and is probed on a
-    real GET route; the other services serve no HTTP, so they have no probes and no ports."""
+    real GET route; the other services serve no HTTP but their metrics, so they have no probes
+    and no port but `metrics`."""
     problems = []
     container = first_container(docs, "Deployment", "heartbeat-monitor")
     flags = parse(service_argv(container), build_parser()).args
@@ -699,11 +704,41 @@ def probe_problems(docs: list[Doc]) -> list[str]:
         if ("GET", probe.get("path")) not in monitor_routes() or probe.get("port") not in ports:
             problems.append(f"{kind} {probe} is not a GET route on a container port")
     for workload, pod in pod_specs(docs):
-        if workload["metadata"]["name"] == "heartbeat-monitor":
+        if workload["metadata"]["name"] in HTTP_SERVICES:
             continue
-        http = ("readinessProbe", "livenessProbe", "startupProbe", "ports")
-        if any(key in c for c in containers(pod) for key in http):
+        http = ("readinessProbe", "livenessProbe", "startupProbe")
+        ports = [p for c in containers(pod) for p in c.get("ports", []) if p["name"] != METRICS]
+        if ports or any(key in c for c in containers(pod) for key in http):
             problems.append(f"{ident(workload)}: probes or ports, but it serves no HTTP")
+    return problems
+
+
+METRICS = "metrics"
+
+
+def metrics_problems(docs: list[Doc]) -> list[str]:
+    """Every sked container serves /metrics on the pod's interfaces at SKED_METRICS_PORT, names
+    that port `metrics`, and its pod's annotations tell Prometheus where to scrape."""
+    config = find(docs, "ConfigMap", "sked-config")["data"]
+    if config.get("SKED_METRICS_HOST") != "0.0.0.0":
+        return ["SKED_METRICS_HOST is not 0.0.0.0: Prometheus cannot reach the pods"]
+    port = int(config.get("SKED_METRICS_PORT", "-1"))
+    if port <= 0:
+        return [f"SKED_METRICS_PORT {port}: no metrics served"]
+    problems = []
+    for workload, pod in pod_specs(docs):
+        if workload["kind"] != "Deployment":
+            continue
+        where = ident(workload)
+        for c in containers(pod):
+            ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+            if ports.get(METRICS) != port:
+                problems.append(f"{where}: no container port {METRICS} = {port}")
+        annotations = workload["spec"]["template"]["metadata"].get("annotations", {})
+        wanted = {"prometheus.io/scrape": "true", "prometheus.io/port": str(port)}
+        wanted["prometheus.io/path"] = "/metrics"
+        if {k: annotations.get(k) for k in wanted} != wanted:
+            problems.append(f"{where}: scrape annotations {annotations} are not {wanted}")
     return problems
 
 
@@ -735,6 +770,49 @@ def test_the_monitor_alone_serves_http_and_is_probed_on_it() -> None:
 
 def test_heartbeats_reach_the_monitor_through_its_service() -> None:
     assert heartbeat_url_problems(base()) == []
+
+
+def test_every_service_is_scraped_at_its_metrics_port() -> None:
+    assert metrics_problems(base()) == []
+
+
+# -- 8b. the operator API: its Service and probes ---------------------------------------------
+
+HTTP_SERVICES = ("heartbeat-monitor", "api")  # the services that serve HTTP besides /metrics
+
+
+def api_problems(docs: list[Doc]) -> list[str]:
+    """The API listens on the pod's interfaces at its `http` port, is probed there on a real
+    GET route that needs no token, and a Service reaches that port."""
+    app = make_api(Settings(), None, None)  # type: ignore[arg-type]  # routes only
+    routes = {(r.method, r.resource.canonical) for r in app.router.routes() if r.resource}
+    container = first_container(docs, "Deployment", "api")
+    flags = parse(service_argv(container), build_parser()).args
+    ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+    problems = []
+    if flags[flags.index("--host") + 1] != "0.0.0.0":
+        problems.append("the API listens on loopback only: no Service reaches it")
+    if ports.get("http") != int(flags[flags.index("--port") + 1]):
+        problems.append(f"container port http {ports.get('http')} is not the API's --port")
+    for kind in ("readinessProbe", "livenessProbe"):
+        probe = container.get(kind, {}).get("httpGet", {})
+        if ("GET", probe.get("path")) not in routes or probe.get("port") != "http":
+            problems.append(f"{kind} {probe} is not a GET route on the http port")
+        elif probe.get("path", "").startswith("/v1/") and probe.get("path") != "/v1/openapi.json":
+            problems.append(f"{kind} probes {probe.get('path')}, which needs a token")
+    services = [
+        s
+        for s in of_kind(docs, "Service")
+        if selects(s["spec"]["selector"], find(docs, "Deployment", "api"))
+    ]
+    targets = {p["targetPort"] for s in services for p in s["spec"]["ports"]}
+    if not targets & {"http", ports.get("http")}:
+        problems.append("no Service reaches the API's http port")
+    return problems
+
+
+def test_the_api_is_probed_and_reached_through_its_service() -> None:
+    assert api_problems(base()) == []
 
 
 # -- 9. every hand check catches a broken copy -----------------------------------------------
@@ -800,6 +878,16 @@ def _break_probe(docs: list[Doc]) -> None:
     probe["httpGet"]["path"] = "/health"
 
 
+def _break_metrics(docs: list[Doc]) -> None:
+    meta = find(docs, "Deployment", "recovery")["spec"]["template"]["metadata"]
+    meta["annotations"]["prometheus.io/port"] = "9090"
+
+
+def _break_api_probe(docs: list[Doc]) -> None:
+    probe = first_container(docs, "Deployment", "api")["readinessProbe"]
+    probe["httpGet"]["path"] = "/v1/tasks"  # needs a token: never ready
+
+
 def _break_namespace(docs: list[Doc]) -> None:
     find(docs, "Deployment", "relay")["metadata"]["namespace"] = "default"
 
@@ -820,7 +908,9 @@ def _break_namespace(docs: list[Doc]) -> None:
         (_break_variable, variable_problems),
         (_break_heartbeat_url, heartbeat_url_problems),
         (_break_probe, probe_problems),
+        (_break_metrics, metrics_problems),
         (_break_namespace, namespace_problems),
+        (_break_api_probe, api_problems),
     ],
     ids=lambda f: f.__name__.removeprefix("_break_").removesuffix("_problems"),
 )

@@ -3,7 +3,8 @@
 
 -- name: register_node
 -- Insert or refresh a node (a restarted executor takes its node over with a new boot id), and
--- tell the schedulers (NOTIFY sked_node: parked tasks may fit now).
+-- tell the schedulers (NOTIFY sked_node: parked tasks may fit now). A cordon is left as it is:
+-- only `uncordon_node` lifts it.
 WITH up AS (
     INSERT INTO nodes (id, slots, cpu, memory_mb, gpu, labels, ready, boot_id)
     VALUES ($1, $2, $3, $4, $5, $6::jsonb, true, $7)
@@ -34,7 +35,7 @@ SELECT pg_notify('sked_node', id) FROM up
 -- Every node with its usage: the attempts that hold it (Scheduling or Running there) and what
 -- they asked for; `live`: it heartbeat within $1 seconds.
 SELECT n.id, n.slots, n.cpu, n.memory_mb, n.gpu, n.labels, n.ready, n.load, n.boot_id,
-       n.registered_at, n.heartbeat_at,
+       n.registered_at, n.heartbeat_at, n.cordoned_at, n.cordoned_by, n.cordon_reason,
        n.heartbeat_at > now() - make_interval(secs => $1) AS live,
        COALESCE(u.used_slots, 0) AS used_slots, COALESCE(u.used_cpu, 0) AS used_cpu,
        COALESCE(u.used_memory_mb, 0) AS used_memory_mb, COALESCE(u.used_gpu, 0) AS used_gpu
@@ -51,7 +52,33 @@ ORDER BY n.id
 -- once serialise here and each sees the other's reservations. The usage must be read by a
 -- second statement: at READ COMMITTED a statement reads as of its own start, so usage read by
 -- the statement that waited for the lock would miss what the previous holder committed.
+-- A cordoned node is not placed on, so not locked: a cordon waits for a pass holding the row
+-- and the row, re-checked once its lock is granted, drops out of every pass after it.
 SELECT id FROM nodes
-WHERE ready AND heartbeat_at > now() - make_interval(secs => $1)
+WHERE ready AND heartbeat_at > now() - make_interval(secs => $1) AND cordoned_at IS NULL
 ORDER BY id
 FOR UPDATE
+
+-- name: cordon_node
+-- Cordon a node: it takes no new work. A node cordoned already keeps its first cordon (when,
+-- by whom, why). Nothing else changes: what runs there runs on. Returns the node's id, or
+-- nothing for an unknown node. (The row lock waits for a placement pass holding it.)
+UPDATE nodes SET cordoned_at = COALESCE(cordoned_at, now()),
+                 cordoned_by = CASE WHEN cordoned_at IS NULL THEN $2 ELSE cordoned_by END,
+                 cordon_reason = CASE WHEN cordoned_at IS NULL THEN $3 ELSE cordon_reason END
+WHERE id = $1
+RETURNING id
+
+-- name: uncordon_node
+-- Lift a node's cordon and tell the schedulers (NOTIFY sked_node: tasks parked because no
+-- node could take them may fit now). Returns the node's id, or nothing for an unknown node.
+WITH up AS (
+    UPDATE nodes SET cordoned_at = NULL, cordoned_by = NULL, cordon_reason = NULL
+    WHERE id = $1
+    RETURNING id
+), note AS (SELECT pg_notify('sked_node', id) FROM up)
+SELECT up.id, (SELECT count(*) FROM note) AS _notified FROM up
+
+-- name: node_holders
+-- The attempts that hold a node (Scheduling or Running on it): what a drain waits for.
+SELECT id FROM tasks WHERE node = $1 AND status IN ({{slot_states}}) ORDER BY id

@@ -1,0 +1,60 @@
+"""`sked degrade`: set, lift and show the degrade mode every scheduler obeys.
+
+sked degrade partial|full --for SECONDS --reason TEXT [--by WHO]
+sked degrade off [--reason TEXT] [--by WHO]
+sked degrade status [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from services.cli.output import print_json, run
+from shared.client import SkedClient
+from shared.control import operator
+from shared.degrade import DegradeState, Mode
+from shared.modes import describe
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "degrade", help="degrade modes: dispatch only urgent tasks (partial) or none (full)"
+    )
+    p.add_argument("mode", choices=["partial", "full", "off", "status"])
+    p.add_argument(
+        "--for", dest="for_s", type=float, metavar="SECONDS", help="how long (default: until off)"
+    )
+    p.add_argument("--reason", default="", help="why (required for partial and full)")
+    p.add_argument("--by", help="who is acting (default: user@host)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=lambda a: run(_degrade(a)))
+
+
+def _line(state: DegradeState) -> str:
+    mode = state.effective()
+    if mode is Mode.NORMAL:
+        return "normal: everything is dispatched"
+    how = "automatic" if state.automatic else f"set by {state.set_by or '-'}"
+    until = f" until {state.until.isoformat()}" if state.until else " until lifted"
+    return f"{mode.value} since {state.since.isoformat()}{until} ({how}): {state.reason}"
+
+
+async def _degrade(args: argparse.Namespace) -> int:
+    async with SkedClient() as client:
+        if args.mode == "status":
+            state = await client.degrade_status()
+        else:
+            mode = Mode.NORMAL if args.mode == "off" else Mode(args.mode)
+            if mode is not Mode.NORMAL and not args.reason:
+                raise SystemExit("sked degrade: --reason is required for partial and full")
+            if args.for_s is not None and args.for_s <= 0:
+                raise SystemExit("sked degrade: --for must be a positive number of seconds")
+            reason = args.reason or ("lifted" if mode is Mode.NORMAL else "")
+            for_s = None if mode is Mode.NORMAL else args.for_s
+            state = await client.degrade(mode, reason, args.by or operator(), for_s)
+    if args.json:
+        print_json(describe(state))
+    else:
+        print(_line(state))
+    return 0

@@ -1,0 +1,65 @@
+"""Which client the CLI's read and control commands use: the operator API when SKED_API_URL and
+SKED_API_TOKEN are both set (shared.api_client: HTTP, a bearer token, no database access
+needed), else the SDK straight to Postgres, Redis and RabbitMQ. Both have these calls."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import TracebackType
+from typing import Any, Protocol
+from uuid import UUID
+
+from shared.api_client import ApiClient
+from shared.client import SkedClient
+from shared.dag import WorkflowSpec
+from shared.errors import SkedError
+from shared.models import Event, Task, TaskSpec
+from shared.settings import Settings
+from shared.store import NodeRow
+from shared.views import WorkflowView
+
+
+class Client(Protocol):
+    async def __aenter__(self) -> Client: ...
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
+    async def submit(self, spec: TaskSpec | dict[str, Any]) -> UUID: ...
+    async def submit_workflow(self, spec: WorkflowSpec | dict[str, Any]) -> UUID: ...
+    async def get(self, task_id: UUID | str) -> Task: ...
+    async def tasks(
+        self, statuses: Iterable[object] | None = None, limit: int = 100
+    ) -> list[Task]: ...
+    async def history(self, task_id: UUID | str) -> list[Event]: ...
+    async def log(self, task_id: UUID | str, timeout: float = 5.0) -> str | None: ...
+    async def workflow(self, workflow_id: UUID | str) -> WorkflowView: ...
+    async def nodes(self) -> list[NodeRow]: ...
+    async def pause(self, task_id: UUID | str, reason: str, by: str | None = None) -> Task: ...
+    async def resume(self, task_id: UUID | str, by: str | None = None) -> Task: ...
+    async def cancel(
+        self, task_id: UUID | str, reason: str = "", by: str | None = None
+    ) -> Task: ...
+    async def set_priority(self, task_id: UUID | str, priority: int) -> list[Task]: ...
+    async def wait(self, task_id: UUID | str, timeout: float | None = None) -> Task: ...
+    async def wait_all(
+        self, task_ids: Iterable[UUID | str], timeout: float | None = None
+    ) -> dict[UUID, Task]: ...
+    async def wait_workflow(
+        self, workflow_id: UUID | str, timeout: float | None = None
+    ) -> WorkflowView: ...
+
+
+def api(settings: Settings) -> ApiClient | None:
+    """The API client when the CLI is configured for the API, else None."""
+    if settings.api_url and settings.api_token:
+        return ApiClient(settings.api_url, settings.api_token)
+    if settings.api_url or settings.api_token:
+        raise SkedError(
+            "set both SKED_API_URL and SKED_API_TOKEN to go through the API, or neither"
+        )
+    return None
+
+
+def connect(settings: Settings | None = None) -> Client:
+    s = settings or Settings()
+    return api(s) or SkedClient(s)

@@ -1,0 +1,118 @@
+"""Degrade modes (pure): how much the schedulers dispatch while the cluster is under pressure.
+
+normal   everything is dispatched
+partial  only tasks at or above a priority threshold, and a small batch per pass
+full     nothing is dispatched
+Running work is never touched. The state lives in one Postgres row (shared.store.degrade), so
+every scheduler replica obeys the same mode; it ends by itself at `until` (Postgres time).
+
+An operator sets a mode by hand (`sked degrade`); one scheduler at a time evaluates the
+automatic triggers (`decide`). An automatic mode never replaces an active manual one: the
+operator's word holds until it ends or the operator lifts it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+
+
+class Mode(StrEnum):
+    NORMAL = "normal"
+    PARTIAL = "partial"
+    FULL = "full"
+
+    @property
+    def rank(self) -> int:
+        return {"normal": 0, "partial": 1, "full": 2}[self.value]
+
+
+@dataclass(frozen=True)
+class DegradeState:
+    """The row as read, with `remaining_s`: seconds until `until` by Postgres's clock at the
+    read (None: no end set)."""
+
+    mode: Mode
+    automatic: bool
+    reason: str
+    set_by: str
+    since: datetime
+    until: datetime | None
+    version: int
+    remaining_s: float | None = None
+
+    def effective(self) -> Mode:
+        """The mode in force: a mode past its `until` is over."""
+        if self.remaining_s is not None and self.remaining_s <= 0:
+            return Mode.NORMAL
+        return self.mode
+
+    @property
+    def manual(self) -> bool:
+        return not self.automatic and self.effective() is not Mode.NORMAL
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the triggers look at, read in one statement."""
+
+    nodes_total: int  # nodes seen lately (a node that left long ago no longer counts)
+    nodes_healthy: int  # of those: ready, heartbeating
+    gpu_total: int  # the healthy nodes' GPUs
+    gpu_used: int  # GPUs held by attempts on them
+    waiting: int  # tasks Ready
+    outbox_backlog: int  # events not yet published
+    unhealthy: Sequence[str] = field(default_factory=tuple)  # the nodes seen lately, not healthy
+    at: datetime | None = None  # when it was read (Postgres time)
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The automatic triggers (brief §5's defaults; every one configurable)."""
+
+    gpu_ratio: float = 0.95  # GPUs held above this share of the healthy nodes' -> partial
+    gpu_for_s: float = 600.0
+    healthy_ratio: float = 0.5  # fewer than this share of the nodes healthy -> full
+    healthy_for_s: float = 1800.0
+    waiting: int = 10_000  # more tasks than this waiting -> partial
+    waiting_for_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class Change:
+    mode: Mode
+    reason: str
+    for_s: float | None  # None: until lifted
+    automatic: bool
+
+
+def triggered(snapshot: Snapshot, rules: Rules) -> Change | None:
+    """The strongest automatic trigger that holds, or None."""
+    s = snapshot
+    if s.nodes_total and s.nodes_healthy < rules.healthy_ratio * s.nodes_total:
+        why = (
+            f"{s.nodes_healthy} of {s.nodes_total} nodes healthy (under {rules.healthy_ratio:.0%})"
+        )
+        return Change(Mode.FULL, why, rules.healthy_for_s, True)
+    if s.gpu_total and s.gpu_used > rules.gpu_ratio * s.gpu_total:
+        why = f"{s.gpu_used} of {s.gpu_total} GPUs allocated (over {rules.gpu_ratio:.0%})"
+        return Change(Mode.PARTIAL, why, rules.gpu_for_s, True)
+    if s.waiting > rules.waiting:
+        why = f"{s.waiting} tasks waiting (over {rules.waiting})"
+        return Change(Mode.PARTIAL, why, rules.waiting_for_s, True)
+    return None
+
+
+def decide(state: DegradeState, snapshot: Snapshot, rules: Rules) -> Change | None:
+    """The automatic evaluator's move, if any: enter or strengthen an automatic mode when a
+    trigger holds; end a mode whose `until` has passed (its leaving is an event too)."""
+    current = state.effective()
+    trigger = triggered(snapshot, rules)
+    expired = state.mode is not Mode.NORMAL and current is Mode.NORMAL
+    if trigger is not None and not state.manual and trigger.mode.rank > current.rank:
+        return trigger
+    if expired:
+        return Change(Mode.NORMAL, f"{state.mode.value} mode ended at its until", None, True)
+    return None

@@ -1,0 +1,64 @@
+"""The degrade mode row every scheduler obeys, and what the automatic triggers read."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from shared.degrade import DegradeState, Mode, Snapshot
+from shared.store.db import Db
+from shared.store.queries import Q
+
+DEGRADE_CHANNEL = "sked_degrade"  # NOTIFY when the mode changes
+
+
+def _state(row: Mapping[str, Any]) -> DegradeState:
+    return DegradeState(
+        mode=Mode(row["mode"]),
+        automatic=row["automatic"],
+        reason=row["reason"],
+        set_by=row["set_by"],
+        since=row["since"],
+        until=row["until"],
+        version=row["version"],
+        remaining_s=row["remaining_s"],
+    )
+
+
+class Degrade:
+    def __init__(self, db: Db) -> None:
+        self.db = db
+
+    async def read(self) -> DegradeState:
+        row = await self.db.fetchrow(Q.read_degrade)
+        assert row is not None, "migration 0012 inserts the one degrade row"
+        return _state(row)
+
+    async def set(
+        self,
+        mode: Mode,
+        reason: str,
+        set_by: str,
+        for_s: float | None,
+        version: int,
+        automatic: bool = False,
+    ) -> DegradeState | None:
+        """CAS the mode (None: it changed since `version` was read)."""
+        row = await self.db.fetchrow(
+            Q.set_degrade, mode.value, automatic, reason, set_by, for_s, version
+        )
+        return None if row is None else _state(row)
+
+    async def lead(self) -> bool:
+        """Inside a transaction: whether this scheduler evaluates the triggers now."""
+        assert self.db.in_transaction, "the evaluator's lock lasts one transaction"
+        return bool(await self.db.fetchval(Q.lead_degrade))
+
+    async def snapshot(self, healthy_within_s: float, seen_within_s: float) -> Snapshot:
+        row = await self.db.fetchrow(Q.degrade_snapshot, healthy_within_s, seen_within_s)
+        assert row is not None
+        return Snapshot(**{k: row[k] for k in row.keys()})  # noqa: SIM118 - a Record
+
+    async def ready_at_least(self, priority: int, limit: int) -> list[Any]:
+        """Ready task ids at or above `priority`, highest first, at most `limit`."""
+        return [r["id"] for r in await self.db.fetch(Q.ready_at_least, priority, limit)]

@@ -1,0 +1,52 @@
+-- Degrade modes: the one row every scheduler obeys, the automatic evaluator's inputs.
+
+-- name: read_degrade
+-- The mode row, with the seconds left until its end by Postgres's clock (NULL: no end).
+SELECT mode, automatic, reason, set_by, since, until, version,
+       EXTRACT(EPOCH FROM until - now())::float8 AS remaining_s
+FROM degrade
+
+-- name: set_degrade
+-- Change the mode if the row is still at version $6 (CAS): $5 seconds from now, or no end;
+-- tell every scheduler (NOTIFY sked_degrade).
+WITH up AS (
+    UPDATE degrade SET
+        mode = $1, automatic = $2, reason = $3, set_by = $4, since = now(),
+        until = CASE WHEN $5::float8 IS NULL THEN NULL
+                     ELSE now() + make_interval(secs => $5::float8) END,
+        version = version + 1
+    WHERE version = $6
+    RETURNING mode, automatic, reason, set_by, since, until, version,
+              EXTRACT(EPOCH FROM until - now())::float8 AS remaining_s
+), note AS (SELECT pg_notify('sked_degrade', mode) FROM up)
+SELECT up.*, (SELECT count(*) FROM note) AS _notified FROM up
+
+-- name: lead_degrade
+-- One scheduler at a time evaluates the automatic triggers: a transaction-scoped advisory
+-- lock (released at COMMIT), taken without waiting — whoever holds it evaluates now.
+SELECT pg_try_advisory_xact_lock(hashtext('sked:degrade'))
+
+-- name: degrade_snapshot
+-- What the triggers look at, in one statement: nodes seen within $2 seconds and which of
+-- them are healthy (ready, heartbeat within $1 seconds), their GPUs and those held, the tasks
+-- waiting, the outbox backlog; and Postgres's now() (alerts carry its time).
+WITH n AS (
+    SELECT id, gpu, ready AND heartbeat_at > now() - make_interval(secs => $1) AS healthy
+    FROM nodes WHERE heartbeat_at > now() - make_interval(secs => $2)
+)
+SELECT (SELECT count(*) FROM n)::int AS nodes_total,
+       (SELECT count(*) FROM n WHERE healthy)::int AS nodes_healthy,
+       (SELECT COALESCE(sum(gpu), 0) FROM n WHERE healthy)::int AS gpu_total,
+       (SELECT COALESCE(sum(t.gpu), 0) FROM tasks t JOIN n ON n.id = t.node AND n.healthy
+        WHERE t.status IN ({{slot_states}}))::int AS gpu_used,
+       (SELECT count(*) FROM tasks WHERE status = 'ready')::int AS waiting,
+       (SELECT count(*) FROM task_events WHERE published_at IS NULL)::int AS outbox_backlog,
+       ARRAY(SELECT id FROM n WHERE NOT healthy ORDER BY id) AS unhealthy,
+       now() AS at
+
+-- name: ready_at_least
+-- Partial mode's candidates: Ready tasks at or above priority $1, highest first, oldest first
+-- within a priority (index tasks_runnable), at most $2.
+SELECT id FROM tasks WHERE status = 'ready' AND priority >= $1
+ORDER BY priority DESC, queued_at, id
+LIMIT $2

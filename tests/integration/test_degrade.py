@@ -1,0 +1,202 @@
+"""Degrade modes on real Postgres (and alerts in a real Alertmanager): the row's CAS and its
+end by Postgres time, the evaluator's triggers under its lock, two schedulers' copies, a manual
+mode a trigger does not weaken, and the alerts of a degrade change and of a lost task."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from uuid import uuid4
+
+import asyncpg
+import pytest
+from redis.asyncio import Redis
+
+from services.recovery.service import Recovery
+from services.scheduler.degrade import Degrade
+from services.scheduler.hub import Hub
+from shared import fsm, modes
+from shared.alerts import Alerter
+from shared.degrade import Mode
+from shared.fsm import State
+from shared.models import Task
+from shared.queues import ReadyQueue
+from shared.relay import OutboxRelay
+from shared.settings import Settings
+from shared.store import Store
+from tests import alertmanager
+from tests.helpers import spec
+
+FAST = {
+    "degrade_waiting": 2,
+    "degrade_waiting_for_s": 1.0,
+    "degrade_gpu_for_s": 60.0,
+    "degrade_healthy_for_s": 60.0,
+}
+
+
+async def ready(store: Store, n: int = 1, **kw: object) -> list[Task]:
+    admitted = await store.tasks.admit_many(
+        [spec(f"t{i}", **kw) for i in range(n)],
+        [uuid4() for _ in range(n)],
+        (State.PENDING, State.READY),
+    )
+    return [task for task, _ in admitted]
+
+
+@pytest.fixture
+async def queue(redis_url: str) -> AsyncIterator[ReadyQueue]:
+    redis = Redis.from_url(redis_url)
+    yield ReadyQueue(redis, 5.0)
+    await redis.aclose()
+
+
+def evaluator(settings: Settings, store: Store, queue: ReadyQueue) -> Degrade:
+    s = settings.model_copy(update=FAST)
+    return Degrade(s, store, queue, Hub(), None, Alerter(None, None))
+
+
+async def test_the_row_changes_by_cas_and_ends_by_postgres_time(store: Store) -> None:
+    first = await store.degrade.read()
+    assert (first.mode, first.effective(), first.until) == (Mode.NORMAL, Mode.NORMAL, None)
+    full = await store.degrade.set(Mode.FULL, "maintenance", "ann", 0.5, first.version)
+    assert full is not None
+    assert full.until is not None
+    assert (full.until - full.since).total_seconds() == pytest.approx(0.5)
+    assert await store.degrade.set(Mode.PARTIAL, "late", "bob", None, first.version) is None
+    assert (await store.degrade.read()).effective() is Mode.FULL
+    await asyncio.sleep(0.6)
+    over = await store.degrade.read()
+    assert (over.mode, over.effective()) == (Mode.FULL, Mode.NORMAL)  # by Postgres's clock
+
+
+async def test_each_trigger_enters_its_mode_for_its_time_and_leaves_at_until(
+    store: Store, pool: asyncpg.Pool, settings: Settings, queue: ReadyQueue
+) -> None:
+    degrade = evaluator(settings, store, queue)
+    # more tasks waiting than the bound -> partial for degrade_waiting_for_s
+    waiting = await ready(store, 3)
+    await degrade.evaluate()
+    busy = await store.degrade.read()
+    assert (busy.mode, busy.automatic) == (Mode.PARTIAL, True)
+    assert "3 tasks waiting" in busy.reason
+    assert busy.until is not None
+    assert (busy.until - busy.since).total_seconds() == pytest.approx(1.0)
+    for task in waiting:
+        await fsm.apply(store.tasks, task, State.CANCELED, reason="test")
+    await degrade.evaluate()
+    assert (await store.degrade.read()).mode is Mode.PARTIAL  # not before its until
+    await asyncio.sleep(1.1)
+    await degrade.evaluate()
+    left = await store.degrade.read()
+    assert (left.mode, left.automatic) == (Mode.NORMAL, True)
+    assert "ended at its until" in left.reason
+    assert left.since >= busy.until  # left at until, by Postgres's clock
+
+    # GPUs held above 95 % of the healthy nodes' -> partial
+    await store.nodes.register("gpu-a", 4, 8.0, 1024, 2, {}, uuid4())
+    gpu_tasks = await ready(store, 2, resources={"gpu": 1})
+    for task in gpu_tasks:
+        placed = await fsm.apply(store.tasks, task, State.SCHEDULING, node="gpu-a")
+        await fsm.apply(store.tasks, placed, State.RUNNING, lease_owner=str(uuid4()))
+    await degrade.evaluate()
+    gpu = await store.degrade.read()
+    assert (gpu.mode, gpu.automatic) == (Mode.PARTIAL, True)
+    assert "2 of 2 GPUs" in gpu.reason
+
+    # fewer than half of the nodes healthy -> full, stronger than the automatic partial
+    for name in ("n1", "n2", "n3"):
+        await store.nodes.register(name, 4, 4.0, 1024, 0, {}, uuid4())
+    await pool.execute(
+        "UPDATE nodes SET heartbeat_at = now() - interval '60 seconds' WHERE id <> 'gpu-a'"
+    )
+    await degrade.evaluate()
+    sick = await store.degrade.read()
+    assert (sick.mode, sick.automatic) == (Mode.FULL, True)
+    assert "1 of 4 nodes healthy" in sick.reason
+
+
+async def test_a_manual_mode_is_not_weakened_by_a_trigger(
+    store: Store, settings: Settings, queue: ReadyQueue
+) -> None:
+    degrade = evaluator(settings, store, queue)
+    manual = await store.degrade.read()
+    await store.degrade.set(Mode.FULL, "upgrade", "ann", None, manual.version)
+    await ready(store, 5)  # the waiting trigger (-> partial) holds
+    await degrade.evaluate()
+    held = await store.degrade.read()
+    assert (held.mode, held.automatic, held.set_by) == (Mode.FULL, False, "ann")
+
+
+async def test_two_schedulers_agree_and_one_evaluates_at_a_time(
+    store: Store, settings: Settings, queue: ReadyQueue
+) -> None:
+    one, two = evaluator(settings, store, queue), evaluator(settings, store, queue)
+    await ready(store, 3)
+    version = (await store.degrade.read()).version
+    await asyncio.gather(one.evaluate(), two.evaluate(), one.evaluate(), two.evaluate())
+    after = await store.degrade.read()
+    assert after.version == version + 1  # entered once, whoever held the lock
+    await asyncio.gather(one.refresh(), two.refresh())
+    assert one.hub.degrade.mode() is two.hub.degrade.mode() is Mode.PARTIAL
+    # a mode set by hand reaches both copies through NOTIFY sked_degrade
+    await store.degrade.set(Mode.FULL, "by hand", "ann", None, after.version)
+    await asyncio.gather(one.refresh(), two.refresh())
+    assert one.hub.degrade.mode() is two.hub.degrade.mode() is Mode.FULL
+
+
+async def test_alertmanager_receives_degrade_and_lost_task_alerts(
+    store: Store, settings: Settings, tmp_path: Path, queue: ReadyQueue
+) -> None:
+    async with alertmanager.alertmanager(tmp_path / "am") as url:
+        alerter = Alerter(None, url)
+        try:
+            before, after = await modes.change(
+                store.degrade, Mode.PARTIAL, "GPU maintenance", "ann", 600, None, alerter
+            )
+            # a lost task: recovery moves it on and raises SkedTaskLost
+            (task,) = await ready(store, 1, max_retries=1)
+            task = await fsm.apply(store.tasks, task, State.SCHEDULING, node="n9")
+            task = await fsm.apply(store.tasks, task, State.RUNNING, lease_owner=str(uuid4()))
+            await store.tasks.transition_many(
+                [fsm.plan(task, State.LOST, "node n9 gone", lease_owner=str(task.lease_owner))]
+            )
+            recovery = Recovery(settings, store, queue, OutboxRelay(store, None, 1), alerter)  # type: ignore[arg-type]
+            assert [t.id for t in await recovery.recover_lost()] == [task.id]
+
+            deadline = time.monotonic() + 15
+            while True:
+                degraded = await alertmanager.alerts(url, alertname="SkedDegraded")
+                lost = await alertmanager.alerts(url, alertname="SkedTaskLost")
+                if (degraded and lost) or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.2)
+            assert len(degraded) == 1
+            assert degraded[0]["labels"] == {
+                "alertname": "SkedDegraded",
+                "severity": "warning",
+                "service": "sked",
+                "mode": "partial",
+            }
+            assert degraded[0]["annotations"] == {
+                "summary": "scheduler in partial mode (by ann)",
+                "description": "GPU maintenance",
+            }
+            assert degraded[0]["status"]["state"] == "active"
+            assert len(lost) == 1
+            assert lost[0]["labels"]["task_id"] == str(task.id)
+            assert lost[0]["labels"]["node"] == "n9"
+            assert "lost on n9" in lost[0]["annotations"]["summary"]
+
+            # leaving the mode resolves its alert: Alertmanager no longer lists it as active
+            await modes.change(store.degrade, Mode.NORMAL, "done", "ann", None, None, alerter)
+            deadline = time.monotonic() + 15
+            while await alertmanager.alerts(url, alertname="SkedDegraded"):
+                assert time.monotonic() < deadline, "the degrade alert was not resolved"
+                await asyncio.sleep(0.2)
+            assert after.until is not None
+            assert before.mode is Mode.NORMAL
+        finally:
+            await alerter.close()

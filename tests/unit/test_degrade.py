@@ -1,0 +1,127 @@
+"""Degrade modes, the pure part: which trigger holds, what the evaluator decides, the alerts a
+change raises, and the mode in force as a scheduler's copy sees it."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from services.scheduler.hub import DegradeView
+from shared.degrade import DegradeState, Mode, Rules, Snapshot, decide, triggered
+from shared.modes import alerts, describe, event
+
+T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+RULES = Rules()
+
+
+def state(
+    mode: Mode = Mode.NORMAL, automatic: bool = False, remaining_s: float | None = None
+) -> DegradeState:
+    until = None if remaining_s is None else T0 + timedelta(seconds=60)
+    return DegradeState(mode, automatic, "why", "ann@host", T0, until, 3, remaining_s)
+
+
+def snap(**kw: int) -> Snapshot:
+    values = {
+        "nodes_total": 4,
+        "nodes_healthy": 4,
+        "gpu_total": 8,
+        "gpu_used": 0,
+        "waiting": 0,
+        "outbox_backlog": 0,
+    }
+    values.update(kw)
+    return Snapshot(**values)  # type: ignore[arg-type]
+
+
+def test_each_trigger_and_its_mode() -> None:
+    assert triggered(snap(), RULES) is None
+    gpu = triggered(snap(gpu_used=8), RULES)
+    assert gpu is not None
+    assert (gpu.mode, gpu.for_s) == (Mode.PARTIAL, 600)
+    assert "8 of 8 GPUs" in gpu.reason
+    assert triggered(snap(gpu_used=7), RULES) is None  # 87.5 % is not above 95 %
+    sick = triggered(snap(nodes_healthy=1), RULES)
+    assert sick is not None
+    assert (sick.mode, sick.for_s) == (Mode.FULL, 1800)
+    assert triggered(snap(nodes_healthy=2), RULES) is None  # half is not fewer than half
+    busy = triggered(snap(waiting=10_001), RULES)
+    assert busy is not None
+    assert (busy.mode, busy.for_s) == (Mode.PARTIAL, 300)
+    assert triggered(snap(waiting=10_000), RULES) is None
+    # the strongest wins
+    both = triggered(snap(nodes_healthy=1, waiting=20_000), RULES)
+    assert both is not None
+    assert both.mode is Mode.FULL
+    # no nodes, no GPUs: nothing to judge
+    assert triggered(snap(nodes_total=0, nodes_healthy=0, gpu_total=0), RULES) is None
+
+
+def test_the_evaluator_enters_strengthens_and_ends_automatic_modes() -> None:
+    entered = decide(state(), snap(waiting=20_000), RULES)
+    assert entered is not None
+    assert (entered.mode, entered.automatic) == (Mode.PARTIAL, True)
+    # already partial (automatic) and still busy: nothing to do; getting worse: full
+    assert decide(state(Mode.PARTIAL, True, 100), snap(waiting=20_000), RULES) is None
+    worse = decide(state(Mode.PARTIAL, True, 100), snap(nodes_healthy=1), RULES)
+    assert worse is not None
+    assert worse.mode is Mode.FULL
+    # past its until: the mode ends (an event), or starts again while the trigger holds
+    ended = decide(state(Mode.PARTIAL, True, -1), snap(), RULES)
+    assert ended is not None
+    assert ended.mode is Mode.NORMAL
+    again = decide(state(Mode.PARTIAL, True, -1), snap(waiting=20_000), RULES)
+    assert again is not None
+    assert again.mode is Mode.PARTIAL
+    assert decide(state(), snap(), RULES) is None
+
+
+@pytest.mark.parametrize("manual", [Mode.PARTIAL, Mode.FULL])
+def test_an_automatic_mode_never_replaces_an_active_manual_one(manual: Mode) -> None:
+    for pressure in (snap(waiting=20_000), snap(nodes_healthy=1), snap(gpu_used=8)):
+        assert decide(state(manual, False, 100), pressure, RULES) is None
+        assert decide(state(manual, False, None), pressure, RULES) is None
+    # once the manual mode has ended, the triggers apply again
+    after = decide(state(manual, False, -1), snap(nodes_healthy=1), RULES)
+    assert after is not None
+    assert after.mode is Mode.FULL
+
+
+def test_a_change_raises_and_resolves_its_alerts() -> None:
+    normal, partial = state(), state(Mode.PARTIAL, True, 60)
+    fired = alerts(normal, partial)
+    assert [(a.name, a.resolved, dict(a.labels)) for a in fired] == [
+        ("SkedDegraded", False, {"mode": "partial"})
+    ]
+    assert fired[0].ends_at == partial.until
+    full = state(Mode.FULL, False, None)
+    changed = alerts(partial, full)
+    assert [(a.labels["mode"], a.resolved) for a in changed] == [("partial", True), ("full", False)]
+    assert changed[1].severity == "critical"
+    assert [(a.labels["mode"], a.resolved) for a in alerts(full, normal)] == [("full", True)]
+    wire = changed[1].wire(T0)
+    assert wire["labels"] == {
+        "alertname": "SkedDegraded",
+        "severity": "critical",
+        "service": "sked",
+        "mode": "full",
+    }
+    assert set(wire["annotations"]) == {"summary", "description"}
+    assert "endsAt" not in wire  # until lifted
+    assert changed[0].wire(T0)["endsAt"] == "2026-12-01T12:00:00Z"  # resolved now
+    body = event(partial, full)
+    assert (body["previous"], body["mode"], body["by"]) == ("partial", "full", "ann@host")
+    assert describe(full)["effective"] == "full"
+
+
+def test_a_schedulers_copy_ends_the_mode_on_its_own_monotonic_deadline() -> None:
+    view = DegradeView()
+    assert view.mode() is Mode.NORMAL
+    view.set(state(Mode.FULL, False, 30), read_at=0.0)  # read long ago: 30 s are over
+    assert view.mode() is Mode.NORMAL
+    view.set(state(Mode.FULL, False, 3600), read_at=0.0 + 1e12)
+    assert view.mode() is Mode.FULL
+    view.set(state(Mode.PARTIAL, False, None), read_at=0.0)
+    assert view.mode() is Mode.PARTIAL  # no end
+    assert view.seconds_left() is None
