@@ -18,9 +18,26 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
     await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
 
 
+async def _lean_reset(conn: asyncpg.Connection) -> None:
+    """What a connection needs on its way back to the pool. asyncpg's default reset runs
+    `pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL` — a round trip on every
+    release, one in three of all statements under load. sked leaves no session state on a
+    pooled connection: transactions end in their context managers, LISTEN has connections of
+    its own, advisory locks are transaction-scoped (the gauges' session lock is released by
+    its holder, shared/store/gauges.py), nothing is SET. A transaction left open (a task
+    cancelled mid-statement) is still rolled back."""
+    if conn.is_in_transaction():
+        await conn.execute("ROLLBACK")
+
+
 async def create_pool(dsn: str, size: int = 8) -> asyncpg.Pool:
     pool = await asyncpg.create_pool(
-        dsn, min_size=1, max_size=size, init=_init_connection, command_timeout=60
+        dsn,
+        min_size=1,
+        max_size=size,
+        init=_init_connection,
+        reset=_lean_reset,
+        command_timeout=60,
     )
     assert pool is not None
     return pool

@@ -4,6 +4,7 @@ process keeps out of the pool while it leads, and runs the reads on."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -60,8 +61,17 @@ class ClusterGauges:
         )
 
     async def resign(self) -> None:
-        """Give the lock up: the connection goes back to the pool, whose reset releases every
-        advisory lock it holds (or is discarded, if it broke)."""
+        """Give the lock up, and the connection back to the pool (pooled connections are not
+        reset on release: shared/store/db.py)."""
         conn, self._conn = self._conn, None
-        if conn is not None:
+        if conn is None:
+            return
+        try:
+            await conn.execute(Q.resign_gauges.sql, timeout=self.timeout_s)
+        except Exception:
+            # broken (asyncpg has given it back to the pool already), or it cannot unlock:
+            # either way its session ends, and the lock with it
+            with contextlib.suppress(Exception):
+                conn.terminate()
+        finally:
             await self.pool.release(conn)

@@ -7,6 +7,10 @@
 -- or whose connection drops, releases it; another takes it at its next try.
 SELECT pg_try_advisory_lock(hashtext('sked:metrics:cluster'))
 
+-- name: resign_gauges
+-- Give the gauges' lock up (pooled connections are not reset on release: shared/store/db.py).
+SELECT pg_advisory_unlock(hashtext('sked:metrics:cluster'))
+
 -- name: cluster_gauges
 -- The cluster-wide gauges in one statement: the tasks in each of the states $1 (those work
 -- passes through: final states grow without bound and are read as rates of
