@@ -94,11 +94,15 @@ class Hub:
     def task_notify(self, _c: object, _p: int, _ch: str, payload: str) -> None:
         notice = parse_notify(payload)
         states = notice.states
-        if states & DECIDES_DOWNSTREAM or State.PENDING.value in states:
-            if notice.ids is None:
+        # only a workflow's task has downstream tasks or upstreams to wait for: the others'
+        # ends (almost all, under load) cost resolution nothing
+        if (states & DECIDES_DOWNSTREAM or State.PENDING.value in states) and (
+            notice.workflow_ids is None or notice.workflow_ids
+        ):
+            if notice.workflow_ids is None:
                 self.resolve_all = True
             else:
-                self.finished.update(notice.ids)
+                self.finished.update(notice.workflow_ids)
             self.resolve.set()
         if states & FREES_CAPACITY:
             self.ends += 1

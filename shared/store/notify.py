@@ -19,34 +19,40 @@ log = logging.getLogger(__name__)
 
 # One notification per statement that moves tasks (sql/fragments.sql, `notify`): every
 # notifying commit serialises on Postgres's notification queue. Payload: "<id>:<version>:<state>"
-# for each task moved, space-separated, up to NOTIFY_LIST_MAX tasks (about 5 KB, under the 8 KB
-# limit); a bigger batch sends only "*:<count>:<state,state...>".
+# for each task moved ("<id>:<version>:w:<state>" for a workflow's task), space-separated, up to
+# NOTIFY_LIST_MAX tasks (about 5 KB, under the 8 KB limit); a bigger batch sends only
+# "*:<count>:<state,state...>".
 TASK_CHANNEL = "sked_task"
 NOTIFY_LIST_MAX = 100
 
 
 @dataclass(frozen=True)
 class Notice:
-    """A parsed state-change notification: which tasks (None: too many to list), which states."""
+    """A parsed state-change notification: which tasks (None: too many to list), which states,
+    and which of the tasks belong to a workflow (None: not listed)."""
 
     ids: frozenset[UUID] | None
     states: frozenset[str]
+    workflow_ids: frozenset[UUID] | None = None
 
 
 def parse_notify(payload: str) -> Notice:
     """Read a payload; entries that are not sked's (anyone may NOTIFY) are skipped."""
     if payload.startswith("*:"):
         return Notice(None, frozenset(payload.rsplit(":", 1)[-1].split(",")))
-    ids, states = set(), set()
+    ids, states, in_workflows = set(), set(), set()
     for entry in payload.split():
-        task_id, _, state = entry.partition(":")
-        state = state.rpartition(":")[2]
+        task_id, _, rest = entry.partition(":")
+        rest, _, state = rest.rpartition(":")
         try:
-            ids.add(UUID(task_id))
+            uuid = UUID(task_id)
         except ValueError:
             continue
+        ids.add(uuid)
         states.add(state)
-    return Notice(frozenset(ids), frozenset(states))
+        if rest.endswith(":w"):
+            in_workflows.add(uuid)
+    return Notice(frozenset(ids), frozenset(states), frozenset(in_workflows))
 
 
 Handler = Callable[[object, int, str, str], None]

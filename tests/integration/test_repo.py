@@ -286,12 +286,14 @@ async def test_admission_walks_the_fsm_in_one_statement(store: Store, pool: asyn
 
 def test_notify_payloads_parse() -> None:
     a, b = UUID(int=1), UUID(int=2)
-    notice = parse_notify(f"{a}:3:ready {b}:7:success")
+    notice = parse_notify(f"{a}:3:ready {b}:7:w:success")
     assert notice.ids == {a, b}
     assert notice.states == {"ready", "success"}
+    assert notice.workflow_ids == {b}  # marked: a workflow's task
     big = parse_notify("*:500:success,failed")
     assert big.ids is None
     assert big.states == {"success", "failed"}
+    assert big.workflow_ids is None  # not listed: any of them may be a workflow's
 
 
 async def _blocked_on(pool: asyncpg.Pool, pid: int) -> bool:
