@@ -48,6 +48,14 @@ class NodeState:
     used_gpu: int = 0
     # live and registered, but cordoned by an operator: not ready, and named in reasons
     cordoned: bool = False
+    # dispatches it takes beyond its slots: its executor holds them (Scheduling) and starts
+    # each as a slot frees. Slot usage counts them; cpu, memory and gpu are reserved as ever.
+    prefetch: int = 0
+
+    @property
+    def capacity(self) -> int:
+        """How many attempts may hold this node at once: running, or dispatched and held."""
+        return self.slots + self.prefetch
 
     def placed(self, need: Need) -> NodeState:
         """This node after reserving `need` on it."""
@@ -93,7 +101,7 @@ def fits(node: NodeState, need: Need) -> bool:
     return (
         node.ready
         and matches(node, need.selector)
-        and node.used_slots < node.slots
+        and node.used_slots < node.capacity
         and node.used_cpu + need.cpu <= node.cpu + EPS
         and node.used_memory_mb + need.memory_mb <= node.memory_mb
         and node.used_gpu + need.gpu <= node.gpu
@@ -102,7 +110,7 @@ def fits(node: NodeState, need: Need) -> bool:
 
 def score(node: NodeState, need: Need) -> float:
     after = node.placed(need)
-    ratios = [1 - after.used_slots / node.slots]
+    ratios = [1 - after.used_slots / node.capacity]
     if node.cpu > 0:
         ratios.append(1 - after.used_cpu / node.cpu)
     if node.memory_mb > 0:

@@ -97,6 +97,11 @@ class Settings(BaseSettings):
     # Executor (one process = one node).
     node_id: str = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "node")
     slots: int = Field(default=4, ge=1, le=10_000)
+    # Dispatches a node takes beyond its slots, held unstarted and started the moment a slot
+    # frees: its slots never wait for a round through the scheduler. Worth it for short tasks;
+    # a held dispatch is bound to its node (a task placed behind a long one waits for it), so
+    # keep it small, or 0, where tasks run long. Local nodes only.
+    prefetch: int = Field(default=0, ge=0, le=10_000)
     node_cpu: float = Field(default_factory=lambda: float(os.cpu_count() or 1), ge=0)
     node_memory_mb: int = Field(default_factory=_total_memory_mb, ge=0)
     node_gpu: int = Field(default=0, ge=0)

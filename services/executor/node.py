@@ -55,6 +55,13 @@ class Node:
         # the node ids whose dispatches this executor takes (services.executor.serving)
         self.serves: set[str] = {self.id} if backend.offers() is None else set()
         self.active: dict[Key, Attempt] = {}
+        # A backlog (SKED_PREFETCH, a local node only): RabbitMQ hands this node up to slots +
+        # prefetch dispatches, and the starter claims one only while fewer than `slots`
+        # attempts run here; `running` counts those whose outcome is not known yet, and
+        # `slot_freed` is set when one becomes known.
+        self.gated = settings.prefetch > 0 and backend.offers() is None
+        self.running = 0
+        self.slot_freed = asyncio.Event()
         # outcomes known here but not yet written: a probe gets the real outcome from these
         self.unreported: dict[Key, Outcome] = {}
         self.inbox: asyncio.Queue[AbstractIncomingMessage | None] = asyncio.Queue()

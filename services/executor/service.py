@@ -2,8 +2,9 @@
 backend (start.py), renews their leases and stops those taken away (watch.py), writes their
 outcomes (finish.py), heartbeats as a node, and answers the heartbeat-monitor's probes.
 
-start   dispatches from this node's queue (prefetch = slots, so RabbitMQ never hands this node
-        more attempts than it has slots): CAS Scheduling -> Running first, then the process.
+start   dispatches from this node's queue (RabbitMQ prefetch = slots + SKED_PREFETCH, so it
+        never hands this node more than it may hold); CAS Scheduling -> Running first, then
+        the process; with a backlog, a dispatch beyond the free slots waits for one.
 renew   every beat period, one statement renews the lease of every attempt here; each renewal
         Postgres confirms lets the node's watchdog run the attempt a lease longer. Without
         renewals (this process frozen, cut off, or Postgres away) the watchdog freezes the
@@ -86,7 +87,7 @@ class Executor(Service):
     async def setup(self) -> None:
         s, node = self.settings, self.node
         await node.backend.start()
-        self._channel = channel = await node.bus.consumer_channel(prefetch=s.slots)
+        self._channel = channel = await node.bus.consumer_channel(prefetch=s.slots + s.prefetch)
         probes = await channel.declare_queue(exclusive=True, auto_delete=True)
         await probes.consume(self._on_probe)
         self.serving = Serving(node, channel, probes)

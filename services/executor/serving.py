@@ -36,7 +36,14 @@ def cluster_owner(node_id: str) -> UUID:
 def local_offer(settings: Settings) -> NodeOffer:
     s = settings
     return NodeOffer(
-        s.node_id, s.slots, s.node_cpu, s.node_memory_mb, s.node_gpu, s.node_labels, True
+        s.node_id,
+        s.slots,
+        s.node_cpu,
+        s.node_memory_mb,
+        s.node_gpu,
+        s.node_labels,
+        True,
+        prefetch=s.prefetch,
     )
 
 
@@ -85,9 +92,17 @@ class Serving:
                 continue
             owner = self.owner(node_id)
             await store.nodes.register(
-                offer.id, offer.slots, offer.cpu, offer.memory_mb, offer.gpu, offer.labels, owner
+                offer.id,
+                offer.slots,
+                offer.cpu,
+                offer.memory_mb,
+                offer.gpu,
+                offer.labels,
+                owner,
+                offer.prefetch,
             )
-            await self.channel.set_qos(prefetch_count=offer.slots)  # for the next consumer
+            # RabbitMQ hands the next consumer no more than the node may hold
+            await self.channel.set_qos(prefetch_count=offer.slots + offer.prefetch)
             queue = await node.bus.declare_node_queue(self.channel, node_id)
             tag = await queue.consume(node.inbox.put)
             self.served[node_id] = Served(offer, owner, queue, tag)

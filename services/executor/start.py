@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from uuid import UUID
 
@@ -22,7 +23,7 @@ from shared.errors import one_line
 from shared.fsm import State
 from shared.models import Dispatch, Task
 from shared.resilience import TRANSIENT, isolate, retrying
-from shared.runtime import next_batch
+from shared.runtime import next_batch, wait_any
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +33,39 @@ Received = tuple[Dispatch, AbstractIncomingMessage]
 class Starter:
     def __init__(self, node: Node) -> None:
         self.node = node
+        self.held: deque[AbstractIncomingMessage] = deque()  # the backlog, when gated
 
     async def run(self) -> None:
-        while (batch := await next_batch(self.node.inbox)) is not None:
-            await self.start(batch)
+        if self.node.gated:
+            await self._run_gated()
+        else:
+            while (batch := await next_batch(self.node.inbox)) is not None:
+                await self.start(batch)
         await self._hand_back_unstarted()
+
+    async def _run_gated(self) -> None:
+        """With a backlog: dispatches beyond the free slots are held (their tasks stay
+        Scheduling) and claimed the moment an attempt's outcome frees a slot — a claim
+        statement away, not a round through the scheduler and RabbitMQ."""
+        node, held = self.node, self.held
+        while not node.stopping.is_set():
+            if not held:
+                batch = await next_batch(node.inbox)
+                if batch is None:
+                    return
+                held.extend(batch)
+            while not node.inbox.empty():
+                message = node.inbox.get_nowait()
+                if message is None:
+                    node.inbox.put_nowait(None)
+                    return
+                held.append(message)
+            free = node.settings.slots - node.running
+            if free <= 0:
+                node.slot_freed.clear()
+                await wait_any(node.slot_freed, node.stopping)
+                continue
+            await self.start([held.popleft() for _ in range(min(free, len(held)))])
 
     async def start(self, batch: list[AbstractIncomingMessage]) -> int:
         """Claim and start a batch of dispatches; returns how many attempts started here."""
@@ -130,6 +159,8 @@ class Starter:
                 log.exception("the backend failed running %s attempt %d", task.id, task.attempt)
                 outcome = Outcome.failed(f"the backend failed: {one_line(exc)}")
             seen.ended(outcome.ok, outcome.error)
+        node.running -= 1  # its process is gone: a held dispatch may take the slot
+        node.slot_freed.set()
         node.unreported[(task.id, task.attempt)] = outcome
         await node.outcomes.put((attempt, outcome))
 
@@ -178,6 +209,7 @@ class Starter:
     def _begin(self, attempt: Attempt) -> None:
         node, task = self.node, attempt.task
         node.active[(task.id, task.attempt)] = attempt
+        node.running += 1
         run = asyncio.create_task(self._run(attempt))
         node.runs.add(run)
         run.add_done_callback(node.runs.discard)
@@ -185,8 +217,8 @@ class Starter:
     async def _hand_back_unstarted(self) -> None:
         """On shutdown, dispatches received but not started go back to Ready at once."""
         node = self.node
-        while not node.inbox.empty():
-            message = node.inbox.get_nowait()
+        while self.held or not node.inbox.empty():
+            message = self.held.popleft() if self.held else node.inbox.get_nowait()
             if message is None:
                 continue
             try:

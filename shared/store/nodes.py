@@ -40,6 +40,7 @@ class NodeRow:
     cordoned_at: datetime | None = None
     cordoned_by: str | None = None
     cordon_reason: str | None = None
+    prefetch: int = 0  # dispatches held beyond its slots, started as slots free
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> NodeRow:
@@ -56,6 +57,7 @@ class NodeRow:
         return NodeState(
             id=self.id,
             slots=self.slots,
+            prefetch=self.prefetch,
             cpu=self.cpu,
             memory_mb=self.memory_mb,
             gpu=self.gpu,
@@ -92,9 +94,10 @@ class Nodes:
         gpu: int,
         labels: Mapping[str, str],
         boot_id: UUID,
+        prefetch: int = 0,
     ) -> None:
         await self.db.execute(
-            Q.register_node, node_id, slots, cpu, memory_mb, gpu, dict(labels), boot_id
+            Q.register_node, node_id, slots, cpu, memory_mb, gpu, dict(labels), boot_id, prefetch
         )
 
     async def heartbeat(self, node_id: str, boot_id: UUID, load: float) -> bool:

@@ -107,6 +107,8 @@ CREATE TABLE outbox_shards (
 CREATE TABLE nodes (
     id            text PRIMARY KEY CHECK (id ~ '^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$'),
     slots         integer NOT NULL CHECK (slots >= 1),
+    -- dispatches it holds beyond its slots, started as slots free (SKED_PREFETCH)
+    prefetch      integer NOT NULL DEFAULT 0 CHECK (prefetch >= 0),
     cpu           double precision NOT NULL CHECK (cpu >= 0),
     memory_mb     bigint NOT NULL CHECK (memory_mb >= 0),
     gpu           integer NOT NULL CHECK (gpu >= 0),

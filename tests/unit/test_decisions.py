@@ -329,3 +329,56 @@ def test_the_public_api_is_importable_from_sked() -> None:
     assert sked.TaskSpec.parse({"name": "x", "job": {"kind": "command", "argv": ["true"]}})
     assert issubclass(sked.InvalidSpec, sked.SkedError)
     assert set(sked.__all__) <= set(dir(sked))
+
+
+def test_only_a_workflow_tasks_end_wakes_workflow_resolution() -> None:
+    """Resolution looks downstream of the tasks a notification marks as a workflow's; the
+    ends of standalone tasks (almost all of them under load) do not wake it."""
+    hub = Hub()
+    hub.resolve_all = False
+    plain, member = uuid4(), uuid4()
+    hub.task_notify(None, 0, "", f"{plain}:4:success")
+    assert not hub.resolve.is_set()
+    assert hub.dispatch.is_set()  # the freed slot still wakes dispatch
+    hub.task_notify(None, 0, "", f"{plain}:5:success {member}:4:w:failed")
+    assert hub.resolve.is_set()
+    assert hub.finished == {member}
+    hub.resolve.clear()
+    hub.task_notify(None, 0, "", "*:300:success")  # too many to list: look at all
+    assert hub.resolve.is_set()
+    assert hub.resolve_all
+
+
+async def test_with_a_backlog_only_slots_run_and_held_ones_start_as_slots_free() -> None:
+    """SKED_PREFETCH: dispatches beyond the free slots wait unclaimed (their tasks stay
+    Scheduling) and each starts the moment an attempt's outcome frees a slot."""
+    store, backend = InMemoryStore(), StubBackend(hold=True)
+    settings = SETTINGS.model_copy(update={"slots": 2, "prefetch": 2})
+    node = Node(settings, store, StubBus(), backend, FakeReadyQueue(), asyncio.Event())  # type: ignore[arg-type]
+    starter = Starter(node)
+    assert node.gated
+    tasks = [await scheduled(store) for _ in range(4)]
+    for task in tasks:
+        node.inbox.put_nowait(dispatch_of(task))  # type: ignore[arg-type]
+    loop = asyncio.create_task(starter.run())
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert len(backend.launched) == 2
+    states = [(await store.tasks.get(t.id)).status for t in tasks]
+    assert states.count(State.RUNNING) == 2
+    assert states.count(State.SCHEDULING) == 2
+    first = backend.launched[0]
+    backend.release((first.task_id, first.attempt))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert len(backend.launched) == 3  # one slot freed: one held dispatch started
+    assert node.running == 2
+    # stopping hands the dispatch still held back to Ready
+    node.inbox.put_nowait(None)
+    node.stopping.set()
+    await asyncio.wait_for(loop, 5)
+    states = [(await store.tasks.get(t.id)).status for t in tasks]
+    assert states.count(State.READY) == 1
+    for launch in backend.launched[1:]:
+        backend.release((launch.task_id, launch.attempt))
+    await asyncio.wait(node.runs)

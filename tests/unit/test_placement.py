@@ -146,3 +146,17 @@ def test_place_many_never_overcommits(needs: list[Need], nodes: list[NodeState])
         assert n.used_cpu + sum(m.cpu for m in mine) <= n.cpu + 1e-9
         assert n.used_memory_mb + sum(m.memory_mb for m in mine) <= n.memory_mb
         assert n.used_gpu + sum(m.gpu for m in mine) <= n.gpu
+
+
+def test_a_backlog_takes_dispatches_beyond_the_slots_but_no_more_resources() -> None:
+    """A node with prefetch holds up to slots + prefetch attempts (the extra ones wait there
+    for a slot); cpu, memory and gpu are reserved for every one of them as ever."""
+    full = node("a", slots=2, prefetch=2, used_slots=2)
+    assert fits(full, Need())
+    assert not fits(node("a", slots=2, prefetch=2, used_slots=4), Need())
+    assert not fits(node("a", slots=2, prefetch=2, used_slots=2, used_cpu=8.0), Need(cpu=1))
+    placed, unplaced = place_many([(i, Need()) for i in range(6)], [full])  # type: ignore[misc]
+    assert len(placed) == 2
+    assert len(unplaced) == 4
+    # among nodes with a backlog, the emptier one (by its whole capacity) goes first
+    assert choose(Need(), [full, node("b", slots=2, prefetch=2, used_slots=1)]).node.id == "b"  # type: ignore[union-attr]

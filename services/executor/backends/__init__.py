@@ -76,6 +76,7 @@ class NodeOffer:
     labels: Mapping[str, str]
     ready: bool
     hostname: str = ""  # Kubernetes: the node's kubernetes.io/hostname label, to pin Jobs
+    prefetch: int = 0  # dispatches held beyond the slots (a local node's SKED_PREFETCH)
 
 
 class Backend(Protocol):

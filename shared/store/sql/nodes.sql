@@ -6,10 +6,11 @@
 -- tell the schedulers (NOTIFY sked_node: parked tasks may fit now). A cordon is left as it is:
 -- only `uncordon_node` lifts it.
 WITH up AS (
-    INSERT INTO nodes (id, slots, cpu, memory_mb, gpu, labels, ready, boot_id)
-    VALUES ($1, $2, $3, $4, $5, $6::jsonb, true, $7)
+    INSERT INTO nodes (id, slots, cpu, memory_mb, gpu, labels, ready, boot_id, prefetch)
+    VALUES ($1, $2, $3, $4, $5, $6::jsonb, true, $7, $8)
     ON CONFLICT (id) DO UPDATE SET
-        slots = EXCLUDED.slots, cpu = EXCLUDED.cpu, memory_mb = EXCLUDED.memory_mb,
+        slots = EXCLUDED.slots, prefetch = EXCLUDED.prefetch, cpu = EXCLUDED.cpu,
+        memory_mb = EXCLUDED.memory_mb,
         gpu = EXCLUDED.gpu, labels = EXCLUDED.labels, ready = true, boot_id = EXCLUDED.boot_id,
         registered_at = now(), heartbeat_at = now()
     RETURNING id
@@ -34,7 +35,7 @@ SELECT pg_notify('sked_node', id) FROM up
 -- name: nodes_with_usage
 -- Every node with its usage: the attempts that hold it (Scheduling or Running there) and what
 -- they asked for; `live`: it heartbeat within $1 seconds.
-SELECT n.id, n.slots, n.cpu, n.memory_mb, n.gpu, n.labels, n.ready, n.load, n.boot_id,
+SELECT n.id, n.slots, n.prefetch, n.cpu, n.memory_mb, n.gpu, n.labels, n.ready, n.load, n.boot_id,
        n.registered_at, n.heartbeat_at, n.cordoned_at, n.cordoned_by, n.cordon_reason,
        n.heartbeat_at > now() - make_interval(secs => $1) AS live,
        COALESCE(u.used_slots, 0) AS used_slots, COALESCE(u.used_cpu, 0) AS used_cpu,
