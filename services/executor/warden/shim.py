@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import select
+import shutil
 import signal
 import time
 from typing import Any
@@ -78,10 +79,11 @@ class Shim:
     def _start(self) -> bool:
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         shim = os.getpid()
+        program = resolve(self.req["argv"][0], self.req["env"])
         self.leader = os.fork()
         if self.leader == 0:
             os.close(err_r)
-            exec_leader(self.req, self.pipes, err_w, shim)
+            exec_leader(self.req, self.pipes, err_w, shim, program)
         os.close(err_w)
         for fd in self.pipes:
             os.close(fd)
@@ -218,7 +220,23 @@ class Shim:
             time.sleep(0.01)
 
 
-def exec_leader(req: dict[str, Any], pipes: list[int], err: int, shim: int) -> None:
+def resolve(name: str, env: dict[str, str]) -> str | None:
+    """The file `execvpe` would run for `name`, found before the fork (None: let execvpe
+    search, and report, in the leader). Searching PATH after the fork cost about 1 ms a
+    launch: each step of os.execvpe's Python loop writes to pages the fork shares, and
+    every page written is copied. Only an absolute PATH is searched here, as the leader's
+    working directory may differ."""
+    if "/" in name:
+        return None
+    path = env.get("PATH", os.defpath)
+    if not all(os.path.isabs(d) for d in path.split(os.pathsep)):
+        return None
+    return shutil.which(name, path=path)
+
+
+def exec_leader(
+    req: dict[str, Any], pipes: list[int], err: int, shim: int, program: str | None = None
+) -> None:
     """In the forked leader: set up and exec the attempt's program; never returns."""
     where: str | None = None  # what an OSError is about, as `subprocess` names it
     try:
@@ -246,6 +264,9 @@ def exec_leader(req: dict[str, Any], pipes: list[int], err: int, shim: int) -> N
             os.chdir(req["cwd"])
         argv = req["argv"]
         where = argv[0]
+        if program is not None:
+            with contextlib.suppress(OSError):  # as execvpe would, look further on failure
+                os.execve(program, argv, req["env"])
         os.execvpe(argv[0], argv, req["env"])
     except BaseException as exc:
         if isinstance(exc, OSError) and exc.errno is not None:
