@@ -1,0 +1,218 @@
+"""Benchmark (not a test): where a burst's CPU goes, per process, and (with --py-spy) where in
+each service's code.
+
+Runs the stack of bench/throughput.py, submits a burst, and reads each process's CPU time from
+/proc before and after: the services (by pid), every Postgres backend, RabbitMQ (beam.smp),
+Redis, and this client. With --py-spy DIR it records a py-spy profile of each service during
+the burst (speedscope JSON, one file per service; open at https://www.speedscope.app).
+Run: .venv/bin/python bench/profile.py [--tasks 5000] [--py-spy /tmp/prof]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from bench.throughput import NOOP, Stack, burst, settle
+from shared.client import SkedClient
+from shared.store.db import create_pool
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of one process, in seconds (0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def pids_named(*names: str) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                comm = (entry / "comm").read_text().strip()
+            except OSError:
+                continue
+            if comm in names:
+                out.append(int(entry.name))
+    return out
+
+
+def children(pid: int) -> list[int]:
+    """Every descendant of `pid` (the executors' handler workers)."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:
+            continue
+        found += [int(k) for k in kids]
+        todo += [int(k) for k in kids]
+    return found
+
+
+def snapshot(groups: dict[str, list[int]]) -> dict[str, float]:
+    return {name: sum(cpu_seconds(p) for p in pids) for name, pids in groups.items()}
+
+
+def groups_of(stack: Stack) -> dict[str, list[int]]:
+    groups: dict[str, list[int]] = {}
+    for proc in stack.procs:
+        name = " ".join(proc.args[2:5:2])  # type: ignore[index]
+        groups[name] = [proc.pid]
+        kids = children(proc.pid)
+        if kids:
+            groups[f"{name} (workers)"] = kids
+    groups["postgres"] = pids_named("postgres")
+    groups["rabbitmq"] = pids_named("beam.smp")
+    groups["redis"] = pids_named("redis-server")
+    groups["bench client"] = [os.getpid()]
+    return groups
+
+
+STAGES = ("ready", "scheduling", "running", "success")
+
+
+async def _print_stages(pool: asyncpg.Pool, name: str) -> None:
+    """How long the burst's tasks spent between the transitions of their life (event times)."""
+    rows = await pool.fetch(
+        "SELECT e.task_id, e.to_status, e.at FROM task_events e JOIN tasks t ON t.id = e.task_id"
+        " WHERE t.name = $1",
+        name,
+    )
+    at: dict[object, dict[str, float]] = {}
+    for r in rows:
+        at.setdefault(r["task_id"], {})[r["to_status"]] = r["at"].timestamp()
+    print(f"time between transitions, ms (p50 / p90), {len(at)} tasks, {len(rows)} events:")
+    for a, b in itertools.pairwise(STAGES):
+        gaps = sorted((t[b] - t[a]) * 1000 for t in at.values() if a in t and b in t)
+        if gaps:
+            p50, p90 = gaps[len(gaps) // 2], gaps[int(len(gaps) * 0.9)]
+            print(f"  {a:>10} -> {b:<10} {p50:8.1f} / {p90:8.1f}")
+
+
+async def _statements_on(pool: asyncpg.Pool) -> bool:
+    """Reset pg_stat_statements when the server loads it (shared_preload_libraries)."""
+    try:
+        await pool.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        await pool.execute("SELECT pg_stat_statements_reset()")
+    except asyncpg.PostgresError:
+        return False
+    return True
+
+
+async def _print_statements(pool: asyncpg.Pool, tasks: int) -> None:
+    rows = await pool.fetch(
+        "SELECT calls, rows, total_exec_time, query FROM pg_stat_statements"
+        " WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        " ORDER BY total_exec_time DESC LIMIT 25"
+    )
+    print("statements by total time (pg_stat_statements):")
+    for r in rows:
+        query = " ".join(r["query"].split())[:110]
+        print(
+            f"  {r['total_exec_time']:8.0f} ms {r['calls']:6} calls "
+            f"{r['total_exec_time'] * 1000 / tasks:6.0f} µs/task {r['rows']:7} rows  {query}"
+        )
+
+
+TRUE = {"name": "true", "job": {"kind": "command", "argv": ["true"]}}
+
+
+async def quiet_burst(
+    client: SkedClient, pool: asyncpg.Pool, n: int, job: dict[str, Any] = NOOP
+) -> tuple[float, str]:
+    """A burst of `n` no-op tasks, waited for with one count query every 100 ms (the SDK's
+    wait_all reads the tasks each notification names: a load on the system measured)."""
+    name = f"burst-{time.monotonic_ns()}"
+    spec = {**job, "name": name}
+    start = time.time()
+    for i in range(0, n, 500):
+        await client.submit_many([spec] * min(500, n - i))
+    while True:
+        row = await pool.fetchrow(
+            "SELECT count(*) AS n, max(finished_at) AS last FROM tasks"
+            " WHERE name = $1 AND status = 'success'",
+            name,
+        )
+        if row["n"] >= n:
+            return n / (row["last"].timestamp() - start), name
+        await asyncio.sleep(0.1)
+
+
+async def main(args: argparse.Namespace) -> None:
+    stack = Stack(args)
+    async with stack as settings:
+        client = SkedClient(settings)
+        pool = await create_pool(settings.database_url, 2)
+        await burst(client, 500)  # warm up
+        await settle(pool)
+        groups = groups_of(stack)
+        spies = []
+        if args.py_spy:
+            out = Path(args.py_spy)
+            out.mkdir(parents=True, exist_ok=True)
+            spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+            for proc in stack.procs:
+                name = "-".join(proc.args[2:5:2])  # type: ignore[index]
+                spies.append(
+                    subprocess.Popen(
+                        [
+                            *(spy, "record", "-p", str(proc.pid), "-f", "speedscope"),
+                            *("-r", "200", "--nonblocking", "-o", str(out / f"{name}.json")),
+                        ],
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
+                )
+        statements = await _statements_on(pool)
+        before, wall = snapshot(groups), time.perf_counter()
+        job = TRUE if args.command else NOOP
+        rate, burst_name = await quiet_burst(client, pool, args.tasks, job)
+        wall = time.perf_counter() - wall
+        after = snapshot(groups)
+        for s in spies:
+            s.send_signal(2)
+        for s in spies:
+            s.wait(timeout=60)
+        await settle(pool)
+        total = 0.0
+        print(f"{args.tasks} tasks at {rate:,.0f} tasks/s ({wall:.1f} s wall); CPU by process:")
+        for name in groups:
+            used = after[name] - before[name]
+            total += used
+            print(
+                f"  {name:28} {used:6.2f} s  {used / wall * 100:5.0f} % of a core  "
+                f"{used / args.tasks * 1e6:6.0f} µs/task"
+            )
+        print(f"  {'all':28} {total:6.2f} s  {total / wall * 100:5.0f} % (2 cores = 200 %)")
+        await _print_stages(pool, burst_name)
+        if statements:
+            await _print_statements(pool, args.tasks)
+        await pool.close()
+        await client.close()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tasks", type=int, default=5000)
+    parser.add_argument("--executors", type=int, default=2)
+    parser.add_argument("--slots", type=int, default=16)
+    parser.add_argument("--command", action="store_true", help="`true` commands, not handlers")
+    parser.add_argument("--py-spy", metavar="DIR", help="record a py-spy profile per service")
+    asyncio.run(main(parser.parse_args()))
