@@ -69,6 +69,7 @@ class Stack:
             "SKED_LOG_LEVEL": "WARNING",
             # every slot's handler worker up front: the figures are steady state, not start-up
             "SKED_WARM_WORKERS": str(self.args.slots),
+            "SKED_PREFETCH": str(getattr(self.args, "prefetch", 0)),
             "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
             "SKED_TASK_ENV_PASS": "PYTHONPATH",  # the handlers are this checkout's
             "SKED_HEARTBEAT_SECRET": secrets.token_hex(32),
@@ -194,4 +195,5 @@ if __name__ == "__main__":
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--executors", type=int, default=2)
     parser.add_argument("--slots", type=int, default=16)
+    parser.add_argument("--prefetch", type=int, default=0, help="SKED_PREFETCH per executor")
     asyncio.run(main(parser.parse_args()))
