@@ -707,6 +707,22 @@ async def test_a_handler_worker_is_frozen_with_its_attempt(
     assert (await job).stopped
 
 
+async def test_an_idle_workers_lease_is_dropped_before_it_lapses(tmp_path: Path) -> None:
+    """A handler worker keeps its last job's lease while idle (its next job renews it anyway)
+    but drops it shortly before it would run out: an idle worker is never frozen."""
+    b = LocalBackend(1, tmp_path / "state")
+    await b.start()
+    try:
+        first = await run(b, replace(handler("pid"), lease_s=0.8))
+        assert first.ok, first.error
+        await asyncio.sleep(1.5)  # past the lease: it would be frozen had it kept it
+        assert states([first.result]) <= {"S", "R"}, states([first.result])
+        again = await run(b, replace(handler("pid"), lease_s=0.8))
+        assert again.result == first.result  # the same worker, alive and not frozen
+    finally:
+        await b.close()
+
+
 async def test_what_a_command_leaves_behind_ends_with_it(
     backend: LocalBackend, tmp_path: Path
 ) -> None:

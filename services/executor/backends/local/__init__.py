@@ -349,7 +349,7 @@ class LocalBackend(OneNode):
             if answer is None:
                 await worker.kill()
             else:
-                worker.proc.unlease()
+                worker.proc.unlease_soon()
             tail = await self._keep_output(worker, log_path)
         finally:
             self._records.remove(key)

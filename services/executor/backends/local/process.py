@@ -51,6 +51,10 @@ def exit_text(code: int | None) -> str:
         return f"killed by signal {-code}"
 
 
+# An idle worker's lease is dropped this long before it would run out (Proc.unlease_soon).
+UNLEASE_AHEAD_S = 0.5
+
+
 class Proc:
     """One process tree under its shim."""
 
@@ -62,6 +66,8 @@ class Proc:
         self.pid = 0
         self.start_time = 0
         self.frozen = False
+        self._expiry: float | None = None  # the lease's end as the shim was told (loop time)
+        self._unlease: asyncio.TimerHandle | None = None
         self.started: asyncio.Future[None] = loop.create_future()
         self.ended: asyncio.Future[Exit] = loop.create_future()
         os.set_blocking(report, False)
@@ -72,11 +78,32 @@ class Proc:
 
     def renew(self, seconds: float) -> None:
         """The lease lasts `seconds` from now (thaws a frozen tree)."""
-        self._send(f"renew {max(seconds, 0.0):.3f}")
+        self._cancel_unlease()
+        seconds = max(seconds, 0.0)
+        self._send(f"renew {seconds:.3f}")
+        self._expiry = asyncio.get_running_loop().time() + seconds
 
     def unlease(self) -> None:
         """No lease is kept (an idle handler worker): never frozen."""
+        self._cancel_unlease()
         self._send("unlease")
+        self._expiry = None
+
+    def unlease_soon(self) -> None:
+        """An idle handler worker: drop its lease shortly before it would freeze it — unless
+        its next job renews it first, as under load it does within milliseconds. That saves a
+        write, and a wake of the shim, per job; a worker idle when its lease runs out (this
+        executor frozen) is frozen idle, and thawed by its next job's renewal."""
+        if self._expiry is None or self._unlease is not None:
+            return
+        loop = asyncio.get_running_loop()
+        delay = max(0.0, self._expiry - loop.time() - UNLEASE_AHEAD_S)
+        self._unlease = loop.call_later(delay, self.unlease)
+
+    def _cancel_unlease(self) -> None:
+        if self._unlease is not None:
+            self._unlease.cancel()
+            self._unlease = None
 
     def stop(self, grace_s: float) -> None:
         """SIGTERM the process group, SIGKILL the whole tree after `grace_s`."""
@@ -136,6 +163,7 @@ class Proc:
             self._end(Exit(None if raw < 0 else os.waitstatus_to_exitcode(raw), how))
 
     def _end(self, result: Exit) -> None:
+        self._cancel_unlease()
         loop = asyncio.get_running_loop()
         loop.remove_reader(self._report)
         for fd in (self._report, self._ctl):
