@@ -20,21 +20,24 @@ import typing
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 import aiohttp
 
 from shared import fsm
 from shared.client import WaitTimeout
-from shared.control import NotAllowed
-from shared.cordon import Drain
-from shared.dag import WorkflowSpec
 from shared.errors import InvalidSpec, NotFound, SkedError
 from shared.fsm import State
 from shared.models import Event, Task, TaskSpec
-from shared.store import NodeRow
 from shared.views import WorkflowView
+
+# The store's modules (NodeRow, Drain, NotAllowed) and the workflow models are imported by the
+# calls that need them: `sked status` through the API needs no database library at all.
+if TYPE_CHECKING:
+    from shared.cordon import Drain
+    from shared.dag import WorkflowSpec
+    from shared.store import NodeRow
 
 POLL_S = (0.1, 1.0)  # a wait polls from every 0.1 s, slowing to every second
 
@@ -48,8 +51,17 @@ ERRORS: dict[int, type[SkedError]] = {
     401: ApiRefused,
     403: ApiRefused,
     404: NotFound,
-    409: NotAllowed,
+    # 409: shared.control.NotAllowed (see error_for)
 }
+
+
+def error_for(status: int) -> type[SkedError]:
+    """The error SkedClient would raise for this HTTP status."""
+    if status == 409:  # imported only then: shared.control loads the store
+        from shared.control import NotAllowed
+
+        return NotAllowed
+    return ERRORS.get(status, SkedError)
 
 
 def from_json(cls: type[Any], data: Mapping[str, Any], **given: Any) -> Any:
@@ -78,6 +90,8 @@ def task_of(data: Mapping[str, Any]) -> Task:
 
 
 def node_of(data: Mapping[str, Any]) -> NodeRow:
+    from shared.store import NodeRow
+
     node: NodeRow = from_json(NodeRow, data)
     return node
 
@@ -126,7 +140,7 @@ class ApiClient:
             raise SkedError(f"the API at {self.url} did not answer: {exc}") from None
         if status >= 400:
             message = data.get("error") if isinstance(data, dict) else text
-            raise ERRORS.get(status, SkedError)(f"{message} (HTTP {status})")
+            raise error_for(status)(f"{message} (HTTP {status})")
         return data
 
     # -- submit -------------------------------------------------------------------------------
@@ -136,6 +150,8 @@ class ApiClient:
         return UUID((await self.call("POST", "/v1/tasks", parsed.model_dump(mode="json")))["id"])
 
     async def submit_workflow(self, spec: WorkflowSpec | dict[str, Any]) -> UUID:
+        from shared.dag import WorkflowSpec
+
         parsed = spec if isinstance(spec, WorkflowSpec) else WorkflowSpec.parse(spec)
         body = parsed.model_dump(mode="json")
         return UUID((await self.call("POST", "/v1/workflows", body))["id"])
@@ -195,6 +211,8 @@ class ApiClient:
     async def drain(self, node_id: str, timeout: float | None = None, reason: str = "") -> Drain:
         """Cordon, then wait up to `timeout` s (None: until drained), asking the API to wait
         up to 10 minutes at a time."""
+        from shared.cordon import Drain
+
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = 600.0 if deadline is None else max(0.0, min(600.0, deadline - time.monotonic()))

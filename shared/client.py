@@ -18,33 +18,23 @@ import contextlib
 import time
 from collections.abc import Iterable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from uuid import UUID, uuid4
 
-from opentelemetry.trace import SpanKind
-from redis.asyncio import Redis
-
-from shared import control, heartbeat, modes, telemetry
-from shared.alerts import Alerter
-from shared.bus import (
-    PROBE_EXCHANGE,
-    SCHEMA_HEADER,
-    SUBMIT_KEY,
-    TASKS_EXCHANGE,
-    WORKFLOW_KEY,
-    AmqpBus,
-    Outgoing,
-)
-from shared.dag import WorkflowSpec
-from shared.degrade import DegradeState, Mode
 from shared.errors import NotFound, SkedError
 from shared.fsm import State
 from shared.models import Event, Task, TaskSpec, task_id_for
-from shared.queues import ReadyQueue
-from shared.resilience import TRANSIENT
 from shared.settings import Settings
-from shared.store import TASK_CHANNEL, NodeRow, Store, parse_notify
 from shared.views import WorkflowView
+
+if TYPE_CHECKING:  # imported by the calls that use them: reading a task needs only the store
+    from redis.asyncio import Redis
+
+    from shared.bus import AmqpBus
+    from shared.dag import WorkflowSpec
+    from shared.degrade import DegradeState, Mode
+    from shared.queues import ReadyQueue
+    from shared.store import NodeRow, Store
 
 
 class WaitTimeout(SkedError, TimeoutError):
@@ -81,16 +71,24 @@ class SkedClient:
 
     async def _db(self) -> Store:
         if self._store is None:
+            from shared.store import Store
+
             s = self.settings
             self._store = await Store.connect(s.database_url, 2, s.lease_margin_s, s.node_ttl_s)
         return self._store
 
     def _queue(self) -> ReadyQueue:
+        from redis.asyncio import Redis
+
+        from shared.queues import ReadyQueue
+
         if self._redis is None:
             self._redis = Redis.from_url(self.settings.redis_url)
         return ReadyQueue(self._redis, self.settings.aging_s)
 
     async def _publisher(self) -> AmqpBus:
+        from shared.bus import AmqpBus
+
         if self._bus is None:
             bus = AmqpBus(self.settings.rabbitmq_url)
             await bus.connect()
@@ -100,6 +98,11 @@ class SkedClient:
     async def _publish(self, routing_key: str, bodies: Sequence[tuple[bytes, UUID, str]]) -> None:
         """Publish (body, id, name) submissions to sked.tasks, each under a PRODUCER span that
         becomes the root of its trace; the id is the message id, so a redelivery is one task."""
+        from opentelemetry.trace import SpanKind
+
+        from shared import telemetry
+        from shared.bus import SCHEMA_HEADER, TASKS_EXCHANGE, Outgoing
+
         bus = await self._publisher()
         spans = [
             telemetry.start(
@@ -137,6 +140,8 @@ class SkedClient:
 
         Specs are validated here first, so a bad one raises InvalidSpec and nothing is sent.
         """
+        from shared.bus import SUBMIT_KEY
+
         parsed = [s if isinstance(s, TaskSpec) else TaskSpec.parse(s) for s in specs]
         ids = [task_id_for(s) for s in parsed]
         bodies = [
@@ -148,6 +153,9 @@ class SkedClient:
     async def submit_workflow(self, spec: WorkflowSpec | dict[str, Any]) -> UUID:
         """Publish a whole workflow (validated here first: a cycle raises InvalidSpec naming
         it, and nothing is sent); returns its id once RabbitMQ confirmed the message."""
+        from shared.bus import WORKFLOW_KEY
+        from shared.dag import WorkflowSpec
+
         parsed = spec if isinstance(spec, WorkflowSpec) else WorkflowSpec.parse(spec)
         workflow_id = uuid4()
         await self._publish(
@@ -190,19 +198,27 @@ class SkedClient:
 
     async def pause(self, task_id: UUID | str, reason: str, by: str | None = None) -> Task:
         """Pause a non-terminal task (a running attempt is stopped). Raises NotAllowed."""
+        from shared import control
+
         return await control.pause(await self._db(), UUID(str(task_id)), reason, by)
 
     async def resume(self, task_id: UUID | str, by: str | None = None) -> Task:
         """Resume a paused task: it runs again as a new attempt, with no retry spent."""
+        from shared import control
+
         return await control.resume(await self._db(), self._queue(), UUID(str(task_id)), by)
 
     async def cancel(self, task_id: UUID | str, reason: str = "", by: str | None = None) -> Task:
         """Cancel a non-terminal task (a running attempt is stopped). Raises NotAllowed."""
+        from shared import control
+
         return await control.cancel(await self._db(), self._queue(), UUID(str(task_id)), reason, by)
 
     async def set_priority(self, task_id: UUID | str, priority: int) -> list[Task]:
         """Change a non-terminal task's priority (a workflow task's upstreams inherit it).
         Returns the tasks whose priority changed, this one first. Raises NotAllowed."""
+        from shared import control
+
         store = await self._db()
         return await control.set_priority(store, self._queue(), UUID(str(task_id)), priority)
 
@@ -217,11 +233,12 @@ class SkedClient:
         the attempt ended. None if there is none yet."""
         task = await self.get(task_id)
         if task.status is State.RUNNING and task.node is not None:
+            from shared import heartbeat
+            from shared.bus import PROBE_EXCHANGE
+
             probe = heartbeat.Probe(task_id=task.id, attempt=task.attempt, want="log")
-            bus = await self._publisher()
-            got = await bus.request(
-                PROBE_EXCHANGE, task.node, probe.model_dump_json().encode(), timeout
-            )
+            body = probe.model_dump_json().encode()
+            got = await (await self._publisher()).request(PROBE_EXCHANGE, task.node, body, timeout)
             if isinstance(got, bytes):
                 with contextlib.suppress(ValueError):
                     answer = heartbeat.ProbeAnswer.model_validate_json(got)
@@ -245,6 +262,9 @@ class SkedClient:
     ) -> DegradeState:
         """Set the degrade mode (NORMAL lifts it) for `for_s` seconds or until lifted; its
         event and alert go out. Raises ModeChanged if it changed meanwhile."""
+        from shared import modes
+        from shared.alerts import Alerter
+
         bus = await self._publisher()
         alerter = Alerter(bus, self.settings.alertmanager_url)
         try:
@@ -272,6 +292,9 @@ class SkedClient:
         notification was missed. A task not yet created (its submission still queued) counts
         as pending.
         """
+        from shared.resilience import TRANSIENT
+        from shared.store import TASK_CHANNEL, parse_notify
+
         store = await self._db()
         pending = {UUID(str(i)) for i in task_ids}
         done: dict[UUID, Task] = {}

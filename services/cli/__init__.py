@@ -10,44 +10,53 @@ Read commands take `--json`. Exit codes: 0 ok, 1 a task did not succeed / check 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from services.cli import degrade, nodes, tokens
-from services.cli.commands import (
-    SERVICES,
-    _cmd_dev,
-    _cmd_diagram,
-    _cmd_migrate,
-    _cmd_service,
-    _control,
-    _events,
-    _list,
-    _logs,
-    _nodes,
-    _priority,
-    _status,
-    _submit,
-    _submit_workflow,
-    _wait,
-    _workflow,
-)
-from services.cli.output import run
-from shared.control import NotAllowed
 from shared.errors import SkedError
+
+# `sked service NAME`: the module whose run(argv) is that service's main.
+SERVICES: dict[str, str] = {
+    "scheduler": "services.scheduler.__main__",
+    "executor": "services.executor.__main__",
+    "relay": "services.relay.__main__",
+    "heartbeat-monitor": "services.heartbeat_monitor.__main__",
+    "recovery": "services.recovery.__main__",
+    "api": "services.api.__main__",
+}
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def command(name: str, is_async: bool = True) -> Command:
+    """services.cli.commands' `name`, imported only when the command runs: parsing imports
+    nothing heavy, and each command imports only what it uses (`sked status` needs neither
+    RabbitMQ nor tracing). An async command runs on a fresh event loop."""
+
+    def call(args: argparse.Namespace) -> int:
+        func = getattr(importlib.import_module("services.cli.commands"), name)
+        if not is_async:
+            code: int = func(args)
+            return code
+        from services.cli.output import run
+
+        return run(func(args))
+
+    return call
+
 
 # -- parser ----------------------------------------------------------------------------------
 
 
-def _reader(
-    sub: Any, name: str, text: str, command: Callable[[argparse.Namespace], Awaitable[int]]
-) -> argparse.ArgumentParser:
+def _reader(sub: Any, name: str, text: str, func: Command) -> argparse.ArgumentParser:
     """A command about one task or workflow by id, with --json."""
     p: argparse.ArgumentParser = sub.add_parser(name, help=text)
     p.add_argument("id")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=lambda a: run(command(a)))
+    p.set_defaults(func=func)
     return p
 
 
@@ -56,19 +65,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command_name", required=True, metavar="COMMAND")
 
     p = sub.add_parser("migrate", help="create the database if needed and apply migrations")
-    p.set_defaults(func=_cmd_migrate)
+    p.set_defaults(func=command("_cmd_migrate", is_async=False))
 
     p = sub.add_parser("diagram", help="print the FSM as Mermaid, or write it into the docs")
     p.add_argument("--doc", default="docs/architecture.md")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--write", action="store_true", help="rewrite the diagram in --doc")
     mode.add_argument("--check", action="store_true", help="exit 1 if --doc is out of date")
-    p.set_defaults(func=_cmd_diagram)
+    p.set_defaults(func=command("_cmd_diagram", is_async=False))
 
     p = sub.add_parser("service", help="run one sked service in the foreground")
     p.add_argument("name", choices=sorted(SERVICES))
     p.add_argument("args", nargs=argparse.REMAINDER, help="the service's own flags")
-    p.set_defaults(func=_cmd_service)
+    p.set_defaults(func=command("_cmd_service", is_async=False))
 
     p = sub.add_parser("dev", help="run scheduler, relay and executors in the foreground")
     p.add_argument("--executors", type=int, default=2, help="how many executors (default 2)")
@@ -80,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="GET /metrics of the i-th process on this port + i (default 9464; 0: any free "
         "ports, logged; -1: off)",
     )
-    p.set_defaults(func=_cmd_dev)
+    p.set_defaults(func=command("_cmd_dev", is_async=False))
 
     p = sub.add_parser("submit", help="submit one task; prints its id")
     what = p.add_mutually_exclusive_group(required=True)
@@ -109,35 +118,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", action="store_true", help="wait for a terminal state")
     p.add_argument("--wait-timeout", type=float, help="with --wait: give up after SECONDS")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=lambda a: run(_submit(a)))
+    p.set_defaults(func=command("_submit"))
 
     p = sub.add_parser("submit-workflow", help="submit a workflow file (YAML or JSON)")
     p.add_argument("file")
     p.add_argument("--wait", action="store_true", help="wait until every task is terminal")
     p.add_argument("--wait-timeout", type=float)
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=lambda a: run(_submit_workflow(a)))
+    p.set_defaults(func=command("_submit_workflow"))
 
-    p = _reader(sub, "workflow", "a workflow's status, its tasks, or its DAG (--dot)", _workflow)
+    p = _reader(
+        sub, "workflow", "a workflow's status, its tasks, or its DAG (--dot)", command("_workflow")
+    )
     p.add_argument("--dot", action="store_true", help="the DAG in Graphviz DOT, with states")
-    _reader(sub, "status", "one task: status, attempt, node, result, error, reason", _status)
+    text = "one task: status, attempt, node, result, error, reason"
+    _reader(sub, "status", text, command("_status"))
 
     p = sub.add_parser("list", help="tasks, newest first")
     p.add_argument("--status", action="append", help="filter by state (repeatable)")
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=lambda a: run(_list(a)))
+    p.set_defaults(func=command("_list"))
 
-    _reader(sub, "events", "a task's transition history", _events)
+    _reader(sub, "events", "a task's transition history", command("_events"))
 
     p = sub.add_parser("logs", help="the log tail of a task's latest attempt")
     p.add_argument("id")
-    p.set_defaults(func=lambda a: run(_logs(a)))
+    p.set_defaults(func=command("_logs"))
 
     p = sub.add_parser("wait", help="wait for tasks; exit 0 only if all succeeded")
     p.add_argument("ids", nargs="+", metavar="ID")
     p.add_argument("--timeout", type=float)
-    p.set_defaults(func=lambda a: run(_wait(a)))
+    p.set_defaults(func=command("_wait"))
 
     for action, text in (
         ("pause", "pause a task (a running attempt is stopped; no retry is spent)"),
@@ -150,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--reason", default="", required=action == "pause")
             p.add_argument("--by", help="who is acting (default: user@host)")
         p.add_argument("--json", action="store_true")
-        p.set_defaults(func=lambda a: run(_control(a)), action=action)
+        p.set_defaults(func=command("_control"), action=action)
 
     p = sub.add_parser(
         "priority", help="change a task's priority (a workflow task's upstreams inherit it)"
@@ -158,11 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id")
     p.add_argument("priority", type=int)
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=lambda a: run(_priority(a)))
+    p.set_defaults(func=command("_priority"))
 
     p = sub.add_parser("nodes", help="registered executors, their capacity and usage")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=lambda a: run(_nodes(a)))
+    p.set_defaults(func=command("_nodes"))
 
     degrade.add_parser(sub)
     nodes.add_parser(sub)
@@ -170,17 +182,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _not_allowed(exc: SkedError) -> bool:
+    """A well-formed request the task's state refuses (shared.control.NotAllowed): exit 1, not
+    2. Looked up, not imported: if one was raised, its module is loaded; if not, importing it
+    (the store, Redis) would only slow the error down."""
+    control = sys.modules.get("shared.control")
+    return control is not None and isinstance(exc, control.NotAllowed)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    func: Callable[[argparse.Namespace], int] = args.func
+    func: Command = args.func
     try:
         return func(args)
-    except NotAllowed as exc:  # a well-formed request the task's state refuses
-        print(f"sked: {exc}", file=sys.stderr)
-        return 1
     except SkedError as exc:
         print(f"sked: {exc}", file=sys.stderr)
-        return 2
+        return 1 if _not_allowed(exc) else 2
     except KeyboardInterrupt:
         return 130
 

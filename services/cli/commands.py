@@ -13,9 +13,10 @@ import shlex
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from uuid import UUID
 
+from services.cli import SERVICES
 from services.cli.nodes import state_of
 from services.cli.output import (
     parse_task_id,
@@ -26,31 +27,25 @@ from services.cli.output import (
 )
 from services.cli.remote import Client, connect
 from shared import fsm
-from shared.client import WaitTimeout
-from shared.dag import WorkflowSpec
 from shared.errors import SkedError
 from shared.fsm import State
-from shared.models import Task, TaskSpec
-from shared.settings import Settings, parse_labels
-from shared.store.migrate import migrate
-from shared.views import WorkflowView
+
+# What one command alone needs is imported in it: `sked status` must not pay for the
+# migrations, the workflow models or the submit path (services.cli.command).
+if TYPE_CHECKING:
+    from shared.models import Task, TaskSpec
+    from shared.views import WorkflowView
 
 T = TypeVar("T")
-
-SERVICES: dict[str, str] = {
-    "scheduler": "services.scheduler.__main__",
-    "executor": "services.executor.__main__",
-    "relay": "services.relay.__main__",
-    "heartbeat-monitor": "services.heartbeat_monitor.__main__",
-    "recovery": "services.recovery.__main__",
-    "api": "services.api.__main__",
-}
 
 
 # -- operate ---------------------------------------------------------------------------------
 
 
 def _cmd_migrate(args: argparse.Namespace) -> int:
+    from shared.settings import Settings
+    from shared.store.migrate import migrate
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     version = asyncio.run(migrate(Settings().database_url))
     print(f"schema at version {version}")
@@ -91,6 +86,9 @@ def _cmd_dev(args: argparse.Namespace) -> int:
 
 
 def spec_from_args(args: argparse.Namespace) -> TaskSpec:
+    from shared.models import TaskSpec
+    from shared.settings import parse_labels
+
     job: dict[str, Any]
     if args.command is not None:
         argv = shlex.split(args.command)
@@ -209,6 +207,8 @@ async def _logs(args: argparse.Namespace) -> int:
 
 
 async def _wait(args: argparse.Namespace) -> int:
+    from shared.client import WaitTimeout
+
     ids = [parse_task_id(i) for i in args.ids]
     async with connect() as client:
         try:
@@ -265,6 +265,8 @@ def _load_workflow(path: str) -> Any:
 
 
 async def _submit_workflow(args: argparse.Namespace) -> int:
+    from shared.dag import WorkflowSpec
+
     spec = WorkflowSpec.parse(_load_workflow(args.file))
 
     def ended(view: WorkflowView) -> tuple[Any, str, bool]:

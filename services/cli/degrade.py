@@ -11,10 +11,7 @@ import argparse
 from typing import Any
 
 from services.cli.output import print_json, run
-from shared.client import SkedClient
-from shared.control import operator
 from shared.degrade import DegradeState, Mode
-from shared.modes import describe
 
 
 def add_parser(sub: Any) -> None:
@@ -41,6 +38,10 @@ def _line(state: DegradeState) -> str:
 
 
 async def _degrade(args: argparse.Namespace) -> int:
+    from shared.client import SkedClient
+    from shared.control import operator
+    from shared.modes import describe
+
     async with SkedClient() as client:
         if args.mode == "status":
             state = await client.degrade_status()

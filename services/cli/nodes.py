@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.cli.output import print_json, run
-from services.cli.remote import api
-from shared import cordon
-from shared.control import operator
-from shared.settings import Settings
-from shared.store import NodeRow, Store
+
+if TYPE_CHECKING:
+    from shared.cordon import Drain
+    from shared.store import NodeRow
 
 
 def add_parser(sub: Any) -> None:
@@ -53,6 +52,12 @@ def _show(n: NodeRow, as_json: bool) -> None:
 
 
 async def _node(args: argparse.Namespace) -> int:
+    from services.cli.remote import api
+    from shared import cordon
+    from shared.control import operator
+    from shared.settings import Settings
+    from shared.store import Store
+
     settings = Settings()
     remote = api(settings)
     if remote is not None:
@@ -81,7 +86,7 @@ async def _node(args: argparse.Namespace) -> int:
         await store.close()
 
 
-def _drained(done: cordon.Drain, as_json: bool) -> int:
+def _drained(done: Drain, as_json: bool) -> int:
     if as_json:
         print_json(done.as_json())
     elif done.done:

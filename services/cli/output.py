@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 from shared.errors import SkedError
 from shared.fsm import State
-from shared.models import Task
-from shared.views import WorkflowView
+
+if TYPE_CHECKING:  # annotations only: importing these (pydantic models) is the caller's cost
+    from shared.models import Task
+    from shared.views import WorkflowView
 
 
 def print_json(value: Any) -> None:

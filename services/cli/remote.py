@@ -6,17 +6,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from types import TracebackType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from uuid import UUID
 
-from shared.api_client import ApiClient
-from shared.client import SkedClient
-from shared.dag import WorkflowSpec
 from shared.errors import SkedError
-from shared.models import Event, Task, TaskSpec
 from shared.settings import Settings
-from shared.store import NodeRow
-from shared.views import WorkflowView
+
+if TYPE_CHECKING:  # each client is imported when chosen: the other's libraries never load
+    from shared.api_client import ApiClient
+    from shared.dag import WorkflowSpec
+    from shared.models import Event, Task, TaskSpec
+    from shared.store import NodeRow
+    from shared.views import WorkflowView
 
 
 class Client(Protocol):
@@ -52,6 +53,8 @@ class Client(Protocol):
 def api(settings: Settings) -> ApiClient | None:
     """The API client when the CLI is configured for the API, else None."""
     if settings.api_url and settings.api_token:
+        from shared.api_client import ApiClient
+
         return ApiClient(settings.api_url, settings.api_token)
     if settings.api_url or settings.api_token:
         raise SkedError(
@@ -62,4 +65,9 @@ def api(settings: Settings) -> ApiClient | None:
 
 def connect(settings: Settings | None = None) -> Client:
     s = settings or Settings()
-    return api(s) or SkedClient(s)
+    remote = api(s)
+    if remote is not None:
+        return remote
+    from shared.client import SkedClient
+
+    return SkedClient(s)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.cli.output import print_json, run
 from shared.auth import Role
 from shared.errors import NotFound
-from shared.settings import Settings
-from shared.store import Store
+
+if TYPE_CHECKING:
+    from shared.store import Store
 
 
 def add_parser(sub: Any) -> None:
@@ -44,6 +45,9 @@ def _when(at: Any) -> str:
 
 
 async def _token(args: argparse.Namespace) -> int:
+    from shared.settings import Settings
+    from shared.store import Store
+
     s = Settings()
     store = await Store.connect(s.database_url, 2, s.lease_margin_s, s.node_ttl_s)
     try:

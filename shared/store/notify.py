@@ -12,9 +12,6 @@ from uuid import UUID
 
 import asyncpg
 
-from shared.resilience import TRANSIENT, backoff_s
-from shared.runtime import wait_any
-
 log = logging.getLogger(__name__)
 
 # One notification per statement that moves tasks (sql/fragments.sql, `notify`): every
@@ -73,6 +70,11 @@ class PgListener:
         self.connected = asyncio.Event()
 
     async def run(self, stopping: asyncio.Event) -> None:
+        # imported here: they load Redis's and RabbitMQ's clients and tracing, which a process
+        # that only reads the store (`sked status`) never needs
+        from shared.resilience import TRANSIENT, backoff_s
+        from shared.runtime import wait_any
+
         first = True
         failures = 0
         while not stopping.is_set():

@@ -1,0 +1,66 @@
+"""`sked` starts fast: parsing a command, and the modules `sked status` runs, import neither
+RabbitMQ's client nor OpenTelemetry (nor the other heavy libraries) until a command needs them.
+
+Each check runs in a fresh interpreter (`python -c`): this process has imported them already.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+NEVER = {"opentelemetry", "aio_pika", "aiormq"}  # never for reading a task
+HEAVY = NEVER | {"redis", "aiohttp", "prometheus_client", "kubernetes_asyncio", "yaml", "uvloop"}
+
+TASK_ID = "8da55d00-60d6-4b20-bac2-b0bf303bfd81"
+
+
+def loaded(code: str, env: dict[str, str] | None = None) -> set[str]:
+    """The top-level packages in sys.modules after running `code` in a fresh interpreter."""
+    tops = "sorted({m.split('.')[0] for m in sys.modules})"
+    probe = f"{code}\nimport json, sys\nprint(json.dumps({tops}))"
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return set(json.loads(done.stdout.splitlines()[-1]))
+
+
+def test_parsing_a_command_imports_nothing_heavy() -> None:
+    found = loaded(
+        f"from services.cli import build_parser\nbuild_parser().parse_args(['status', '{TASK_ID}'])"
+    )
+    assert found & HEAVY == set()
+    assert found & {"asyncpg", "pydantic", "pydantic_settings"} == set()  # not even those
+
+
+def test_the_status_command_and_its_clients_import_no_bus_or_tracing() -> None:
+    """What `sked status` imports before it connects: the command module, the client it picks
+    (the SDK, or the API client with SKED_API_URL) and the settings."""
+    found = loaded("import services.cli.commands, shared.client, shared.api_client")
+    assert found & (HEAVY - {"aiohttp"}) == set()  # aiohttp: the API client's HTTP
+    assert "asyncpg" not in found  # the store loads when the SDK first reads
+
+
+def test_running_status_imports_no_bus_or_tracing() -> None:
+    """The whole command, up to its connection (refused here: nothing listens on port 1)."""
+    code = (
+        "from services.cli import main\n"
+        "try:\n"
+        f"    main(['status', '{TASK_ID}'])\n"
+        "except OSError:\n"
+        "    pass\n"
+    )
+    env = {"PATH": "/usr/bin:/bin", "SKED_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none"}
+    found = loaded(code, env)
+    assert "asyncpg" in found  # it did get as far as connecting
+    assert found & NEVER == set()
