@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import itertools
 import os
 import shutil
@@ -83,6 +84,25 @@ def groups_of(stack: Stack) -> dict[str, list[int]]:
     groups["redis"] = pids_named("redis-server")
     groups["bench client"] = [os.getpid()]
     return groups
+
+
+async def _sample_waits(dsn: str, waits: collections.Counter[str]) -> None:
+    """Every 20 ms: what each of the sked database's busy sessions is doing or waiting for."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        while True:
+            rows = await conn.fetch(
+                "SELECT coalesce(wait_event_type || ':' || wait_event, 'CPU') AS w,"
+                " left(regexp_replace(query, '\\s+', ' ', 'g'), 60) AS q FROM pg_stat_activity"
+                " WHERE datname = current_database() AND state = 'active'"
+                " AND pid <> pg_backend_pid()"
+            )
+            waits["samples"] += 1
+            for r in rows:
+                waits[f"{r['w']:28} {r['q']}"] += 1
+            await asyncio.sleep(0.02)
+    finally:
+        await conn.close()
 
 
 STAGES = ("ready", "scheduling", "running", "success")
@@ -183,7 +203,10 @@ async def main(args: argparse.Namespace) -> None:
         statements = await _statements_on(pool)
         before, wall = snapshot(groups), time.perf_counter()
         job = TRUE if args.command else NOOP
+        waits: collections.Counter[str] = collections.Counter()
+        sampler = asyncio.create_task(_sample_waits(settings.database_url, waits))
         rate, burst_name = await quiet_burst(client, pool, args.tasks, job)
+        sampler.cancel()
         wall = time.perf_counter() - wall
         after = snapshot(groups)
         for s in spies:
@@ -202,6 +225,10 @@ async def main(args: argparse.Namespace) -> None:
             )
         print(f"  {'all':28} {total:6.2f} s  {total / wall * 100:5.0f} % (2 cores = 200 %)")
         await _print_stages(pool, burst_name)
+        samples = waits.pop("samples", 1)
+        print(f"what the database's sessions were doing ({samples} samples, sessions per sample):")
+        for what, n in waits.most_common(12):
+            print(f"  {n / samples:6.2f}  {what}")
         if statements:
             await _print_statements(pool, args.tasks)
         await pool.close()
