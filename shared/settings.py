@@ -1,226 +1,45 @@
-"""Configuration from `SKED_*` environment variables: the only place that reads the environment.
+"""Configuration from `SKED_*` environment variables: the only place that reads the environment
+(this module, and the model it loads, `shared.settings_model`).
 
 One set of variables points a whole deployment (or one test) at its own Postgres database,
 Redis database and RabbitMQ vhost; every process reads them through `Settings`.
+
+`Settings` is loaded on first use (PEP 562): pydantic-settings and the model cost ~150 ms to
+import and build, and `sked status` — one read of one task — needs a single variable, which
+`quick` gives it as set.
 """
 
 from __future__ import annotations
 
-import json
+import importlib
 import os
-import socket
-from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+if TYPE_CHECKING:
+    from shared.settings_model import WEAK_SECRET as WEAK_SECRET
+    from shared.settings_model import Settings as Settings
+    from shared.settings_model import parse_labels as parse_labels
 
+PREFIX = "SKED_"
+DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/sked"
 
-def _total_memory_mb() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1024 * 1024)
-    except (ValueError, OSError, AttributeError):  # not every platform names these
-        return 1024
+__all__ = ["DEFAULT_DATABASE_URL", "PREFIX", "WEAK_SECRET", "Settings", "parse_labels", "quick"]
 
 
-def parse_labels(value: Any) -> dict[str, str]:
-    """Labels from `k=v,k2=v2`, a JSON object, or a dict."""
-    if isinstance(value, dict):
-        return {str(k): str(v) for k, v in value.items()}
-    text = str(value or "").strip()
-    if not text:
-        return {}
-    if text.startswith("{"):
-        return parse_labels(json.loads(text))
-    labels = {}
-    for part in text.split(","):
-        key, sep, val = part.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"a label must look like key=value, got {part!r}")
-        labels[key.strip()] = val.strip()
-    return labels
-
-
-WEAK_SECRET = "sked-dev-heartbeat-secret"  # the old default: never accepted
-
-
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SKED_", extra="ignore")
-
-    database_url: str = "postgresql://postgres@127.0.0.1:5432/sked"
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    rabbitmq_url: str = "amqp://guest:guest@127.0.0.1:5672/"
-
-    db_pool_size: int = Field(default=8, ge=1, le=200)
-    log_level: str = "INFO"
-    log_json: bool = False
-
-    # Outbox relay: the largest batch read per pass, and the safety sweep period that catches
-    # events whose NOTIFY was missed (a listener reconnect, a relay crash).
-    relay_batch: int = Field(default=1000, ge=1, le=10_000)
-    relay_sweep_s: float = Field(default=5.0, gt=0)
-    relay_linger_s: float = Field(default=0.02, ge=0, description="batching window after a wake")
-
-    # Scheduler.
-    aging_s: float = Field(default=5.0, ge=0, description="waiting this long = +1 priority")
-    max_message_bytes: int = Field(default=1024 * 1024, ge=1024)
-    submit_batch: int = Field(default=500, ge=1, le=10_000)
-    dispatch_batch: int = Field(default=500, ge=1, le=10_000)
-    reconcile_s: float = Field(default=5.0, gt=0, description="queue/Postgres consistency check")
-    node_ttl_s: float = Field(default=10.0, gt=0, description="a node silent this long is gone")
-
-    # Heartbeats and recovery.
-    heartbeat_secret: str = Field(
-        default="",
-        description="signs per-attempt heartbeat tokens; executors and monitors refuse to "
-        "start without one (`sked dev` makes one)",
-    )
-    heartbeat_url: str = "http://127.0.0.1:8470/heartbeat"  # given to every task process
-    monitor_host: str = "127.0.0.1"
-    monitor_port: int = Field(default=8470, ge=0, le=65535)
-    heartbeat_flush_s: float = Field(default=0.1, gt=0, description="batch window for beats")
-    probe_timeout_s: float = Field(default=2.0, gt=0, description="wait for a backend's answer")
-    recovery_period_s: float = Field(default=2.0, gt=0)
-    # How long past an attempt's lease its task may be declared Lost or start again: covers
-    # the node watchdog's reaction time (docs/architecture.md, "At most one live attempt").
-    lease_margin_s: float = Field(default=0.5, ge=0.1, le=60)
-    stuck_scheduling_s: float = Field(default=30.0, gt=0, description="dispatched, not started")
-
-    # The operator API (services/api): where it listens (port 0: any free one). With both
-    # api_url (e.g. http://127.0.0.1:8480) and api_token set, the CLI's read and control
-    # commands go through the API instead of the database.
-    api_host: str = "127.0.0.1"
-    api_port: int = Field(default=8480, ge=0, le=65535)
-    api_url: str | None = None
-    api_token: str | None = None
-
-    # Executor (one process = one node).
-    node_id: str = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "node")
-    slots: int = Field(default=4, ge=1, le=10_000)
-    # Dispatches a node takes beyond its slots, held unstarted and started the moment a slot
-    # frees: its slots never wait for a round through the scheduler. Worth it for short tasks;
-    # a held dispatch is bound to its node (a task placed behind a long one waits for it), so
-    # keep it small, or 0, where tasks run long. Local nodes only.
-    prefetch: int = Field(default=0, ge=0, le=10_000)
-    node_cpu: float = Field(default_factory=lambda: float(os.cpu_count() or 1), ge=0)
-    node_memory_mb: int = Field(default_factory=_total_memory_mb, ge=0)
-    node_gpu: int = Field(default=0, ge=0)
-    node_labels: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
-    node_heartbeat_s: float = Field(default=2.0, gt=0)
-    state_dir: Path | None = None  # default: <tmp>/sked/<node_id>
-    # handler workers started with the executor (the rest start on their slot's first handler)
-    warm_workers: int = Field(default=2, ge=0, le=10_000)
-    shutdown_grace_s: float = Field(default=10.0, ge=0)
-    # An attempt whose lease could not be renewed is frozen (SIGSTOP); frozen this long, it
-    # is killed. Longer rides out longer Postgres outages; shorter frees its resources sooner.
-    freeze_max_s: float = Field(default=600.0, gt=0)
-    # Variables a task's process gets from the executor's environment besides PATH, HOME,
-    # LANG and TZ (comma-separated names, e.g. PYTHONPATH); never a SKED_* variable.
-    task_env_pass: Annotated[list[str], NoDecode] = Field(default_factory=list)
-
-    # Degrade modes (shared/degrade.py). Partial dispatches only tasks at or above this
-    # priority, at most this many per pass. The automatic triggers, evaluated every
-    # degrade_check_s by one scheduler: GPUs held above a share of the healthy nodes' ->
-    # partial; fewer than a share of the nodes seen within degrade_nodes_seen_s healthy ->
-    # full; more tasks waiting than a bound -> partial; each for its duration.
-    degrade_min_priority: int = Field(default=100, ge=-1000, le=1000)
-    degrade_partial_batch: int = Field(default=10, ge=1, le=10_000)
-    degrade_check_s: float = Field(default=5.0, gt=0)
-    degrade_gpu_ratio: float = Field(default=0.95, gt=0, le=1)
-    degrade_gpu_for_s: float = Field(default=600.0, gt=0)
-    degrade_healthy_ratio: float = Field(default=0.5, ge=0, le=1)
-    degrade_healthy_for_s: float = Field(default=1800.0, gt=0)
-    degrade_waiting: int = Field(default=10_000, ge=0)
-    degrade_waiting_for_s: float = Field(default=300.0, gt=0)
-    degrade_nodes_seen_s: float = Field(default=3600.0, gt=0)
-    # Alerts (shared/alerts.py): Alertmanager's base URL (unset: logged and published only),
-    # and the backlogs past which an alert fires.
-    alertmanager_url: str | None = None
-    alert_outbox_backlog: int = Field(default=100_000, ge=1)
-    alert_ready_backlog: int = Field(default=50_000, ge=1)
-    # Prometheus metrics (shared/metrics.py): GET /metrics on this port (0: any free one, named
-    # in the log; -1: off, the default, as several processes share a host in `sked dev` and
-    # tests), on this address (containers set 0.0.0.0). The processes with metrics on elect
-    # one (a Postgres advisory lock) to compute the cluster-wide gauges every metrics_cluster_s.
-    metrics_port: int = Field(default=-1, ge=-1, le=65535)
-    metrics_host: str = "127.0.0.1"
-    metrics_cluster_s: float = Field(default=5.0, gt=0)
-
-    # Where an executor runs attempts: "local" processes on this machine (one executor = one
-    # node), or "kubernetes" Jobs on a cluster's nodes (one executor serves the cluster).
-    backend: Literal["local", "kubernetes"] = "local"
-    # Kubernetes backend. Its config comes from k8s_kubeconfig, else the in-cluster service
-    # account. The namespace the Jobs go to; the label selector choosing the nodes sked may
-    # place on (every node when empty); tolerations (a JSON list) and image pull secrets
-    # (comma-separated names) for every Job; finished Jobs are deleted after k8s_job_ttl_s.
-    k8s_kubeconfig: Path | None = None
-    # An API server URL used as it is, without credentials (`kubectl proxy`; a test's fake).
-    k8s_api_url: str | None = None
-    k8s_context: str | None = None
-    k8s_namespace: str = "sked-jobs"
-    k8s_node_selector: str = ""
-    k8s_tolerations: Annotated[list[dict[str, Any]], NoDecode] = Field(default_factory=list)
-    k8s_image_pull_secrets: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    k8s_job_ttl_s: int = Field(default=3600, ge=0)
-    # A pod that has not started its container this long after its Job was created (image
-    # pull back-off, unschedulable) is a launch failure: the task goes back to Ready.
-    k8s_start_budget_s: float = Field(default=300.0, gt=0)
-    # A node that turned NotReady gets this long before its attempts are judged by their
-    # Job's status and their log's freshness (the loss ladder's first rung).
-    k8s_node_grace_s: float = Field(default=40.0, ge=0)
-    # Every list is repeated this often: a watch alone is never trusted.
-    k8s_relist_s: float = Field(default=60.0, gt=0)
-
-    # What this deployment runs at all (shared.policy): handler module prefixes and command
-    # programs (a directory ends in "/"); empty allows everything.
-    allowed_handlers: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    allowed_commands: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    # Outcomes wait this long to share one transaction: results land a few ms later, and
-    # Postgres does one statement where it would do one per task.
-    finish_linger_s: float = Field(default=0.005, ge=0)
-    # A dispatch pass woken by a freed slot waits this long for more slots to free: under
-    # saturation one pass then places many tasks (a newly submitted task never waits for it).
-    dispatch_linger_s: float = Field(default=0.005, ge=0)
-
-    @field_validator("node_labels", mode="before")
-    @classmethod
-    def _labels(cls, value: Any) -> dict[str, str]:
-        return parse_labels(value)
-
-    @field_validator("k8s_tolerations", mode="before")
-    @classmethod
-    def _tolerations(cls, value: Any) -> list[dict[str, Any]]:
-        if isinstance(value, list):
+def quick(name: str) -> str | None:
+    """One variable (`name` without the prefix) as set, unparsed and without a default; the
+    name matched without regard to case, as `Settings` matches it. Only for a read path that
+    must start fast; everything else reads `Settings`."""
+    wanted = PREFIX + name.upper()
+    for key, value in os.environ.items():
+        if key.upper() == wanted:
             return value
-        text = str(value or "").strip()
-        return json.loads(text) if text else []
+    return None
 
-    @field_validator(
-        "task_env_pass",
-        "allowed_handlers",
-        "allowed_commands",
-        "k8s_image_pull_secrets",
-        mode="before",
-    )
-    @classmethod
-    def _names(cls, value: Any) -> list[str]:
-        items = value if isinstance(value, list) else str(value or "").split(",")
-        return [str(v).strip() for v in items if str(v).strip()]
 
-    @field_validator("task_env_pass")
-    @classmethod
-    def _no_secrets(cls, names: list[str]) -> list[str]:
-        leaked = [n for n in names if n.upper().startswith("SKED_")]
-        if leaked:
-            raise ValueError(f"tasks never get sked's own variables: {', '.join(leaked)}")
-        return names
-
-    def require_heartbeat_secret(self) -> str:
-        """The heartbeat secret, or a clear error: a guessable secret would let anyone forge
-        heartbeats, so services that sign or check them do not start without a real one."""
-        if len(self.heartbeat_secret) < 16 or self.heartbeat_secret == WEAK_SECRET:
-            raise ValueError(
-                "SKED_HEARTBEAT_SECRET must be set to a secret of at least 16 characters "
-                "(e.g. `openssl rand -hex 32`); `sked dev` makes one for you"
-            )
-        return self.heartbeat_secret
+def __getattr__(name: str) -> Any:
+    if name not in ("Settings", "WEAK_SECRET", "parse_labels"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module("shared.settings_model"), name)
+    globals()[name] = value
+    return value

@@ -25,7 +25,7 @@ from services.cli.output import (
     status_lines,
     workflow_json,
 )
-from services.cli.remote import Client, connect
+from services.cli.remote import Client, connect, straight_to_postgres
 from shared import fsm
 from shared.errors import SkedError
 from shared.fsm import State
@@ -159,8 +159,15 @@ async def _submitted(
 
 
 async def _status(args: argparse.Namespace) -> int:
-    async with connect() as client:
-        task = await client.get(parse_task_id(args.id))
+    task_id = parse_task_id(args.id)
+    dsn = straight_to_postgres()
+    if dsn is not None:  # the common read, on its fast path: no pool, no settings model
+        from shared.store.quick import read_task
+
+        task = await read_task(dsn, task_id)
+    else:
+        async with connect() as client:
+            task = await client.get(task_id)
     if args.json:
         print_json(task.as_json())
     else:

@@ -8,10 +8,12 @@ sked degrade status [--json]
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.cli.output import print_json, run
-from shared.degrade import DegradeState, Mode
+
+if TYPE_CHECKING:  # loaded when the command runs: building the parser stays cheap
+    from shared.degrade import DegradeState
 
 
 def add_parser(sub: Any) -> None:
@@ -29,6 +31,8 @@ def add_parser(sub: Any) -> None:
 
 
 def _line(state: DegradeState) -> str:
+    from shared.degrade import Mode
+
     mode = state.effective()
     if mode is Mode.NORMAL:
         return "normal: everything is dispatched"
@@ -40,6 +44,7 @@ def _line(state: DegradeState) -> str:
 async def _degrade(args: argparse.Namespace) -> int:
     from shared.client import SkedClient
     from shared.control import operator
+    from shared.degrade import Mode
     from shared.modes import describe
 
     async with SkedClient() as client:

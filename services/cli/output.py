@@ -52,9 +52,7 @@ def status_lines(task: Task) -> list[str]:
         f"attempt:   {task.attempt} (retries {task.retry_count}/{task.max_retries})",
         f"version:   {task.version}",
         f"priority:  {task.priority}"
-        + (
-            "" if task.spec.priority == task.priority else f" (own {task.spec.priority}, inherited)"
-        ),
+        + ("" if task.own_priority == task.priority else f" (own {task.own_priority}, inherited)"),
         f"node:      {task.node or '-'}",
         f"result:    {json.dumps(task.result)}",
         f"error:     {task.error or '-'}",

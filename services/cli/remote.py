@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 from uuid import UUID
 
 from shared.errors import SkedError
-from shared.settings import Settings
 
 if TYPE_CHECKING:  # each client is imported when chosen: the other's libraries never load
     from shared.api_client import ApiClient
     from shared.dag import WorkflowSpec
     from shared.models import Event, Task, TaskSpec
+    from shared.settings import Settings
     from shared.store import NodeRow
     from shared.views import WorkflowView
 
@@ -64,6 +64,8 @@ def api(settings: Settings) -> ApiClient | None:
 
 
 def connect(settings: Settings | None = None) -> Client:
+    from shared.settings import Settings
+
     s = settings or Settings()
     remote = api(s)
     if remote is not None:
@@ -71,3 +73,13 @@ def connect(settings: Settings | None = None) -> Client:
     from shared.client import SkedClient
 
     return SkedClient(s)
+
+
+def straight_to_postgres() -> str | None:
+    """The database URL when the CLI reads Postgres itself (no operator API configured), read
+    without building the settings (shared.settings.quick); None when it goes through the API."""
+    from shared.settings import DEFAULT_DATABASE_URL, quick
+
+    if quick("API_URL") or quick("API_TOKEN"):
+        return None  # connect() decides, and says what is missing
+    return quick("DATABASE_URL") or DEFAULT_DATABASE_URL

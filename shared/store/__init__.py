@@ -9,28 +9,73 @@ nodes, outbox, late results, launches, API tokens — and a unit of work:
         await tx.late.record(results)
 
 Nothing outside the store touches a pool or a connection.
+
+Importing this package loads nothing but this module: each name below is loaded from its
+module on first use (PEP 562), so a process that reads one task (`sked status`, through
+`shared.store.quick`) does not pay for every aggregate, the models and pydantic.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+import importlib
+from typing import TYPE_CHECKING, Any
 
-import asyncpg
+if TYPE_CHECKING:
+    from shared.store.degrade import (
+        DEGRADE_CHANNEL as DEGRADE_CHANNEL,
+    )
+    from shared.store.gauges import (
+        ClusterCounts as ClusterCounts,
+    )
+    from shared.store.gauges import (
+        ClusterGauges as ClusterGauges,
+    )
+    from shared.store.nodes import (
+        NODE_CHANNEL as NODE_CHANNEL,
+    )
+    from shared.store.nodes import (
+        NodeRow as NodeRow,
+    )
+    from shared.store.notify import (
+        TASK_CHANNEL as TASK_CHANNEL,
+    )
+    from shared.store.notify import (
+        Handler as Handler,
+    )
+    from shared.store.notify import (
+        Notice as Notice,
+    )
+    from shared.store.notify import (
+        parse_notify as parse_notify,
+    )
+    from shared.store.outbox import (
+        OutboxRow as OutboxRow,
+    )
+    from shared.store.store import (
+        Store as Store,
+    )
+    from shared.store.store import (
+        Tx as Tx,
+    )
+    from shared.store.tasks import (
+        QueuedRow as QueuedRow,
+    )
 
-from shared.store.claims import Claims
-from shared.store.db import Db, create_pool
-from shared.store.degrade import DEGRADE_CHANNEL, Degrade
-from shared.store.gauges import ClusterCounts, ClusterGauges
-from shared.store.late import LateResults
-from shared.store.launches import Launches
-from shared.store.leases import LeaseLink, Leases
-from shared.store.nodes import NODE_CHANNEL, NodeRow, Nodes
-from shared.store.notify import TASK_CHANNEL, Handler, Notice, PgListener, parse_notify
-from shared.store.outbox import Outbox, OutboxRow
-from shared.store.tasks import QueuedRow, Tasks
-from shared.store.tokens import Tokens
-from shared.store.workflows import Workflows
+_WHERE = {
+    "DEGRADE_CHANNEL": "degrade",
+    "NODE_CHANNEL": "nodes",
+    "TASK_CHANNEL": "notify",
+    "ClusterCounts": "gauges",
+    "ClusterGauges": "gauges",
+    "Handler": "notify",
+    "NodeRow": "nodes",
+    "Notice": "notify",
+    "OutboxRow": "outbox",
+    "QueuedRow": "tasks",
+    "Store": "store",
+    "Tx": "store",
+    "parse_notify": "notify",
+}
 
 __all__ = [
     "DEGRADE_CHANNEL",
@@ -49,65 +94,10 @@ __all__ = [
 ]
 
 
-class Tx:
-    """The aggregates, all on one database target (a pool, or a transaction's connection)."""
-
-    def __init__(self, db: Db, node_ttl_s: float) -> None:
-        self.tasks = Tasks(db)
-        self.claims = Claims(db)
-        self.leases = Leases(db)
-        self.workflows = Workflows(db)
-        self.nodes = Nodes(db, node_ttl_s)
-        self.outbox = Outbox(db)
-        self.late = LateResults(db)
-        self.launches = Launches(db)
-        self.degrade = Degrade(db)
-        self.tokens = Tokens(db)
-
-
-class Store(Tx):
-    """sked's Postgres. `lease_margin_s`: how long past an attempt's lease its task may be
-    declared Lost or start again; `node_ttl_s`: a node silent this long is not live."""
-
-    def __init__(
-        self, pool: asyncpg.Pool, dsn: str, lease_margin_s: float = 0.5, node_ttl_s: float = 10.0
-    ) -> None:
-        super().__init__(Db(pool, lease_margin_s), node_ttl_s)
-        self.pool = pool
-        self.dsn = dsn
-        self.lease_margin_s = lease_margin_s
-        self.node_ttl_s = node_ttl_s
-
-    @classmethod
-    async def connect(
-        cls, dsn: str, size: int = 8, lease_margin_s: float = 0.5, node_ttl_s: float = 10.0
-    ) -> Store:
-        return cls(await create_pool(dsn, size), dsn, lease_margin_s, node_ttl_s)
-
-    async def close(self) -> None:
-        await self.pool.close()
-
-    @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[Tx]:
-        """One transaction: everything done through the Tx commits together, or not at all."""
-        async with self.pool.acquire() as conn, conn.transaction():
-            yield Tx(Db(conn, self.lease_margin_s), self.node_ttl_s)
-
-    def listener(
-        self,
-        handlers: Sequence[tuple[str, Handler]],
-        on_reconnect: Callable[[], None] | None = None,
-    ) -> PgListener:
-        """A LISTEN connection of its own for these channels (see store.notify)."""
-        return PgListener(self.dsn, handlers, on_reconnect)
-
-    def lease_link(self) -> LeaseLink:
-        return LeaseLink(self.dsn, self.lease_margin_s)
-
-    def cluster_gauges(self) -> ClusterGauges:
-        """The election and read of the once-per-deployment gauges (shared.metrics)."""
-        return ClusterGauges(self.pool)
-
-    async def expire_connections(self) -> None:
-        """Drop pooled connections (after Postgres restarted, say)."""
-        await self.pool.expire_connections()
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{where}"), name)
+    globals()[name] = value
+    return value

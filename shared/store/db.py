@@ -10,11 +10,11 @@ from typing import Any
 
 import asyncpg
 
-from shared.models import Task
 from shared.store.queries import Query
+from shared.task import Task
 
 
-async def _init_connection(conn: asyncpg.Connection) -> None:
+async def init_connection(conn: asyncpg.Connection) -> None:
     await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
 
 
@@ -35,7 +35,7 @@ async def create_pool(dsn: str, size: int = 8) -> asyncpg.Pool:
         dsn,
         min_size=1,
         max_size=size,
-        init=_init_connection,
+        init=init_connection,
         reset=_lean_reset,
         command_timeout=60,
     )

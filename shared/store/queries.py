@@ -10,8 +10,9 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import cache
-from importlib import resources
+from pathlib import Path
 
+SQL_DIR = Path(__file__).with_name("sql")  # package data, installed beside this module
 _HEAD = re.compile(r"^-- (name|fragment): (\w+)(?:\((\w+)\))?\s*$")
 _USE = re.compile(r"\{\{(\w+)(?:\((.*?)\))?\}\}", re.DOTALL)
 
@@ -80,46 +81,54 @@ def _expand(sql: str, fragments: Mapping[str, _Block], seen: tuple[str, ...] = (
 
 
 class Queries(Mapping[str, Query]):
-    """Every named statement; `queries.transition.sql` or `queries["transition"]`."""
+    """Every named statement; `queries.transition.sql` or `queries["transition"]`. A statement's
+    fragments are expanded when it is first used (a process uses few of them)."""
 
-    def __init__(self, queries: dict[str, Query]) -> None:
-        self._queries = queries
+    def __init__(self, blocks: dict[str, _Block], fragments: dict[str, _Block]) -> None:
+        self._blocks = blocks
+        self._fragments = fragments
+        self._queries: dict[str, Query] = {}
 
     def __getitem__(self, name: str) -> Query:
-        return self._queries[name]
+        query = self._queries.get(name)
+        if query is None:
+            block = self._blocks[name]
+            query = Query(name, block.doc, _expand(block.body, self._fragments), block.source)
+            self._queries[name] = query
+        return query
 
     def __getattr__(self, name: str) -> Query:
         try:
-            return self._queries[name]
+            return self[name]
         except KeyError:
             raise AttributeError(f"no SQL statement named {name!r}") from None
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._queries)
+        return iter(self._blocks)
 
     def __len__(self) -> int:
-        return len(self._queries)
+        return len(self._blocks)
 
 
 @cache
 def load() -> Queries:
-    """Read sql/*.sql once; a statement without a description, a name used twice or an unknown
-    fragment is an error at import, not in production."""
+    """Read sql/*.sql once; a statement without a description or a name used twice is an error
+    at import, an unknown fragment at a statement's first use (tests/integration/test_migrate.py
+    expands every statement, so not in production)."""
     blocks: list[_Block] = []
-    for entry in sorted(resources.files("shared.store").joinpath("sql").iterdir(), key=str):
-        if entry.name.endswith(".sql"):
-            blocks.extend(_blocks(entry.read_text("utf-8"), entry.name))
+    for path in sorted(SQL_DIR.glob("*.sql")):
+        blocks.extend(_blocks(path.read_text("utf-8"), path.name))
     fragments = {b.name: b for b in blocks if b.kind == "fragment"}
-    out: dict[str, Query] = {}
+    named: dict[str, _Block] = {}
     for block in blocks:
         if block.kind != "name":
             continue
-        if block.name in out:
+        if block.name in named:
             raise ValueError(f"two SQL statements are named {block.name}")
         if not block.doc:
             raise ValueError(f"SQL statement {block.name} ({block.source}) says nothing of itself")
-        out[block.name] = Query(block.name, block.doc, _expand(block.body, fragments), block.source)
-    return Queries(out)
+        named[block.name] = block
+    return Queries(named, fragments)
 
 
 Q = load()

@@ -64,3 +64,12 @@ def test_running_status_imports_no_bus_or_tracing() -> None:
     found = loaded(code, env)
     assert "asyncpg" in found  # it did get as far as connecting
     assert found & NEVER == set()
+    # straight to Postgres, a task is read without the settings model or the spec's models
+    assert found & {"pydantic", "pydantic_settings"} == set()
+
+
+def test_the_token_parser_offers_every_role() -> None:
+    from services.cli.tokens import ROLES
+    from shared.auth import Role
+
+    assert list(ROLES) == [r.value for r in Role]

@@ -19,8 +19,8 @@ SQL = re.compile(
     r"\b(SELECT\s+[\w*(]|INSERT\s+INTO|UPDATE\s+\w+\s+SET|DELETE\s+FROM|CREATE\s+(TABLE|INDEX))"
 )
 SERVICES = ["scheduler", "executor", "heartbeat_monitor", "recovery", "relay", "api"]
-PURE = ["fsm", "models", "dag", "placement", "backoff", "outcome", "heartbeat", "intake", "degrade",
-        "jsonvalue", "lease", "policy", "outbox_pack", "errors", "auth"]  # fmt: skip
+PURE = ["fsm", "models", "task", "dag", "placement", "backoff", "outcome", "heartbeat", "intake",
+        "degrade", "jsonvalue", "lease", "policy", "outbox_pack", "errors", "auth"]  # fmt: skip
 IO = {"asyncpg", "redis", "aio_pika", "aiormq", "aiohttp"}
 
 

@@ -1,0 +1,128 @@
+"""A task as stored: a plain dataclass, free of pydantic (shared.models re-exports it), so
+that reading a task — `sked status` — loads neither pydantic nor the spec's models."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, fields
+from datetime import datetime
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+from uuid import UUID
+
+from shared.fsm import State
+
+if TYPE_CHECKING:
+    from shared.models import TaskSpec
+
+
+@dataclass(frozen=True)
+class Task:
+    """A task as stored: the spec plus its lifecycle columns.
+
+    A plain dataclass rather than a pydantic model: rows come from our own schema, and
+    validating every returned row cost more CPU than the SQL that moved it (docs/performance.md).
+    The spec is kept as the stored JSON text and parsed on first use.
+    """
+
+    id: UUID
+    name: str
+    kind: str
+    spec_json: str
+    status: State
+    status_reason: str
+    version: int
+    attempt: int
+    priority: int
+    retry_count: int
+    max_retries: int
+    next_retry_at: datetime | None
+    timeout_s: float | None
+    heartbeat_timeout_s: float
+    node: str | None
+    idempotency_key: str | None
+    paused_by: str | None
+    paused_reason: str | None
+    paused_at: datetime | None
+    result: Any
+    error: str | None
+    created_at: datetime
+    updated_at: datetime
+    queued_at: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    log_tail: str | None
+    cpu: float
+    memory_mb: int
+    gpu: int
+    traceparent: str | None
+    hb_at: datetime | None
+    hb_deadline: datetime | None
+    hb_seq: int
+    workflow_id: UUID | None
+    wf_task: str | None
+    uses: list[str]
+    # a workflow task's inputs from its upstreams, fixed at release; None outside workflows
+    inputs: Any = None
+    # the attempt whose process may be alive, its executor incarnation, and until when
+    lease_owner: UUID | None = None
+    lease_attempt: int | None = None
+    lease_until: datetime | None = None
+    # the spec's schedule_timeout_s, and when it runs out (Postgres time; kept while the task
+    # bounces between Ready and Scheduling, set anew when it enters Ready from a waiting state)
+    schedule_timeout_s: float | None = None
+    schedule_deadline: datetime | None = None
+    # attempts that never started, and how many may (TaskSpec.max_launch_failures)
+    launch_failures: int = 0
+    max_launch_failures: int = 3
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Task:
+        """A task from a row of its columns (other keys are ignored).
+
+        Filled in directly rather than through the generated __init__: a frozen dataclass of
+        45 fields sets each through object.__setattr__, ~49 µs a row against ~6 µs here —
+        and every statement that moves tasks returns their rows (docs/performance.md)."""
+        task = object.__new__(cls)
+        values = task.__dict__
+        values.update(_TASK_DEFAULTS)
+        for key, value in row.items():
+            if key in _TASK_FIELDS:
+                values[key] = value
+        if len(values) != len(_TASK_FIELDS):
+            missing = sorted(_TASK_FIELDS - values.keys())
+            raise TypeError(f"a task row lacks the columns {missing}")
+        values["status"] = State(values["status"])
+        return task
+
+    @cached_property
+    def spec(self) -> TaskSpec:
+        from shared.models import TaskSpec  # pydantic: loaded by the first reader of a spec
+
+        return TaskSpec.model_validate_json(self.spec_json)
+
+    @property
+    def own_priority(self) -> int:
+        """The priority its spec asked for (a workflow's task may inherit a higher one), read
+        from the stored spec without building it: every stored spec names its priority."""
+        return int(json.loads(self.spec_json)["priority"])
+
+    def as_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (for `--json` output and HTTP answers)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "spec_json":
+                out["spec"] = json.loads(value)
+            elif isinstance(value, datetime):
+                out[f.name] = value.isoformat()
+            elif isinstance(value, UUID | State):
+                out[f.name] = str(value)
+            else:
+                out[f.name] = value
+        return out
+
+
+_TASK_FIELDS = frozenset(f.name for f in fields(Task))
+_TASK_DEFAULTS = {f.name: f.default for f in fields(Task) if f.default is not MISSING}
