@@ -75,6 +75,8 @@ def groups_of(stack: Stack) -> dict[str, list[int]]:
     groups: dict[str, list[int]] = {}
     for proc in stack.procs:
         name = " ".join(proc.args[2:5:2])  # type: ignore[index]
+        if name in groups:  # a second scheduler
+            name = f"{name} {sum(n.startswith(name) for n in groups) + 1}"
         groups[name] = [proc.pid]
         kids = children(proc.pid)
         if kids:
@@ -241,6 +243,7 @@ if __name__ == "__main__":
     parser.add_argument("--executors", type=int, default=2)
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--prefetch", type=int, default=0, help="SKED_PREFETCH per executor")
+    parser.add_argument("--schedulers", type=int, default=1)
     parser.add_argument("--command", action="store_true", help="`true` commands, not handlers")
     parser.add_argument("--py-spy", metavar="DIR", help="record a py-spy profile per service")
     asyncio.run(main(parser.parse_args()))

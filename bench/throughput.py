@@ -74,7 +74,8 @@ class Stack:
             "SKED_TASK_ENV_PASS": "PYTHONPATH",  # the handlers are this checkout's
             "SKED_HEARTBEAT_SECRET": secrets.token_hex(32),
         }
-        services = [["scheduler"], ["relay"]] + [
+        schedulers = [["scheduler"]] * getattr(self.args, "schedulers", 1)
+        services = [*schedulers, ["relay"]] + [
             ["executor", "--node-id", f"bench-{i}", "--slots", str(self.args.slots)]
             for i in range(self.args.executors)
         ]
@@ -184,7 +185,10 @@ async def main(args: argparse.Namespace) -> None:
     )
     if rates:
         summary += f"; {statistics.median(rates):,.0f} tasks/s sustained"
-    print(f"{summary} ({args.executors} executors x {args.slots} slots, 1 scheduler, 1 relay)")
+    print(
+        f"{summary} ({args.executors} executors x {args.slots} slots, prefetch {args.prefetch}, "
+        f"{args.schedulers} scheduler(s), 1 relay)"
+    )
 
 
 if __name__ == "__main__":
@@ -196,4 +200,5 @@ if __name__ == "__main__":
     parser.add_argument("--executors", type=int, default=2)
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--prefetch", type=int, default=0, help="SKED_PREFETCH per executor")
+    parser.add_argument("--schedulers", type=int, default=1)
     asyncio.run(main(parser.parse_args()))
