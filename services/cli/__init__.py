@@ -198,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     except SkedError as exc:
         print(f"sked: {exc}", file=sys.stderr)
         return 1 if _not_allowed(exc) else 2
+    except OSError as exc:  # a server not there (refused, unresolvable), a file not readable
+        print(f"sked: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

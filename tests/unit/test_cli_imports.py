@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 NEVER = {"opentelemetry", "aio_pika", "aiormq"}  # never for reading a task
@@ -73,3 +75,17 @@ def test_the_token_parser_offers_every_role() -> None:
     from shared.auth import Role
 
     assert list(ROLES) == [r.value for r in Role]
+
+
+def test_a_database_not_there_is_a_clear_error_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.cli import main
+
+    monkeypatch.delenv("SKED_API_URL", raising=False)
+    monkeypatch.delenv("SKED_API_TOKEN", raising=False)
+    monkeypatch.setenv("SKED_DATABASE_URL", "postgresql://nobody@127.0.0.1:1/none")
+    assert main(["status", TASK_ID]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sked: ")
+    assert "Traceback" not in err
