@@ -87,6 +87,54 @@ async def test_sigkill_an_executor_with_fifty_running_tasks(
     assert recovery_s <= timeout + 2.0, f"recovery took {recovery_s:.2f} s"
 
 
+async def test_sigkill_an_executor_holding_a_backlog(
+    deployment: Deployment,
+    client: SkedClient,
+    pool: asyncpg.Pool,
+    stamps: Path,
+    record: list[Row],
+) -> None:
+    """SKED_PREFETCH: the doomed node runs 4 attempts and holds 4 dispatches unstarted when it
+    is killed. The running ones are Lost and retried; the held ones, never started, come back
+    from Scheduling by the stuck sweep; every task succeeds once, none overlaps itself."""
+    await start_all(deployment, [], 0)
+    doomed = await deployment.executor("doomed", 4, env={**FAST, "SKED_PREFETCH": "4"})
+    specs: list[dict[str, Any]] = [
+        {
+            "name": f"backlog-{i}",
+            "job": {"kind": "command", "argv": shell_stamp(stamps, 1, first_attempt_s=120)},
+            "heartbeat_timeout_s": 2.0,
+            "max_retries": 2,
+            "backoff_base_s": 0.05,
+            "backoff_cap_s": 0.1,
+        }
+        for i in range(8)
+    ]
+    ids = await client.submit_many(specs)
+
+    async def four_and_four() -> bool:
+        rows = await pool.fetch(
+            "SELECT status, count(*) AS n FROM tasks WHERE node = 'doomed' GROUP BY status"
+        )
+        return {r["status"]: r["n"] for r in rows} == {"running": 4, "scheduling": 4}
+
+    await eventually(four_and_four, timeout=60, what="4 running and 4 held on the doomed node")
+    await deployment.executor("survivor", 8, env=FAST)
+    killed_at = time.time()
+    doomed.kill()
+    done = await client.wait_all(ids, timeout=90)
+    rerun = max(t.started_at.timestamp() for t in done.values() if t.started_at is not None)
+    lost = sum(t.status is not State.SUCCESS for t in done.values())
+    dup = duplicated(read_stamps(stamps), killed_at)
+    over = overlap_s(read_stamps(stamps), killed_at)
+    case = "SIGKILL executor holding a backlog (4 run, 4 held)"
+    record.append(Row(case, 8, lost, dup, rerun - killed_at, over))
+    assert lost == 0
+    assert dup == 0
+    assert all(t.node == "survivor" for t in done.values())
+    await check_all_histories(pool)
+
+
 async def test_sigkill_each_service_at_random_moments(
     deployment: Deployment,
     client: SkedClient,
