@@ -19,10 +19,12 @@ from shared.fsm import State
 from tests.e2e.checks import check_all_histories
 from tests.faults.checks import duplicated, overlap_s, read_stamps
 from tests.faults.conftest import Deployment, Row
-from tests.faults.jobs import FAST, shell_stamp
+from tests.faults.jobs import FAST, cut_short_specs, shell_stamp
 from tests.helpers import eventually
 
 TIMEOUT = 3.0
+BACKOFF_S = 2.0  # base = cap: the first retry's ceiling
+STAMP_SLACK_S = 0.05  # Postgres stamps the events and next_retry_at in different statements
 
 
 def faketime(offset: str) -> dict[str, str]:
@@ -61,18 +63,7 @@ async def test_clocks_a_minute_off_change_no_timing(
     # the clocks really are off, as the services see them
     assert abs(time.time() + 60 - float(await _clock(deployment, AHEAD))) < 5
 
-    killed = [
-        {
-            "name": f"killed-{i}",
-            "job": {"kind": "command", "argv": shell_stamp(stamps, 1, first_attempt_s=120)},
-            "heartbeat_timeout_s": TIMEOUT,
-            "max_retries": 1,
-            "backoff_base_s": 0.05,
-            "backoff_cap_s": 0.1,
-        }
-        for i in range(6)
-    ]
-    killed_ids = await client.submit_many(killed)
+    killed_ids = await client.submit_many(cut_short_specs(stamps, "killed", 6, 1, TIMEOUT, 1))
 
     async def all_on_doomed() -> bool:
         return await on_node(pool, killed_ids, "doomed", 1) == 6
@@ -89,8 +80,8 @@ async def test_clocks_a_minute_off_change_no_timing(
                 "argv": ["sh", "-c", '[ "$SKED_ATTEMPT" = 1 ] && exit 1; exit 0'],
             },
             "max_retries": 1,
-            "backoff_base_s": 2.0,
-            "backoff_cap_s": 2.0,
+            "backoff_base_s": BACKOFF_S,
+            "backoff_cap_s": BACKOFF_S,
         }
         for i in range(6)
     ]
@@ -130,9 +121,10 @@ async def test_clocks_a_minute_off_change_no_timing(
         backoff = (task.next_retry_at - events[(State.FAILED, State.RETRY_WAIT)]).total_seconds()
         late = (events[(State.RETRY_WAIT, State.READY)] - task.next_retry_at).total_seconds()
         waits.append((round(backoff, 2), round(late, 2)))
-        # the drawn backoff lies in [base, 2 x base] = [1, 2] s (shared/backoff.py), give or
-        # take 50 ms of rounding: a host clock 60 s off would show here as ~60 s
-        assert 1.0 - 0.05 <= backoff <= 2.0 + 0.05, waits
+        # equal jitter (shared/backoff.py) draws the first backoff from [ceiling/2, ceiling]
+        # = [1, 2] s; a host clock 60 s off would show here as ~60 s
+        low, high = BACKOFF_S / 2 - STAMP_SLACK_S, BACKOFF_S + STAMP_SLACK_S
+        assert low <= backoff <= high, f"backoff {backoff} s outside equal jitter: {waits}"
         assert 0.0 <= late <= 1.0, waits
     lost_alive = await pool.fetchval(
         "SELECT count(*) FROM task_events WHERE to_status = 'lost' AND task_id = ANY($1::uuid[])",
