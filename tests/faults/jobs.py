@@ -33,6 +33,25 @@ def shell_stamp(path: Path, seconds: float, first_attempt_s: float | None = None
     return ["sh", "-c", script]
 
 
+def cut_short_specs(
+    stamps: Path, name: str, n: int, seconds: float, heartbeat_timeout_s: float, max_retries: int
+) -> list[dict[str, Any]]:
+    """`n` command tasks whose attempt 1 outlasts any test (it can end only by a kill, and
+    would overlap its retry in the stamps were it orphaned); later attempts run `seconds`,
+    retried after a short backoff."""
+    return [
+        {
+            "name": f"{name}-{i}",
+            "job": {"kind": "command", "argv": shell_stamp(stamps, seconds, first_attempt_s=120)},
+            "heartbeat_timeout_s": heartbeat_timeout_s,
+            "max_retries": max_retries,
+            "backoff_base_s": 0.05,
+            "backoff_cap_s": 0.1,
+        }
+        for i in range(n)
+    ]
+
+
 FAST = {
     "SKED_NODE_HEARTBEAT_S": "0.5",  # executors beat twice a second
     "SKED_RECOVERY_PERIOD_S": "1",

@@ -6,7 +6,6 @@ import asyncio
 import random
 import time
 from pathlib import Path
-from typing import Any
 
 import asyncpg
 
@@ -15,7 +14,7 @@ from shared.fsm import State
 from tests.e2e.checks import check_all_histories
 from tests.faults.checks import duplicated, overlap_s, read_stamps
 from tests.faults.conftest import Deployment, Row
-from tests.faults.jobs import FAST, shell_stamp, stamp_specs, start_all
+from tests.faults.jobs import FAST, cut_short_specs, stamp_specs, start_all
 from tests.helpers import eventually
 
 
@@ -36,20 +35,8 @@ async def test_sigkill_an_executor_with_fifty_running_tasks(
 ) -> None:
     timeout = 2.0
     doomed = (await start_all(deployment, ["doomed"], 50))["doomed"]
-    specs: list[dict[str, Any]] = [
-        {
-            "name": f"three-seconds-{i}",
-            # attempt 1 outlasts any slow start of the survivor: it can only end by the kill
-            # (and, were it orphaned, would overlap attempt 2 in the stamps)
-            "job": {"kind": "command", "argv": shell_stamp(stamps, 3, first_attempt_s=120)},
-            "heartbeat_timeout_s": timeout,
-            "max_retries": 2,
-            "backoff_base_s": 0.05,
-            "backoff_cap_s": 0.1,
-        }
-        for i in range(50)
-    ]
-    ids = await client.submit_many(specs)
+    # attempt 1 outlasts any slow start of the survivor: it can only end by the kill
+    ids = await client.submit_many(cut_short_specs(stamps, "three-seconds", 50, 3, timeout, 2))
 
     async def all_running() -> bool:
         return await running_on(pool, "doomed", 1) == 50
@@ -99,18 +86,7 @@ async def test_sigkill_an_executor_holding_a_backlog(
     from Scheduling by the stuck sweep; every task succeeds once, none overlaps itself."""
     await start_all(deployment, [], 0)
     doomed = await deployment.executor("doomed", 4, env={**FAST, "SKED_PREFETCH": "4"})
-    specs: list[dict[str, Any]] = [
-        {
-            "name": f"backlog-{i}",
-            "job": {"kind": "command", "argv": shell_stamp(stamps, 1, first_attempt_s=120)},
-            "heartbeat_timeout_s": 2.0,
-            "max_retries": 2,
-            "backoff_base_s": 0.05,
-            "backoff_cap_s": 0.1,
-        }
-        for i in range(8)
-    ]
-    ids = await client.submit_many(specs)
+    ids = await client.submit_many(cut_short_specs(stamps, "backlog", 8, 1, 2.0, 2))
 
     async def four_and_four() -> bool:
         rows = await pool.fetch(
