@@ -11,9 +11,10 @@ import and build, and `sked status` — one read of one task — needs a single 
 
 from __future__ import annotations
 
-import importlib
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from shared.lazy import exports
 
 if TYPE_CHECKING:
     from shared.settings_model import WEAK_SECRET as WEAK_SECRET
@@ -37,9 +38,6 @@ def quick(name: str) -> str | None:
     return None
 
 
-def __getattr__(name: str) -> Any:
-    if name not in ("Settings", "WEAK_SECRET", "parse_labels"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module("shared.settings_model"), name)
-    globals()[name] = value
-    return value
+__getattr__ = exports(
+    __name__, dict.fromkeys(("Settings", "WEAK_SECRET", "parse_labels"), "shared.settings_model")
+)

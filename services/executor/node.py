@@ -57,10 +57,8 @@ class Node:
         self.active: dict[Key, Attempt] = {}
         # A backlog (SKED_PREFETCH, a local node only): RabbitMQ hands this node up to slots +
         # prefetch dispatches, and the starter claims one only while fewer than `slots`
-        # attempts run here; `running` counts those whose outcome is not known yet, and
-        # `slot_freed` is set when one becomes known.
+        # attempts run here (`running`); `slot_freed` is set when an outcome becomes known.
         self.gated = settings.prefetch > 0 and backend.offers() is None
-        self.running = 0
         self.slot_freed = asyncio.Event()
         # outcomes known here but not yet written: a probe gets the real outcome from these
         self.unreported: dict[Key, Outcome] = {}
@@ -69,6 +67,11 @@ class Node:
         self.runs: set[asyncio.Task[None]] = set()
         self.look = asyncio.Event()  # the watch loop has suspects to check
         self.suspects: set[UUID] = set()
+
+    @property
+    def running(self) -> int:
+        """Attempts here whose outcome is not known yet (their process may still run)."""
+        return len(self.active) - len(self.unreported)
 
     def suspect(self, task_ids: set[UUID] | None = None) -> None:
         """These tasks (None: all here) may have been taken away: the watch loop looks."""

@@ -159,9 +159,8 @@ class Starter:
                 log.exception("the backend failed running %s attempt %d", task.id, task.attempt)
                 outcome = Outcome.failed(f"the backend failed: {one_line(exc)}")
             seen.ended(outcome.ok, outcome.error)
-        node.running -= 1  # its process is gone: a held dispatch may take the slot
-        node.slot_freed.set()
         node.unreported[(task.id, task.attempt)] = outcome
+        node.slot_freed.set()  # its process is gone: a held dispatch may take the slot
         await node.outcomes.put((attempt, outcome))
 
     async def _outcome(self, attempt: Attempt, refused: str | None) -> Outcome:
@@ -209,7 +208,6 @@ class Starter:
     def _begin(self, attempt: Attempt) -> None:
         node, task = self.node, attempt.task
         node.active[(task.id, task.attempt)] = attempt
-        node.running += 1
         run = asyncio.create_task(self._run(attempt))
         node.runs.add(run)
         run.add_done_callback(node.runs.discard)

@@ -17,8 +17,9 @@ module on first use (PEP 562), so a process that reads one task (`sked status`, 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from shared.lazy import exports
 
 if TYPE_CHECKING:
     from shared.store.degrade import (
@@ -94,10 +95,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    where = _WHERE.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{where}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = exports(__name__, {name: f"{__name__}.{where}" for name, where in _WHERE.items()})

@@ -7,10 +7,12 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
+from uuid import UUID
 
 import asyncpg
 
-from shared.store.queries import Query
+from shared.errors import NotFound
+from shared.store.queries import Q, Query
 from shared.task import Task
 
 
@@ -80,3 +82,11 @@ class Db:
 
 def task(row: asyncpg.Record) -> Task:
     return Task.from_row(row)
+
+
+async def get_task(db: Db, task_id: UUID) -> Task:
+    """One task by id (Tasks.get, and shared.store.quick's read without the aggregates)."""
+    row = await db.fetchrow(Q.get_task, task_id)
+    if row is None:
+        raise NotFound(f"no task {task_id}")
+    return task(row)

@@ -7,9 +7,7 @@ from uuid import UUID
 
 import asyncpg
 
-from shared.errors import NotFound
-from shared.store.db import init_connection, task
-from shared.store.queries import Q
+from shared.store.db import Db, get_task, init_connection
 from shared.task import Task
 
 
@@ -18,9 +16,6 @@ async def read_task(dsn: str, task_id: UUID) -> Task:
     conn = await asyncpg.connect(dsn)
     try:
         await init_connection(conn)
-        row = await conn.fetchrow(Q.get_task.sql, task_id)
+        return await get_task(Db(conn, lease_margin_s=0.0), task_id)
     finally:
         await conn.close()
-    if row is None:
-        raise NotFound(f"no task {task_id}")
-    return task(row)

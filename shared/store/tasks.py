@@ -17,10 +17,9 @@ from uuid import UUID, uuid4
 
 from shared import fsm, hooks
 from shared.dag import effective_priorities
-from shared.errors import NotFound
 from shared.fsm import Move, State
 from shared.models import Event, Task, TaskSpec
-from shared.store.db import Db, task
+from shared.store.db import Db, get_task, task
 from shared.store.queries import Q
 
 
@@ -185,10 +184,7 @@ class Tasks:
     # -- reads ------------------------------------------------------------------------------
 
     async def get(self, task_id: UUID) -> Task:
-        row = await self.db.fetchrow(Q.get_task, task_id)
-        if row is None:
-            raise NotFound(f"no task {task_id}")
-        return task(row)
+        return await get_task(self.db, task_id)
 
     async def get_many(self, ids: Sequence[UUID]) -> list[Task]:
         return [task(row) for row in await self.db.fetch(Q.get_tasks, list(ids))]
