@@ -32,12 +32,22 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of one process, in seconds (0 if it is gone)."""
+    """CPU of one process in seconds (0 if it is gone): its own (utime + stime) and that of
+    the children it has reaped (cutime + cstime) — a warden's shims and the programs they ran
+    live a few milliseconds each and are gone by the time anyone could read their own."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / TICK
+    return sum(int(f) for f in fields[11:15]) / TICK
+
+
+def machine_busy_seconds() -> float:
+    """CPU time every core spent busy (not idle, not waiting on I/O), from /proc/stat."""
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (
+        int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
+    )
+    return (user + nice + system + irq + softirq + steal) / TICK
 
 
 def pids_named(*names: str) -> list[int]:
@@ -67,8 +77,23 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def snapshot(groups: dict[str, list[int]]) -> dict[str, float]:
-    return {name: sum(cpu_seconds(p) for p in pids) for name, pids in groups.items()}
+Snapshot = dict[str, dict[int, float]]
+
+
+def snapshot(groups: dict[str, list[int]]) -> Snapshot:
+    return {name: {p: cpu_seconds(p) for p in pids} for name, pids in groups.items()}
+
+
+def used(before: Snapshot, after: Snapshot) -> dict[str, float]:
+    """CPU seconds by group between two snapshots, each taken of the groups as they were
+    then: a process that appeared between them (a new Postgres backend, a shim or handler
+    worker forked for the burst) counts in full; one that exited is lost (its time is gone
+    from /proc, unless its parent reaped it: cpu_seconds)."""
+    out = {}
+    for name in [*before, *(n for n in after if n not in before)]:
+        b, a = before.get(name, {}), after.get(name, {})
+        out[name] = sum(max(0.0, t - b.get(pid, 0.0)) for pid, t in a.items())
+    return out
 
 
 def groups_of(stack: Stack) -> dict[str, list[int]]:
@@ -204,13 +229,16 @@ async def main(args: argparse.Namespace) -> None:
                 )
         statements = await _statements_on(pool)
         before, wall = snapshot(groups), time.perf_counter()
+        busy = machine_busy_seconds()
         job = TRUE if args.command else NOOP
         waits: collections.Counter[str] = collections.Counter()
         sampler = asyncio.create_task(_sample_waits(settings.database_url, waits))
         rate, burst_name = await quiet_burst(client, pool, args.tasks, job)
         sampler.cancel()
         wall = time.perf_counter() - wall
+        groups = groups_of(stack)  # again: with the processes born during the burst
         after = snapshot(groups)
+        busy = machine_busy_seconds() - busy
         for s in spies:
             s.send_signal(2)
         for s in spies:
@@ -218,14 +246,17 @@ async def main(args: argparse.Namespace) -> None:
         await settle(pool)
         total = 0.0
         print(f"{args.tasks} tasks at {rate:,.0f} tasks/s ({wall:.1f} s wall); CPU by process:")
-        for name in groups:
-            used = after[name] - before[name]
-            total += used
+        for name, cpu in used(before, after).items():
+            total += cpu
             print(
-                f"  {name:28} {used:6.2f} s  {used / wall * 100:5.0f} % of a core  "
-                f"{used / args.tasks * 1e6:6.0f} µs/task"
+                f"  {name:28} {cpu:6.2f} s  {cpu / wall * 100:5.0f} % of a core  "
+                f"{cpu / args.tasks * 1e6:6.0f} µs/task"
             )
         print(f"  {'all':28} {total:6.2f} s  {total / wall * 100:5.0f} % (2 cores = 200 %)")
+        print(
+            f"  {'machine (/proc/stat)':28} {busy:6.2f} s  {busy / wall * 100:5.0f} %  "
+            f"{busy / args.tasks * 1e6:6.0f} µs/task"
+        )
         await _print_stages(pool, burst_name)
         samples = waits.pop("samples", 1)
         print(f"what the database's sessions were doing ({samples} samples, sessions per sample):")

@@ -63,7 +63,7 @@ import asyncpg
 from bench.celery_app import NOOP as CELERY_NOOP
 from bench.celery_app import QUEUE, make_app
 from bench.celery_app import TRUE as CELERY_TRUE
-from bench.profile import children, cpu_seconds, groups_of, pids_named
+from bench.profile import Snapshot, children, groups_of, pids_named, snapshot, used
 from bench.throughput import ADMIN, NOOP, Stack, pct, settle
 from shared.client import SkedClient
 from shared.store.db import create_pool
@@ -78,7 +78,6 @@ TIMEOUT = 600.0
 STOP = (signal.SIGTERM, signal.SIGINT)
 
 Groups = dict[str, list[int]]
-Snapshot = dict[str, dict[int, float]]
 
 
 @dataclass
@@ -94,21 +93,9 @@ class Result:
 # --- CPU, per process, from /proc ---
 
 
-def snapshot(groups: Groups) -> Snapshot:
-    return {name: {pid: cpu_seconds(pid) for pid in pids} for name, pids in groups.items()}
-
-
 def used_us(before: Snapshot, after_groups: Groups, tasks: int) -> dict[str, float]:
-    """µs of CPU per task by group. Membership is looked up again at the end: a process that
-    appeared during the window (a new Postgres backend, a handler worker) counts in full; one
-    that exited during it is lost (its time is gone from /proc)."""
-    after = snapshot(after_groups)
-    out = {}
-    for name in [*before, *(n for n in after if n not in before)]:
-        b, a = before.get(name, {}), after.get(name, {})
-        seconds = sum(max(0.0, t - b.get(pid, 0.0)) for pid, t in a.items())
-        out[name] = seconds / tasks * 1e6
-    return out
+    """µs of CPU per task by group (membership looked up again at the end: bench.profile.used)."""
+    return {k: s / tasks * 1e6 for k, s in used(before, snapshot(after_groups)).items()}
 
 
 def with_children(pid: int) -> list[int]:

@@ -769,3 +769,51 @@ async def test_tasks_get_an_allowlisted_environment(
     allowed |= {"SKED_OUTPUT", "PWD", "SHLVL", "_"}  # env's own, and the shell's
     assert set(seen) <= allowed, set(seen) - allowed
     assert "MINE" not in py.result
+
+
+# --- shims: kept for the next attempt, carrying nothing over ---------------------------------
+
+
+def parent_of(outcome: Outcome) -> int:
+    """The pid a command (`echo $PPID; ...`) printed first: its shim's."""
+    return int(outcome.log_tail.split()[0])
+
+
+async def test_a_shim_serves_attempt_after_attempt(backend: LocalBackend, tmp_path: Path) -> None:
+    """Attempts one after another run under one shim (a fork per attempt saved); what the
+    first left running is gone before the next starts, each starts with only its standard
+    descriptors, and the shim holds no more descriptors after many attempts than after one."""
+    escaped = tmp_path / "escaped.pid"
+    first = await run(
+        backend,
+        command(
+            f"echo $PPID; setsid sh -c 'echo $$ > {escaped}; exec sleep 60' & "
+            f"while [ ! -s {escaped} ]; do sleep 0.01; done"
+        ),
+    )
+    assert first.ok, first
+    shim, daemon = parent_of(first), read_pid(escaped)
+    assert daemon, "the escaped daemon never started"
+    assert gone(daemon), "the escaped daemon outlived its attempt"
+    held = sorted(os.listdir(f"/proc/{shim}/fd"))
+    for _ in range(5):
+        outcome = await run(backend, command("echo $PPID; ls /proc/$$/fd"))
+        assert outcome.ok, outcome
+        assert parent_of(outcome) == shim, "an idle shim was there, yet another was forked"
+        assert sorted(outcome.log_tail.split()[1:]) == ["0", "1", "2"], outcome.log_tail
+    assert sorted(os.listdir(f"/proc/{shim}/fd")) == held, "the shim leaks a descriptor a run"
+
+
+async def test_an_idle_shim_that_died_is_replaced(backend: LocalBackend) -> None:
+    shim = parent_of(await run(backend, command("echo $PPID")))
+    os.kill(shim, signal.SIGKILL)  # idle: its attempt has ended
+    await until(lambda: gone(shim), "the idle shim to die")
+    again = await run(backend, command("echo $PPID"))
+    assert again.ok, again
+    assert parent_of(again) != shim
+
+
+async def test_shims_running_side_by_side_are_distinct(backend: LocalBackend) -> None:
+    both = await asyncio.gather(*(run(backend, command("echo $PPID; sleep 0.3")) for _ in "ab"))
+    assert all(o.ok for o in both), both
+    assert len({parent_of(o) for o in both}) == 2

@@ -1,5 +1,5 @@
 """Process trees from /proc: what the warden and its shims kill, freeze and thaw (stdlib only:
-this runs in the warden, a small process forked once per attempt)."""
+this runs in the warden and its shims, small forked processes)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The warden's fork server: takes spawn requests from the executor over a Unix socket
-(length-prefixed JSON, file descriptors attached) and forks a shim for each; as subreaper of
-the shims it kills whatever a shim that died abruptly left behind, and when the executor goes
-it has every shim kill its tree."""
+(length-prefixed JSON, file descriptors attached) and hands each to an idle shim, forking one
+when none is idle; as subreaper of the shims it kills whatever a shim that died abruptly left
+behind, and when the executor goes it has every shim kill its tree."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ import contextlib
 import gc
 import json
 import os
-import select
+import selectors
 import signal
 import socket
-import struct
 import time
 
 from services.executor.warden.proctree import (
@@ -22,76 +21,115 @@ from services.executor.warden.proctree import (
     signal_,
     stat,
 )
-from services.executor.warden.shim import KILL_ROUNDS_S, Shim, Terminated, on_term
+from services.executor.warden.shim import IDLE, KILL_ROUNDS_S, Terminated, on_term, serve
+from services.executor.warden.wire import HEADER, receive, send
 
-HEADER = struct.Struct("!I")
-MAX_FDS = 4
+__all__ = ["HEADER", "Warden"]
+
+# Idle shims kept beyond this are let go: a burst's shims stay for the next burst, within reason.
+MAX_IDLE = 64
 
 
 class Warden:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.shims: set[int] = set()
+        self.shims: set[int] = set()  # every live shim, busy or idle
+        self.links: dict[int, socket.socket] = {}  # shim pid -> the warden's end of its socket
+        self.idle: list[int] = []  # shims waiting for an attempt, the most recent last
         self.me = os.getpid()
+        self.selector = selectors.DefaultSelector()
 
     def serve(self) -> None:
         # Every shim is a fork of this process: objects the collector would walk in a child
         # are pages copied in it. Frozen, they are left alone (the prefork servers' remedy).
         gc.freeze()
         prctl(PR_SET_CHILD_SUBREAPER, 1)  # a shim that dies leaves its tree to us: killed
-        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        signal.set_wakeup_fd(wake_w)
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the executor decides when we stop
         signal.signal(signal.SIGTERM, on_term)
+        self.selector.register(self.sock, selectors.EVENT_READ, None)
+        self.selector.register(self.wake_r, selectors.EVENT_READ, None)
+        serving = True
         try:
-            while True:
-                ready, _, _ = select.select([self.sock.fileno(), wake_r], [], [])
-                if wake_r in ready:
-                    with contextlib.suppress(BlockingIOError):
-                        while os.read(wake_r, 512):
-                            pass
-                    self._reap()
-                if self.sock.fileno() in ready and not self._request(wake_r, wake_w):
-                    break  # the executor closed the socket, or died
+            while serving:
+                for key, _ in self.selector.select():
+                    if key.fileobj == self.wake_r:
+                        with contextlib.suppress(BlockingIOError):
+                            while os.read(self.wake_r, 512):
+                                pass
+                        self._reap()
+                    elif key.fileobj is self.sock:
+                        # False: the executor closed the socket, or died
+                        serving = serving and self._request()
+                    else:
+                        self._heard(key.data)
         except Terminated:
             pass
         self._shutdown()
 
-    def _request(self, wake_r: int, wake_w: int) -> bool:
-        msg, fds, _flags, _addr = socket.recv_fds(self.sock, HEADER.size, MAX_FDS)
-        while 0 < len(msg) < HEADER.size:
-            chunk = self.sock.recv(HEADER.size - len(msg))
-            if not chunk:
-                break
-            msg += chunk
-        if len(msg) < HEADER.size:  # the executor closed the socket, or died
+    def _request(self) -> bool:
+        got = receive(self.sock)
+        if got is None:
+            return False
+        req, fds = got
+        try:
+            while self.idle:
+                pid = self.idle.pop()
+                try:
+                    send(self.links[pid], json.dumps(req).encode(), fds)
+                    return True
+                except OSError:  # it died idle: its exit is reaped in its turn
+                    self._unlink(pid)
+            self._fork(req, fds)
+        finally:
             for fd in fds:
                 os.close(fd)
-            return False
-        (size,) = HEADER.unpack(msg)
-        body = b""
-        while len(body) < size:
-            chunk = self.sock.recv(size - len(body))
-            if not chunk:
-                return False
-            body += chunk
-        req = json.loads(body)
+        return True
+
+    def _fork(self, req: dict[str, object], fds: list[int]) -> None:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         pid = os.fork()
         if pid == 0:  # the shim
             code = 1
             try:
+                mine.close()
+                # nothing of the warden's: its socket, its selector, other shims' links
+                self.selector.close()
                 self.sock.close()
-                os.close(wake_r)
-                os.close(wake_w)
+                for link in self.links.values():
+                    link.close()
+                os.close(self.wake_r)
+                os.close(self.wake_w)
                 signal.set_wakeup_fd(-1)
-                code = Shim(req, fds).run(self.me)
+                code = serve(self.me, theirs, req, fds)
             finally:
                 os._exit(code)
+        theirs.close()
         self.shims.add(pid)
-        for fd in fds:
-            os.close(fd)
-        return True
+        self.links[pid] = mine
+        self.selector.register(mine, selectors.EVENT_READ, pid)
+
+    def _heard(self, pid: int) -> None:
+        """A shim's link is readable: it is idle again, or gone."""
+        link = self.links[pid]
+        try:
+            said = link.recv(64)
+        except OSError:
+            said = b""
+        if said == IDLE and len(self.idle) < MAX_IDLE:
+            self.idle.append(pid)
+        else:  # gone, idle beyond need, or talking nonsense: closing its link lets it go
+            self._unlink(pid)
+
+    def _unlink(self, pid: int) -> None:
+        link = self.links.pop(pid, None)
+        if link is not None:
+            self.selector.unregister(link)
+            link.close()
+        with contextlib.suppress(ValueError):
+            self.idle.remove(pid)
 
     def _reap(self) -> None:
         orphans = False
@@ -104,6 +142,7 @@ class Warden:
                 break
             if pid in self.shims:
                 self.shims.discard(pid)
+                self._unlink(pid)
                 orphans = orphans or not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0)
             else:
                 orphans = True  # an orphan we killed: its own children are ours now

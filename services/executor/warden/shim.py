@@ -1,6 +1,7 @@
-"""The shim: one attempt's supervisor, forked by the warden (see the package doc). Its process
-tree runs below it; it keeps the attempt's lease on this host's monotonic clock and freezes the
-tree when no renewal arrived in time, without the executor."""
+"""The shim: the supervisor of one attempt at a time, forked by the warden and kept for the
+next (see the package doc). The attempt's process tree runs below it; it keeps the attempt's
+lease on this host's monotonic clock and freezes the tree when no renewal arrived in time,
+without the executor."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import time
 from typing import Any
 
@@ -21,6 +23,7 @@ from services.executor.warden.proctree import (
     signal_,
     start_time,
 )
+from services.executor.warden.wire import receive
 
 KILL_ROUNDS_S = 5.0  # how long a shim keeps killing a tree whose members will not die
 
@@ -51,26 +54,30 @@ class Shim:
         self.frozen_at: float | None = None
         self.kill_at: float | None = None  # after a graceful stop: SIGKILL from here
         self.freeze_max = float(req.get("freeze_max_s", 600.0))
+        self.clean = True  # False: some of the tree would not die
 
-    def run(self, warden: int) -> int:
-        os.setsid()  # out of the warden's session: its job control never reaches the tree
-        prctl(PR_SET_CHILD_SUBREAPER, 1)
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != warden:
-            return 1  # the warden died before the parent-death signal was armed
-        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        signal.set_wakeup_fd(wake_w)
-        signal.signal(signal.SIGCHLD, lambda *_: None)
-        signal.signal(signal.SIGTERM, on_term)
+    def attend(self, wake: int) -> bool:
+        """Start the attempt and supervise it to its end, then kill and reap what is left of
+        its tree. True when this shim may serve another attempt: nothing of the tree is left,
+        and neither the warden nor the executor is going."""
         try:
             if not self._start():
-                return 0
-            self._supervise(wake_r)
+                self._close()
+                return True  # the program did not start: its leader is reaped, nothing ran
+            self._supervise(wake)
         except Terminated:
             self.how = "terminated"
-        self._kill_tree()
+        self.clean = self._kill_tree()
         self._say(f"exit {self.status if self.status is not None else -1} {self.how}")
-        return 0
+        self._close()
+        return self.clean and self.how not in ("terminated", "orphaned")
+
+    def _close(self) -> None:
+        """This attempt's pipes to the executor: closed, so that none outlives its attempt."""
+        for fd in (self.ctl, self.report, *self.pipes):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.pipes = []
 
     def _say(self, line: str) -> None:
         with contextlib.suppress(OSError):
@@ -87,6 +94,7 @@ class Shim:
         os.close(err_w)
         for fd in self.pipes:
             os.close(fd)
+        self.pipes = []
         failure = b""
         while chunk := os.read(err_r, 4096):  # closed by a successful exec
             failure += chunk
@@ -206,18 +214,57 @@ class Shim:
             signal_(pid, signal.SIGCONT)
         self._say("thawed")
 
-    def _kill_tree(self) -> None:
-        """SIGKILL the leader's group and everything below this shim, and reap it all."""
+    def _kill_tree(self) -> bool:
+        """SIGKILL the leader's group and everything below this shim, and reap it all; False
+        if some of it would not die within KILL_ROUNDS_S."""
         if self.leader <= 0:
-            return
+            return True
         if self.status is None:
             signal_(self.leader, signal.SIGKILL, group=True)
         deadline = _now() + KILL_ROUNDS_S
-        while not self._reap() and _now() < deadline:
+        while not (done := self._reap()) and _now() < deadline:
             # orphans of the tree are this subreaper's children now; kill all that live
             for pid in descendants(os.getpid()):
                 signal_(pid, signal.SIGKILL)
             time.sleep(0.01)
+        return done
+
+
+IDLE = b"i"  # shim -> warden: my attempt is over and its tree is gone; send me the next
+
+
+def serve(warden: int, link: socket.socket, req: dict[str, Any], fds: list[int]) -> int:
+    """A shim's life, in the child the warden forked for the request `req`: attend that
+    attempt, then each one the warden hands over `link`, for as long as every attempt's tree
+    is gone when it ends. Returns the exit status: non-zero asks the warden, as subreaper, to
+    kill what is left.
+
+    Why shims are kept: a fresh fork of a Python process per attempt, and the pages it copies
+    as it runs, cost more than the attempt's own fork and exec (about 2 ms of CPU of a `true`
+    command's 4, docs/performance.md). A shim holds no state of one attempt into the next:
+    each gets a new Shim, its own pipes, and a tree reaped to the last process before the
+    shim says it is idle."""
+    os.setsid()  # out of the warden's session: its job control never reaches the tree
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
+    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != warden:
+        return 1  # the warden died before the parent-death signal was armed
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGTERM, on_term)
+    while True:
+        shim = Shim(req, fds)
+        if not shim.attend(wake_r):
+            return 0 if shim.how in ("terminated", "orphaned") and shim.clean else 1
+        try:
+            link.sendall(IDLE)
+            got = receive(link)
+        except (Terminated, OSError):
+            return 0  # told to go while idle, or the warden is gone
+        if got is None:
+            return 0  # the warden has idle shims enough, or is going
+        req, fds = got
 
 
 def resolve(name: str, env: dict[str, str]) -> str | None:
