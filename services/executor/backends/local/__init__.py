@@ -334,7 +334,7 @@ class LocalBackend(OneNode):
                 self._records.link(key, worker.record)
                 run.proc = worker.proc
                 if run.lease_s is not None:
-                    worker.proc.renew(run.lease_s)
+                    worker.proc.lease_job(run.lease_s)
                 try:
                     answer, gone = await worker.call(line, run.stop, launch.timeout_s)
                 except Undelivered:
