@@ -165,11 +165,12 @@ async def _statements_on(pool: asyncpg.Pool) -> bool:
 
 async def _print_statements(pool: asyncpg.Pool, tasks: int) -> None:
     rows = await pool.fetch(
-        "SELECT calls, rows, total_exec_time, query FROM pg_stat_statements"
+        "SELECT calls, rows, total_exec_time + total_plan_time AS total_exec_time, query"
+        " FROM pg_stat_statements"
         " WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())"
-        " ORDER BY total_exec_time DESC LIMIT 25"
+        " ORDER BY total_exec_time + total_plan_time DESC LIMIT 25"
     )
-    print("statements by total time (pg_stat_statements):")
+    print("statements by total time, planning and execution (pg_stat_statements):")
     for r in rows:
         query = " ".join(r["query"].split())[:110]
         print(

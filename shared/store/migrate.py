@@ -1,4 +1,5 @@
-"""Forward-only schema migrations: plain SQL files applied in order and recorded.
+"""Forward-only schema migrations: plain SQL files applied in order and recorded; then the
+SQL functions the statements call are defined anew from the statements' own files.
 
 `sked migrate` runs `migrate()`. Several processes may run it at once: a session advisory lock
 serialises them, and each file is applied in its own transaction with its version recorded, so a
@@ -19,6 +20,10 @@ from shared.store.queries import Q
 
 log = logging.getLogger(__name__)
 
+
+# The functions statements call, (re)defined by every migrate from their text in sql/*.sql, so
+# they are always those of the code that migrated last (CREATE OR REPLACE: idempotent).
+FUNCTIONS = ("define_transition",)
 
 _DB_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
@@ -83,6 +88,8 @@ async def migrate(dsn: str) -> int:
                     await conn.execute(Q.record_migration.sql, migration.version, migration.name)
                 log.info("applied migration %04d_%s", migration.version, migration.name)
                 done.add(migration.version)
+            for function in FUNCTIONS:  # after the files: they name the tables' row types
+                await conn.execute(Q[function].sql)
             return max(done, default=0)
         finally:
             await conn.execute(Q.unlock_migrations.sql)

@@ -44,6 +44,13 @@ SELECT {{task_columns()}} FROM tasks
 WHERE id = ANY($1::uuid[]) OR idempotency_key = ANY($2::text[])
 
 -- name: transition
+-- The CAS (function sked_transition, defined by define_transition below): $1..$6 the moves'
+-- columns (see there), $7 the lease margin.
+SELECT {{task_columns()}}
+FROM sked_transition($1::uuid[], $2::int[], $3::text[], $4::text[], $5::text[], $6::text[],
+                     $7::float8)
+
+-- name: define_transition
 -- The CAS: each move applies only if the task is still at its version and state. `u.p` is
 -- the move's patch (a key present sets its column). The event row and the NOTIFY go in the
 -- same statement, so a state change and its event can never diverge. $7 is the lease margin.
@@ -51,15 +58,35 @@ WHERE id = ANY($1::uuid[]) OR idempotency_key = ANY($2::text[])
 -- for the attempt; a move out of Running that proves the process ended ends it; Paused and
 -- Canceled keep it until the executor gives it back. Lost, and the start of a next attempt,
 -- wait until the lease has run out by the margin — except a Lost reported by the lease's
--- holder itself (a cluster backend whose next launch fences the old attempt's pods). The schedule deadline is set anew when the
--- task enters Ready from a waiting state, never when an attempt that held a slot comes back
--- (so a task bouncing between Ready and Scheduling still times out).
+-- holder itself (a cluster backend whose next launch fences the old attempt's pods). The
+-- schedule deadline is set anew when the task enters Ready from a waiting state, never when
+-- an attempt that held a slot comes back (so a task bouncing between Ready and Scheduling
+-- still times out).
+-- Why a function: planning this statement cost about as much as running it (~0.45 ms a
+-- call, docs/performance.md). A PL/pgSQL function keeps its plan for the session; the plan
+-- is generic from the first call and may not scan tasks sequentially, so a plan made while
+-- the table was young and small stays right as it grows: no sequential scan, no hash or
+-- merge join, and `t.status || ''` keeps the status index from serving a lookup by id (a
+-- young table's plan chose it: 130 ms a call at 50,000 rows; tests/integration/test_migrate
+-- checks the plan). `sked migrate` (re)defines the function from this text after the
+-- migration files.
+CREATE OR REPLACE FUNCTION sked_transition(
+    uuid[], int[], text[], text[], text[], text[], float8
+) RETURNS SETOF tasks
+LANGUAGE plpgsql
+SET enable_seqscan = off
+SET enable_mergejoin = off
+SET enable_hashjoin = off
+SET plan_cache_mode = force_generic_plan
+AS $fn$
+BEGIN
+RETURN QUERY
 WITH u AS (
     SELECT id, version, from_status, to_status, reason, patch::jsonb AS p
     FROM unnest($1::uuid[], $2::int[], $3::text[], $4::text[], $5::text[], $6::text[])
          AS u(id, version, from_status, to_status, reason, patch)
 ), locked AS (
-    {{locked_in_id_order(t.version = u.version AND t.status = u.from_status)}}
+    {{locked_in_id_order(t.version = u.version AND t.status || '' = u.from_status)}}
 ), moved AS (
     UPDATE tasks t SET
         status = u.to_status,
@@ -103,15 +130,19 @@ WITH u AS (
         finished_at = CASE WHEN u.to_status IN ({{terminal_states}}, {{retryable_states}})
                            THEN now() ELSE t.finished_at END
     FROM u JOIN locked USING (id)
-    WHERE t.id = u.id AND t.version = u.version AND t.status = u.from_status
+    WHERE t.id = u.id AND t.version = u.version AND t.status || '' = u.from_status
       AND (u.to_status NOT IN ('lost', 'running') OR {{lease_over($7)}}
            OR (u.to_status = 'lost' AND t.lease_owner = (u.p ->> 'lease_owner')::uuid))
-    RETURNING {{task_columns(t.)}}, u.from_status AS _from, u.reason AS _reason
+    RETURNING t AS task, u.from_status AS _from, u.reason AS _reason
+), after AS (
+    SELECT (task).* FROM moved
 ), ev AS (
     INSERT INTO task_events (task_id, from_status, to_status, version, attempt, reason)
-    SELECT id, _from, status, version, attempt, _reason FROM moved
-), note AS ({{notify(moved)}})
-SELECT moved.*, (SELECT count(*) FROM note) AS _notified FROM moved
+    SELECT (task).id, _from, (task).status, (task).version, (task).attempt, _reason FROM moved
+), note AS ({{notify(after)}})
+SELECT * FROM after WHERE (SELECT count(*) FROM note) >= 0;
+END
+$fn$
 
 -- name: get_task
 -- One task by id.
