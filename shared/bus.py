@@ -33,6 +33,7 @@ EVENTS_EXCHANGE = "sked.events"
 TASKS_EXCHANGE = "sked.tasks"
 SUBMIT_KEY = "submit"
 WORKFLOW_KEY = "submit.workflow"  # a whole workflow (shared.dag.WorkflowSpec) in one message
+BATCH_KEY = "submit.batch"  # many tasks in one message (shared.intake.judge_batch)
 SUBMIT_QUEUE = "sked.submit"
 # Messages that cannot be accepted go to DEAD_QUEUE through DLX, the reason in REASON_HEADER.
 DLX = "sked.dlx"
@@ -106,6 +107,7 @@ class AmqpBus:
         )
         await submit.bind(self._exchanges[TASKS_EXCHANGE], SUBMIT_KEY)
         await submit.bind(self._exchanges[TASKS_EXCHANGE], WORKFLOW_KEY)
+        await submit.bind(self._exchanges[TASKS_EXCHANGE], BATCH_KEY)
         # a heartbeat is worth nothing after a few seconds: expire rather than pile up
         beats = await channel.declare_queue(
             HEARTBEATS_QUEUE, durable=True, arguments={"x-message-ttl": 10_000}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
@@ -50,13 +50,23 @@ def judge(
 def _judge(
     body: bytes, content_type: str | None, message_id: str | None, max_bytes: int, policy: JobPolicy
 ) -> Accepted | Rejected:
+    data = _read_message(body, content_type, max_bytes)
+    if isinstance(data, Rejected):
+        return data
+    return _verdict(data, message_id, policy)
+
+
+def _read_message(body: bytes, content_type: str | None, max_bytes: int) -> Any:
+    """A message's JSON, or a Rejected: too large, not JSON, or unsafe JSON."""
     if len(body) > max_bytes:
         return Rejected(f"message of {len(body)} bytes exceeds the limit of {max_bytes} bytes")
     if content_type not in JSON_TYPES:
         return Rejected(f"content type {content_type!r} is not application/json")
-    data = read_json(body)
-    if isinstance(data, Rejected):
-        return data
+    return read_json(body)
+
+
+def _verdict(data: object, message_id: str | None, policy: JobPolicy) -> Accepted | Rejected:
+    """A JSON value as a task spec: accepted under its task id, or the reason it is not."""
     if not isinstance(data, dict):
         return Rejected(f"a task spec must be a JSON object, got {type(data).__name__}")
     try:
@@ -67,6 +77,102 @@ def _judge(
     if refused:
         return Rejected(refused)
     return Accepted(task_id_for(spec, message_id), spec)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One task of a batch message (`submit.batch`): its verdict, its own spec as JSON (what
+    a refusal dead-letters, alone), its id and its trace parent."""
+
+    verdict: Accepted | Rejected
+    body: bytes
+    message_id: str
+    traceparent: str | None
+
+
+MAX_BATCH = 1000  # tasks in one batch message, at most
+# What the SDK packs into one (SkedClient.submit_many): at most BATCH_TASKS tasks and
+# BATCH_BYTES bytes (or half the deployment's SKED_MAX_MESSAGE_BYTES, if less) unless one task
+# is larger.
+BATCH_TASKS = 100
+BATCH_BYTES = 256 * 1024
+
+
+def pack_batches(entries: Sequence[tuple[bytes, UUID, str | None]], limit: int) -> list[bytes]:
+    """(spec JSON, task id, traceparent) entries packed into the bodies of batch messages, in
+    order; each spec goes in as it is, not parsed and written again."""
+    bodies: list[bytes] = []
+    parts: list[bytes] = []
+    size = 0
+
+    def close() -> None:
+        bodies.append(b'{"schema_version":1,"tasks":[' + b",".join(parts) + b"]}")
+
+    for spec, ident, parent in entries:
+        traced = b'"traceparent":"%s",' % parent.encode() if parent else b""
+        part = b'{"id":"%s",%s"spec":%s}' % (str(ident).encode(), traced, spec)
+        if parts and (len(parts) >= BATCH_TASKS or size + len(part) > limit):
+            close()
+            parts, size = [], 0
+        parts.append(part)
+        size += len(part) + 1
+    if parts:
+        close()
+    return bodies
+
+
+def judge_batch(
+    body: bytes,
+    content_type: str | None,
+    max_bytes: int,
+    policy: JobPolicy = JobPolicy(),  # noqa: B008 - immutable
+) -> list[Entry] | Rejected:
+    """A batch message: `{"tasks": [{"id": UUID, "spec": {...}, "traceparent": ...}, ...]}`.
+    A malformed envelope rejects the message whole; a bad task rejects that task alone. Never
+    raises, as `judge`."""
+    try:
+        return _judge_batch(body, content_type, max_bytes, policy)
+    except Exception as exc:
+        return Rejected(f"unreadable batch message: {one_line(exc)}")
+
+
+def _judge_batch(
+    body: bytes, content_type: str | None, max_bytes: int, policy: JobPolicy
+) -> list[Entry] | Rejected:
+    data = _read_message(body, content_type, max_bytes)
+    if isinstance(data, Rejected):
+        return data
+    if isinstance(data, dict) and data.get("schema_version", 1) != 1:
+        return Rejected(f"schema_version {data['schema_version']!r} is not 1")
+    tasks = data.get("tasks") if isinstance(data, dict) else None
+    if not isinstance(tasks, list) or not tasks:
+        return Rejected('a batch message must be an object with a non-empty list "tasks"')
+    if len(tasks) > MAX_BATCH:
+        return Rejected(f"a batch of {len(tasks)} tasks: at most {MAX_BATCH} in one message")
+    return [_entry(i, item, policy) for i, item in enumerate(tasks)]
+
+
+def _entry(index: int, item: object, policy: JobPolicy) -> Entry:
+    fields = item if isinstance(item, dict) else {}
+    spec = fields.get("spec")
+    ident = fields.get("id")
+    body = json.dumps(spec if spec is not None else item).encode()
+    message_id = ident if isinstance(ident, str) and len(ident) <= 256 else ""
+    parent = header_text(fields, "traceparent", _TRACEPARENT)
+
+    def rejected(reason: str) -> Entry:
+        return Entry(Rejected(f"task {index} of a batch: {reason}"), body, message_id, parent)
+
+    if not isinstance(item, dict):
+        return rejected(f"an entry must be a JSON object, got {type(item).__name__}")
+    try:
+        UUID(message_id)
+    except ValueError:
+        return rejected('its "id" must be a UUID (the task id the producer chose)')
+    verdict = _verdict(spec, message_id, policy)
+    if isinstance(verdict, Rejected):
+        return rejected(verdict.reason)
+    return Entry(verdict, body, message_id, parent)
 
 
 def read_json(body: bytes) -> Any:

@@ -1,7 +1,8 @@
-"""Intake: submissions from `sked.submit`, in batches. Each message is judged (shared.intake);
-the valid ones are created and walked Created -> Pending -> Ready in one statement — and placed
-in the same transaction when nothing waits ahead of them — the rest dead-lettered alone with
-their reason; then one multiple-ack. No message can stop intake."""
+"""Intake: submissions from `sked.submit`, in batches. Each message is judged (shared.intake) —
+a `submit.batch` message task by task; the valid tasks are created and walked Created ->
+Pending -> Ready in one statement — and placed in the same transaction when nothing waits ahead
+of them — the rest dead-lettered alone with their reason; then one multiple-ack. No message
+can stop intake."""
 
 from __future__ import annotations
 
@@ -17,11 +18,20 @@ from aio_pika.abc import AbstractIncomingMessage
 from services.scheduler.dispatch import Dispatcher
 from services.scheduler.hub import Hub, Part
 from shared import hooks, workflows
-from shared.bus import SUBMIT_QUEUE, WORKFLOW_KEY, AmqpBus
+from shared.bus import BATCH_KEY, SUBMIT_KEY, SUBMIT_QUEUE, WORKFLOW_KEY, AmqpBus
 from shared.dag import WorkflowSpec
 from shared.errors import InvalidSpec, one_line
 from shared.fsm import State
-from shared.intake import Accepted, Rejected, judge, read_json, same_spec, traceparent
+from shared.intake import (
+    Accepted,
+    Entry,
+    Rejected,
+    judge,
+    judge_batch,
+    read_json,
+    same_spec,
+    traceparent,
+)
 from shared.models import Task, TaskSpec, task_id_for_workflow
 from shared.placement import Choice
 from shared.policy import JobPolicy
@@ -36,14 +46,34 @@ log = logging.getLogger(__name__)
 # A task with no dependencies is ready as soon as it is accepted.
 ADMISSION = (State.PENDING, State.READY)
 
-Refusal = tuple[AbstractIncomingMessage, str]
+
+@dataclass(frozen=True)
+class Refusal:
+    """What is dead-lettered, and why: a whole message, or one task of a batch message."""
+
+    body: bytes
+    routing_key: str
+    message_id: str
+    reason: str
+
+    @classmethod
+    def of(cls, message: AbstractIncomingMessage, reason: str) -> Refusal:
+        return cls(message.body, message.routing_key or "", message.message_id or "", reason)
+
+
 Admitted = tuple[list[Task], list[Refusal]]  # the tasks made ready, the submissions refused
 
 
 @dataclass(frozen=True)
 class _Submission:
-    message: AbstractIncomingMessage
     accepted: Accepted
+    body: bytes  # the task's spec as submitted: what a refusal dead-letters
+    routing_key: str
+    message_id: str
+    parent: str | None  # its trace parent
+
+    def refused(self, reason: str) -> Refusal:
+        return Refusal(self.body, self.routing_key, self.message_id, reason)
 
 
 class Intake(Part):
@@ -80,38 +110,65 @@ class Intake(Part):
             refused: list[Refusal] = []
             subs: list[_Submission] = []
             seen: dict[UUID, _Submission] = {}
+
+            def take(sub: _Submission) -> None:
+                first = seen.get(sub.accepted.task_id)
+                if first is None:
+                    seen[sub.accepted.task_id] = sub
+                    subs.append(sub)
+                elif not same_spec(first.accepted.spec.model_dump_json(), sub.accepted.spec):
+                    # one task id twice in a batch (a duplicated message, a reused key)
+                    refused.append(sub.refused(_conflict(sub.accepted)))
+
             for message in batch:
-                if message.routing_key == WORKFLOW_KEY:
+                key = message.routing_key or ""
+                if key == WORKFLOW_KEY:
                     reason = await self._accept_workflow(message)
                     if reason is not None:
-                        refused.append((message, reason))
+                        refused.append(Refusal.of(message, reason))
                     continue
-                verdict = judge(
-                    message.body,
-                    message.content_type,
-                    message.message_id,
-                    self.settings.max_message_bytes,
-                    self.policy,
-                )
-                if isinstance(verdict, Rejected):
-                    refused.append((message, verdict.reason))
-                    continue
-                first = seen.get(verdict.task_id)
-                if first is not None:
-                    # one task id twice in a batch (a duplicated message, a reused key)
-                    if not same_spec(first.accepted.spec.model_dump_json(), verdict.spec):
-                        refused.append((message, _conflict(verdict)))
-                    continue
-                seen[verdict.task_id] = submission = _Submission(message, verdict)
-                subs.append(submission)
-            ready, failed = await self._admit_isolating(subs)
-            for message, reason in [*refused, *failed]:
-                log.warning("dead-lettering a submission: %s", reason)
+                if key == BATCH_KEY:  # many tasks, each judged alone
+                    judged = judge_batch(
+                        message.body,
+                        message.content_type,
+                        self.settings.max_message_bytes,
+                        self.policy,
+                    )
+                    if isinstance(judged, Rejected):
+                        refused.append(Refusal.of(message, judged.reason))
+                        continue
+                    entries, entry_key = judged, SUBMIT_KEY
+                else:
+                    verdict = judge(
+                        message.body,
+                        message.content_type,
+                        message.message_id,
+                        self.settings.max_message_bytes,
+                        self.policy,
+                    )
+                    mid, parent = message.message_id or "", traceparent(message.headers)
+                    entries, entry_key = [Entry(verdict, message.body, mid, parent)], key
+                for e in entries:
+                    if isinstance(e.verdict, Rejected):
+                        refused.append(Refusal(e.body, entry_key, e.message_id, e.verdict.reason))
+                    else:
+                        sub = _Submission(e.verdict, e.body, entry_key, e.message_id, e.traceparent)
+                        take(sub)
+            # batch messages carry many tasks each: one admission statement takes at most
+            # SKED_SUBMIT_BATCH of them, as it would take single ones
+            ready, failed = [], []
+            step = self.settings.submit_batch
+            for i in range(0, len(subs), step):
+                some, refused_here = await self._admit_isolating(subs[i : i + step])
+                ready += some
+                failed += refused_here
+            for refusal in [*refused, *failed]:
+                log.warning("dead-lettering a submission: %s", refusal.reason)
                 await self.bus.dead_letter(
-                    message.body,
-                    reason,
-                    message.routing_key or "",
-                    {"x-sked-message-id": message.message_id or ""},
+                    refusal.body,
+                    refusal.reason,
+                    refusal.routing_key,
+                    {"x-sked-message-id": refusal.message_id},
                 )
         except TRANSIENT:
             # Postgres, Redis or RabbitMQ is away: hand the batch back to RabbitMQ to deliver
@@ -130,7 +187,7 @@ class Intake(Part):
 
         async def refuse(sub: _Submission, exc: Exception) -> Admitted:
             log.exception("submission %s cannot be admitted", sub.accepted.task_id)
-            return [], [(sub.message, f"cannot be admitted: {one_line(exc)}")]
+            return [], [sub.refused(f"cannot be admitted: {one_line(exc)}")]
 
         def merge(a: Admitted, b: Admitted) -> Admitted:
             return a[0] + b[0], a[1] + b[1]
@@ -139,7 +196,7 @@ class Intake(Part):
 
     async def _admit_submissions(self, subs: Sequence[_Submission]) -> Admitted:
         task_ids = [s.accepted.task_id for s in subs]
-        parents = [traceparent(s.message.headers) for s in subs]
+        parents = [s.parent for s in subs]
         contexts, handles = hooks.received(SUBMIT_QUEUE, task_ids, parents)
         try:
             ready, existing = await self.admit([s.accepted.spec for s in subs], task_ids, contexts)
@@ -148,7 +205,7 @@ class Intake(Part):
         # a task id that named a task already: the same submission again is harmless; another
         # spec under the same idempotency key (or message id) is refused, not swallowed
         refused = [
-            (s.message, _conflict(s.accepted, existing[s.accepted.task_id]))
+            s.refused(_conflict(s.accepted, existing[s.accepted.task_id]))
             for s in subs
             if s.accepted.task_id in existing
             and not same_spec(existing[s.accepted.task_id].spec_json, s.accepted.spec)

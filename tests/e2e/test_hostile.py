@@ -19,6 +19,7 @@ import aio_pika
 import asyncpg
 
 from shared.bus import (
+    BATCH_KEY,
     DEAD_QUEUE,
     DISPATCH_EXCHANGE,
     HEARTBEATS_EXCHANGE,
@@ -94,7 +95,12 @@ POISON: dict[str, tuple[bytes, str, dict[str, Any], str]] = {
         "idempotency key 'taken-key' already names task",
     ),
     "deep workflow": (b'{"name": "w", "tasks": ' + b"[" * 200_000, WORKFLOW_KEY, {}, "JSON"),
+    "a batch without tasks": (b'{"tasks": "x"}', BATCH_KEY, {}, 'non-empty list "tasks"'),
+    "a batch of garbage": (b'{"tasks": [1, {nope', BATCH_KEY, {}, "malformed JSON"),
 }
+# a batch message (the SDK's submit_many) with one bad task: that task alone is dead-lettered,
+# as its own spec, the others run
+BAD_IN_BATCH = {**VALID, "name": "bad in a batch", "surprise": 1}
 
 
 async def publish(
@@ -130,6 +136,14 @@ async def dead_letters(channel: aio_pika.abc.AbstractChannel, n: int) -> dict[by
     return out
 
 
+def parsed(body: bytes) -> object:
+    """A dead letter's JSON, or None for the poison that is not JSON at all."""
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+
+
 def never_restarted(deployment: Deployment) -> None:
     for proc in deployment.procs:
         assert proc.proc.poll() is None, f"{proc.name} exited:\n{proc.log()}"
@@ -159,6 +173,13 @@ async def test_poison_submissions_in_one_batch_with_valid_ones(
             if i == 1:
                 for body, key, headers, _ in POISON.values():
                     await publish(channel, TASKS_EXCHANGE, key, body, headers)
+        batched = [str(uuid4()), str(uuid4())]
+        entries = [
+            {"id": batched[0], "spec": VALID},
+            {"id": str(uuid4()), "spec": BAD_IN_BATCH},
+            {"id": batched[1], "spec": VALID},
+        ]
+        await publish(channel, TASKS_EXCHANGE, BATCH_KEY, json.dumps({"tasks": entries}).encode())
         # a valid task with headers of unexpected types: they count as absent, it runs
         odd = str(uuid4())
         await publish(
@@ -182,17 +203,20 @@ async def test_poison_submissions_in_one_batch_with_valid_ones(
         await deployment.start("relay")
         await deployment.executor("h1", 4)
         await deployment.start("heartbeat-monitor", "--port", "0")
-        ids = [*valid_ids, odd, odd_bytes]
+        ids = [*valid_ids, odd, odd_bytes, *batched]
         done = await client.wait_all([*ids, owner], timeout=60)
         assert all(t.status is State.SUCCESS for t in done.values()), done
         assert all(t.result == 3 for t in done.values())
         keyed_tasks = await pool.fetch("SELECT id FROM tasks WHERE idempotency_key = 'one-key'")
         assert len(keyed_tasks) == 1
         assert (await client.wait(keyed_tasks[0]["id"], timeout=30)).status is State.SUCCESS
-        reasons = await dead_letters(channel, len(POISON))
+        reasons = await dead_letters(channel, len(POISON) + 1)
         for name, (body, _, _, why) in POISON.items():
             assert body in reasons, f"{name} was not dead-lettered"
             assert why in reasons[body], f"{name}: {reasons[body]!r}"
+        alone = [why for body, why in reasons.items() if parsed(body) == BAD_IN_BATCH]
+        assert len(alone) == 1, reasons
+        assert alone[0].startswith("task 1 of a batch: invalid task spec: surprise: Extra"), alone
         assert await (await channel.get_queue(DEAD_QUEUE)).get(fail=False) is None
         assert "scheduler consuming" in scheduler.log()
         never_restarted(deployment)

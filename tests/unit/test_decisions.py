@@ -178,6 +178,40 @@ async def test_intake_refuses_a_reused_key_and_admits_the_rest_of_the_batch() ->
     assert messages[-1].acked == 1  # one multiple-ack for the batch
 
 
+async def test_intake_admits_a_batch_message_and_dead_letters_its_bad_tasks_alone() -> None:
+    store = InMemoryStore()
+    dispatcher, queue, bus, hub = scheduler_parts(store)
+    intake = Intake(SETTINGS, store, bus, queue, hub, dispatcher)  # type: ignore[arg-type]
+    good = {"name": "b", "job": {"kind": "command", "argv": ["true"]}}
+    ids = [str(uuid4()) for _ in range(4)]
+    tasks = [
+        {"id": ids[0], "spec": good},
+        {"id": ids[1], "spec": {**good, "max_retries": -1}},  # refused alone
+        {"id": ids[2], "spec": {**good, "name": "c"}},
+        {"id": ids[2], "spec": {**good, "name": "other"}},  # its id taken in this batch
+        {"id": ids[3], "spec": good},
+    ]
+    messages = [
+        StubMessage(json.dumps({"tasks": tasks}).encode(), "submit.batch", str(uuid4())),
+        StubMessage(b'{"tasks": 7}', "submit.batch", str(uuid4())),  # refused whole
+        StubMessage(json.dumps({**good, "name": "single"}).encode(), "submit", str(uuid4())),
+    ]
+    admitted = await intake.accept(messages)  # type: ignore[arg-type]
+    assert sorted(str(t.id) for t in admitted if t.name != "single") == sorted(
+        [ids[0], ids[2], ids[3]]
+    )
+    assert {t.name for t in admitted} == {"b", "c", "single"}
+    dead = {json.loads(body).get("name"): why for body, why in bus.dead if body.startswith(b"{")}
+    assert dead["b"].startswith("task 1 of a batch: ")
+    assert dead["other"].startswith(f"its message id already names task {ids[2]}")
+    assert any(
+        why.startswith('a batch message must be an object with a non-empty list "tasks"')
+        for _, why in bus.dead
+    )
+    assert len(bus.dead) == 3
+    assert messages[-1].acked == 1  # one multiple-ack for all three messages
+
+
 # -- executor ------------------------------------------------------------------------------
 
 

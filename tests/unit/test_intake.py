@@ -10,8 +10,17 @@ from uuid import UUID
 import pytest
 
 from shared.backoff import retry_delay
-from shared.intake import Accepted, Rejected, judge
+from shared.intake import (
+    BATCH_TASKS,
+    MAX_BATCH,
+    Accepted,
+    Rejected,
+    judge,
+    judge_batch,
+    pack_batches,
+)
 from shared.models import TaskSpec, task_id_for
+from shared.policy import JobPolicy
 from shared.queues import score
 
 GOOD = {"name": "n", "job": {"kind": "command", "argv": ["true"]}}
@@ -48,6 +57,87 @@ def test_bad_messages_are_rejected_with_a_reason(
     verdict = judge(raw, content_type, None, LIMIT)
     assert isinstance(verdict, Rejected)
     assert reason in verdict.reason
+
+
+# -- batch messages (submit.batch): the envelope whole, each task alone ----------------------
+
+IDS = [UUID(int=i + 1) for i in range(4)]
+
+
+def batch(*entries: object) -> bytes:
+    return body({"schema_version": 1, "tasks": list(entries)})
+
+
+def test_a_batch_message_is_judged_task_by_task() -> None:
+    parent = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
+    bad = {**GOOD, "priority": "high"}
+    entries = judge_batch(
+        batch(
+            {"id": str(IDS[0]), "spec": GOOD, "traceparent": parent},
+            {"id": str(IDS[1]), "spec": bad},
+            {"id": "not-a-uuid", "spec": GOOD},
+            [1],
+            {"id": str(IDS[2]), "spec": {**GOOD, "job": {"kind": "command", "argv": ["rm"]}}},
+        ),
+        "application/json",
+        LIMIT,
+        JobPolicy.of([], ["true"]),
+    )
+    assert isinstance(entries, list)
+    first, *rest = entries
+    assert first.verdict == Accepted(IDS[0], TaskSpec.parse(GOOD))
+    assert (first.message_id, first.traceparent) == (str(IDS[0]), parent)
+    reasons = [e.verdict.reason for e in rest if isinstance(e.verdict, Rejected)]
+    assert len(reasons) == 4
+    assert reasons[0].startswith("task 1 of a batch: ")
+    assert "priority" in reasons[0]
+    assert "task 2 of a batch" in reasons[1]
+    assert "UUID" in reasons[1]
+    assert "task 3 of a batch: an entry must be a JSON object" in reasons[2]
+    assert "task 4 of a batch" in reasons[3]
+    assert "rm" in reasons[3]
+    # a refused task is dead-lettered as its own spec, under its own id
+    assert json.loads(rest[0].body) == bad
+    assert rest[0].message_id == str(IDS[1])
+
+
+@pytest.mark.parametrize(
+    ("raw", "content_type", "reason"),
+    [
+        (b"{not json", "application/json", "malformed JSON"),
+        (body([GOOD]), "application/json", 'non-empty list "tasks"'),
+        (body({"tasks": []}), "application/json", 'non-empty list "tasks"'),
+        (body({"tasks": GOOD}), "application/json", 'non-empty list "tasks"'),
+        (body({"schema_version": 2, "tasks": [GOOD]}), "application/json", "schema_version 2"),
+        (batch(*[GOOD] * (MAX_BATCH + 1)), "application/json", f"at most {MAX_BATCH}"),
+        (batch({"id": str(IDS[0]), "spec": GOOD}), "text/plain", "content type"),
+        (b"[" * 10_000, "application/json", "nested deeper"),
+    ],
+)
+def test_a_bad_batch_envelope_rejects_the_message_whole(
+    raw: bytes, content_type: str, reason: str
+) -> None:
+    verdict = judge_batch(raw, content_type, 64 * LIMIT)
+    assert isinstance(verdict, Rejected)
+    assert reason in verdict.reason
+
+
+def test_the_sdk_packs_batches_that_intake_reads_back() -> None:
+    specs = [TaskSpec.parse({**GOOD, "name": f"t{i}"}) for i in range(BATCH_TASKS + 5)]
+    ids = [UUID(int=i + 1) for i in range(len(specs))]
+    entries = [(s.model_dump_json().encode(), i, None) for s, i in zip(specs, ids, strict=True)]
+    by_count = pack_batches(entries, LIMIT)
+    assert [m.count(b'"spec"') for m in by_count] == [BATCH_TASKS, 5]
+    size = len(entries[0][0]) * 3  # about three tasks' worth of bytes a message
+    by_size = pack_batches(entries, size)
+    assert all(m.count(b'"spec"') <= 3 for m in by_size)
+    for messages in (by_count, by_size):
+        read = []
+        for m in messages:
+            judged = judge_batch(m, "application/json", LIMIT)
+            assert isinstance(judged, list)
+            read += [e.verdict for e in judged]
+        assert read == [Accepted(i, s) for i, s in zip(ids, specs, strict=True)]
 
 
 def test_task_ids_are_stable_per_submission() -> None:
