@@ -11,13 +11,14 @@ from collections.abc import Sequence
 from uuid import UUID
 
 from services.executor.backends import Outcome
-from services.executor.node import Attempt, Node, ack, report_of
+from services.executor.node import Attempt, Node, report_of
 from shared.errors import one_line
 from shared.fsm import State
 from shared.models import Task
 from shared.outcome import Report, end_move, retries, storable
 from shared.resilience import TRANSIENT, isolate, retrying
 from shared.runtime import next_batch
+from shared.store.store import Tx
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class Finisher:
         for attempt, _ in batch:
             node.active.pop((attempt.task.id, attempt.task.attempt), None)
             node.unreported.pop((attempt.task.id, attempt.task.attempt), None)
-            await ack(attempt.message)
+        await node.acks.ack([attempt.message for attempt, _ in batch])
 
     async def _write_isolating(
         self, current: Written, superseded: Written
@@ -99,33 +100,54 @@ class Finisher:
         return await isolate(items, write, instead)
 
     async def write(self, current: Written, superseded: Written) -> list[tuple[Task, Report]]:
-        """One transaction: the current attempts' ends (and retries), the late results of the
-        rest, their leases given back. Returns the late ones."""
+        """The current attempts' ends (and retries), the late results of the rest, their
+        leases given back. Returns the late ones.
+
+        Successes alone (the common case) need no transaction beyond their one statement:
+        nothing is retried, and a task whose end lost its CAS is set aside as late in a
+        transaction of its own. Otherwise one transaction holds it all: a failure and its
+        retry commit together."""
         node = self.node
         ends = [end_move(a.task, r, f"ended on {a.task.node}", node.boot_id) for a, r in current]
+        older = [(a.task, r) for a, r in superseded]
+        if not superseded and all(r.ok for _, r in current):
+            won = {t.id for t in await node.store.tasks.transition_many(ends)}
+            lost = [(a.task, r) for a, r in current if a.task.id not in won]
+            if not lost:
+                return []
+            async with node.store.transaction() as tx:
+                return await self._set_aside(tx, lost, [])
         async with node.store.transaction() as tx:
             ended = await tx.tasks.transition_many(ends)
             await tx.tasks.transition_many(retries(ended))
-            readied = [t for t in ended if t.status is State.READY]
             won = {t.id for t in ended}
-            late = [(a.task, r) for a, r in current if a.task.id not in won]
-            if late:
-                # a retry of a write whose COMMIT went through but whose reply was lost loses
-                # its CAS to itself: that outcome is applied already, not late
-                mine: set[UUID] = set()
-                for where in {t.node for t, _ in late}:
-                    of = [(t.id, t.version) for t, _ in late if t.node == where]
-                    mine |= await tx.tasks.ended_with(of, f"ended on {where}")
-                late = [(t, r) for t, r in late if t.id not in mine]
-            late += [(a.task, r) for a, r in superseded]
-            # the task moved on (canceled, paused, lost and retried): keep, do not apply
-            await tx.late.record(
-                [
-                    (t.id, t.attempt, r.ok, r.result, r.error, f"attempt superseded on {t.node}")
-                    for t, r in late
-                ]
-            )
-            # their processes are gone: a next attempt need not wait for their leases to lapse
-            await tx.leases.release(node.boot_id, [(t.id, t.attempt) for t, _ in late])
-        self.readied += readied
+            lost = [(a.task, r) for a, r in current if a.task.id not in won]
+            late = await self._set_aside(tx, lost, older)
+        self.readied += [t for t in ended if t.status is State.READY]
+        return late
+
+    async def _set_aside(
+        self, tx: Tx, lost: list[tuple[Task, Report]], superseded: list[tuple[Task, Report]]
+    ) -> list[tuple[Task, Report]]:
+        """Outcomes whose task moved on (canceled, paused, lost and retried): kept as late
+        results, not applied, and their leases given back. Returns them."""
+        node = self.node
+        late = lost
+        if late:
+            # a retry of a write whose COMMIT went through but whose reply was lost loses
+            # its CAS to itself: that outcome is applied already, not late
+            mine: set[UUID] = set()
+            for where in {t.node for t, _ in late}:
+                of = [(t.id, t.version) for t, _ in late if t.node == where]
+                mine |= await tx.tasks.ended_with(of, f"ended on {where}")
+            late = [(t, r) for t, r in late if t.id not in mine]
+        late += superseded
+        await tx.late.record(
+            [
+                (t.id, t.attempt, r.ok, r.result, r.error, f"attempt superseded on {t.node}")
+                for t, r in late
+            ]
+        )
+        # their processes are gone: a next attempt need not wait for their leases to lapse
+        await tx.leases.release(node.boot_id, [(t.id, t.attempt) for t, _ in late])
         return late

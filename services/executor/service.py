@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from services.executor.backends import Backend
 from services.executor.finish import Finisher
-from services.executor.node import Node, ack, report_of
+from services.executor.node import Node, report_of
 from services.executor.serving import Serving
 from services.executor.start import Starter
 from services.executor.watch import Watcher
@@ -189,6 +189,7 @@ class Executor(Service):
         it finish (and how), is it frozen, or does this node not know it? A probe this node
         cannot read is dead-lettered; nothing a probe holds can stop the executor."""
         node = self.node
+        node.acks.received(message)  # first: it shares the dispatches' channel (node.Acks)
         try:
             probe = heartbeat.Probe.model_validate_json(message.body)
         except ValidationError as exc:
@@ -219,4 +220,4 @@ class Executor(Service):
                 await node.bus.reply(message, answer.model_dump_json().encode())
         except Exception:  # an answer that cannot be sent is no answer: the ladder copes
             log.exception("probe of %s attempt %d not answered", probe.task_id, probe.attempt)
-        await ack(message)
+        await node.acks.ack([message])

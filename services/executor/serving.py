@@ -104,7 +104,7 @@ class Serving:
             # RabbitMQ hands the next consumer no more than the node may hold
             await self.channel.set_qos(prefetch_count=offer.slots + offer.prefetch)
             queue = await node.bus.declare_node_queue(self.channel, node_id)
-            tag = await queue.consume(node.inbox.put)
+            tag = await queue.consume(node.receive)
             self.served[node_id] = Served(offer, owner, queue, tag)
             node.serves.add(node_id)
             log.info("serving node %s (%d slots)", node_id, offer.slots)

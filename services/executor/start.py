@@ -17,7 +17,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from pydantic import ValidationError
 
 from services.executor.backends import Key, Launch, Outcome
-from services.executor.node import Attempt, Node, ack
+from services.executor.node import Attempt, Node
 from shared import fsm, heartbeat, hooks, lease
 from shared.errors import one_line
 from shared.fsm import State
@@ -90,7 +90,7 @@ class Starter:
                 # the same task twice in one batch: the higher attempt is the live one (the
                 # older was superseded), and a copy of the same attempt is a duplicate
                 stale, keep = sorted([older, (dispatch, message)], key=lambda d: d[0].attempt)
-                await ack(stale[1])
+                await node.acks.ack([stale[1]])
                 fresh[dispatch.task_id] = keep
                 continue
             fresh[dispatch.task_id] = (dispatch, message)
@@ -143,7 +143,7 @@ class Starter:
                     dispatch.task_id,
                     dispatch.attempt,
                 )
-                await ack(message)
+                await node.acks.ack([message])
         for task in won.values():
             self._begin(Attempt(task, messages[task.id], sent_at))
         return len(won)
@@ -222,7 +222,7 @@ class Starter:
             try:
                 dispatch = Dispatch.model_validate_json(message.body)
             except ValidationError:
-                await ack(message)
+                await node.acks.ack([message])
                 continue
             # best effort: if a server is away, recovery's stuck-in-Scheduling sweep does it
             with contextlib.suppress(*TRANSIENT):
@@ -230,4 +230,4 @@ class Starter:
                 moved = await node.store.tasks.transition(fsm.plan(dispatch, State.READY, why))
                 if moved is not None:
                     await node.queue.push([moved])
-            await ack(message)
+            await node.acks.ack([message])

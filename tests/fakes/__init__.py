@@ -120,11 +120,15 @@ class StubMessage:
     headers: dict[str, Any] = field(default_factory=dict)
     reply_to: str | None = None
     correlation_id: str | None = None
+    channel: object = None  # the channel it came on, and its tag there
+    delivery_tag: int | None = None
     acked: int = 0
+    acked_multiple: int = 0  # of `acked`, how many were multiple-acks
     nacked: int = 0
 
     async def ack(self, multiple: bool = False) -> None:
         self.acked += 1
+        self.acked_multiple += multiple
 
     async def nack(self, multiple: bool = False, requeue: bool = True) -> None:
         self.nacked += 1

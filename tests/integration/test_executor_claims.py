@@ -18,23 +18,13 @@ from shared.fsm import State
 from shared.models import Dispatch, Task
 from shared.settings import Settings
 from shared.wiring import backends
+from tests.fakes import StubMessage
 from tests.helpers import spec
 
 
-class Message:
-    def __init__(self, body: bytes) -> None:
-        self.body = body
-        self.headers: dict[str, Any] = {}
-        self.routing_key = "n1"
-        self.acked = 0
-
-    async def ack(self) -> None:
-        self.acked += 1
-
-
-def dispatch_of(task: Task) -> Message:
+def dispatch_of(task: Task) -> StubMessage:
     body = Dispatch.of(task, "n1")
-    return Message(body.model_dump_json().encode())
+    return StubMessage(body.model_dump_json().encode(), "n1")
 
 
 @pytest.fixture

@@ -23,16 +23,8 @@ from shared.outcome import Report
 from shared.settings import Settings
 from shared.store.tasks import Tasks
 from shared.wiring import backends
+from tests.fakes import StubMessage
 from tests.helpers import spec
-
-
-class Message:
-    """Stands in for a dispatch message: the finish path only acknowledges it."""
-
-    acked = 0
-
-    async def ack(self) -> None:
-        self.acked += 1
 
 
 @pytest.fixture
@@ -56,7 +48,7 @@ async def late_rows(pool: asyncpg.Pool) -> list[Any]:
 
 
 def attempt(task: Task) -> Attempt:
-    return Attempt(task, Message())  # type: ignore[arg-type]
+    return Attempt(task, StubMessage(b""))  # type: ignore[arg-type]
 
 
 async def test_a_retried_write_after_a_lost_reply_is_not_late(
