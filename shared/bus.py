@@ -143,6 +143,10 @@ class AmqpBus:
         which is why consumers must drop duplicates.
         """
         target = self._exchanges[exchange]
+        # Events go to whoever subscribed, and none may have: a mandatory publish would have
+        # RabbitMQ send every such message back whole (most of the relay's traffic, when
+        # nobody listens). Elsewhere a queue is expected.
+        mandatory = exchange != EVENTS_EXCHANGE
         confirms = [
             target.publish(
                 aio_pika.Message(
@@ -153,6 +157,7 @@ class AmqpBus:
                     message_id=m.message_id,
                 ),
                 routing_key=m.routing_key,
+                mandatory=mandatory,
             )
             for m in messages
         ]

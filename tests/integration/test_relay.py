@@ -17,7 +17,7 @@ import pytest
 
 from services.relay.service import Relay
 from shared import fsm
-from shared.bus import EVENTS_EXCHANGE, AmqpBus
+from shared.bus import DISPATCH_EXCHANGE, EVENTS_EXCHANGE, AmqpBus, Outgoing
 from shared.fsm import State
 from shared.models import EventMessage, Task
 from shared.settings import Settings
@@ -183,3 +183,25 @@ async def _none_unpublished(pool: asyncpg.Pool) -> bool:
 def test_event_message_schema_is_json() -> None:
     body = EventMessage(events=[])
     assert json.loads(body.model_dump_json()) == {"schema_version": 1, "events": []}
+
+
+async def test_events_nobody_subscribed_to_are_not_sent_back(settings: Settings) -> None:
+    """Events go to whoever listens; with no subscriber RabbitMQ drops them. A mandatory
+    publish would have it return each one whole to the relay. A dispatch to a node with no
+    queue, published after the event on the same channel, is returned (dispatches are
+    mandatory): once its return has come, the event's would have come before it."""
+    bus = AmqpBus(settings.rabbitmq_url)
+    await bus.connect()
+    returned: list[str] = []
+    bus.channel.return_callbacks.add(lambda _c, m: returned.append(m.routing_key or ""))
+    try:
+        await bus.publish(EVENTS_EXCHANGE, [Outgoing("nobody.listens", b"{}")])
+        await bus.publish(DISPATCH_EXCHANGE, [Outgoing("no-such-node", b"{}")])
+
+        async def dispatch_back() -> bool:
+            return "no-such-node" in returned
+
+        await eventually(dispatch_back, timeout=10, what="the unroutable dispatch's return")
+        assert returned == ["no-such-node"]
+    finally:
+        await bus.close()
