@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
 import selectors
 import signal
@@ -22,9 +21,7 @@ from services.executor.warden.proctree import (
     stat,
 )
 from services.executor.warden.shim import IDLE, KILL_ROUNDS_S, Terminated, on_term, serve
-from services.executor.warden.wire import HEADER, receive, send
-
-__all__ = ["HEADER", "Warden"]
+from services.executor.warden.wire import receive, send
 
 # Idle shims kept beyond this are let go: a burst's shims stay for the next burst, within reason.
 MAX_IDLE = 64
@@ -73,22 +70,22 @@ class Warden:
         got = receive(self.sock)
         if got is None:
             return False
-        req, fds = got
+        request, fds = got
         try:
             while self.idle:
                 pid = self.idle.pop()
                 try:
-                    send(self.links[pid], json.dumps(req).encode(), fds)
+                    send(self.links[pid], request, fds)
                     return True
                 except OSError:  # it died idle: its exit is reaped in its turn
                     self._unlink(pid)
-            self._fork(req, fds)
+            self._fork(request, fds)
         finally:
             for fd in fds:
                 os.close(fd)
         return True
 
-    def _fork(self, req: dict[str, object], fds: list[int]) -> None:
+    def _fork(self, request: bytes, fds: list[int]) -> None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         pid = os.fork()
         if pid == 0:  # the shim
@@ -103,7 +100,7 @@ class Warden:
                 os.close(self.wake_r)
                 os.close(self.wake_w)
                 signal.set_wakeup_fd(-1)
-                code = serve(self.me, theirs, req, fds)
+                code = serve(self.me, theirs, request, fds)
             finally:
                 os._exit(code)
         theirs.close()

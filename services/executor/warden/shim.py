@@ -23,7 +23,7 @@ from services.executor.warden.proctree import (
     signal_,
     start_time,
 )
-from services.executor.warden.wire import receive
+from services.executor.warden.wire import decode, receive
 
 KILL_ROUNDS_S = 5.0  # how long a shim keeps killing a tree whose members will not die
 
@@ -233,8 +233,8 @@ class Shim:
 IDLE = b"i"  # shim -> warden: my attempt is over and its tree is gone; send me the next
 
 
-def serve(warden: int, link: socket.socket, req: dict[str, Any], fds: list[int]) -> int:
-    """A shim's life, in the child the warden forked for the request `req`: attend that
+def serve(warden: int, link: socket.socket, request: bytes, fds: list[int]) -> int:
+    """A shim's life, in the child the warden forked for `request`: attend that
     attempt, then each one the warden hands over `link`, for as long as every attempt's tree
     is gone when it ends. Returns the exit status: non-zero asks the warden, as subreaper, to
     kill what is left.
@@ -254,7 +254,7 @@ def serve(warden: int, link: socket.socket, req: dict[str, Any], fds: list[int])
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.signal(signal.SIGTERM, on_term)
     while True:
-        shim = Shim(req, fds)
+        shim = Shim(decode(request), fds)
         if not shim.attend(wake_r):
             return 0 if shim.how in ("terminated", "orphaned") and shim.clean else 1
         try:
@@ -264,7 +264,7 @@ def serve(warden: int, link: socket.socket, req: dict[str, Any], fds: list[int])
             return 0  # told to go while idle, or the warden is gone
         if got is None:
             return 0  # the warden has idle shims enough, or is going
-        req, fds = got
+        request, fds = got
 
 
 def resolve(name: str, env: dict[str, str]) -> str | None:

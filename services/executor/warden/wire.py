@@ -1,6 +1,7 @@
 """The warden's framing: a spawn request is a 4-byte length, then that much JSON, with the
 attempt's file descriptors attached to its first byte. The executor sends them to the warden,
-and the warden hands them on to an idle shim in the same form."""
+and the warden hands them on to an idle shim as they came, unread: only the shim that runs
+the attempt decodes the request."""
 
 from __future__ import annotations
 
@@ -15,14 +16,24 @@ HEADER = struct.Struct("!I")
 MAX_FDS = 4
 
 
+def frame(request: bytes) -> bytes:
+    """A request's JSON as sent: its length first."""
+    return HEADER.pack(len(request)) + request
+
+
 def send(sock: socket.socket, request: bytes, fds: list[int]) -> None:
-    """A framed request with `fds` attached (a blocking socket; requests are small)."""
-    socket.send_fds(sock, [HEADER.pack(len(request)) + request], fds)
+    """A request with `fds` attached (a blocking socket; requests are small)."""
+    socket.send_fds(sock, [frame(request)], fds)
 
 
-def receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
-    """One framed request and its descriptors; None when the other end closed (or sent a
-    truncated frame: it died mid-send)."""
+def decode(request: bytes) -> dict[str, Any]:
+    value: dict[str, Any] = json.loads(request)
+    return value
+
+
+def receive(sock: socket.socket) -> tuple[bytes, list[int]] | None:
+    """One request's JSON, still encoded, and its descriptors; None when the other end closed
+    (or sent a truncated frame: it died mid-send)."""
     msg, fds, _flags, _addr = socket.recv_fds(sock, HEADER.size, MAX_FDS)
     while 0 < len(msg) < HEADER.size:
         chunk = sock.recv(HEADER.size - len(msg))
@@ -38,7 +49,7 @@ def receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
                 break
             body += chunk
         if len(body) == size:
-            return json.loads(body), fds
+            return body, fds
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.executor.warden import server as warden
+from services.executor.warden import wire
 from services.executor.warden.shim import KILL_ROUNDS_S
 
 log = logging.getLogger(__name__)
@@ -258,7 +258,7 @@ class Warden:
             proc = Proc(ctl_w, report_r)
             body = json.dumps(request).encode()
             async with self._lock:
-                await self._send(warden.HEADER.pack(len(body)) + body, passed)
+                await self._send(wire.frame(body), passed)
         except BaseException:
             for fd in (ctl_w, report_r):
                 with contextlib.suppress(OSError):
