@@ -81,13 +81,21 @@ def _verdict(data: object, message_id: str | None, policy: JobPolicy) -> Accepte
 
 @dataclass(frozen=True)
 class Entry:
-    """One task of a batch message (`submit.batch`): its verdict, its own spec as JSON (what
-    a refusal dead-letters, alone), its id and its trace parent."""
+    """One submitted task: its verdict, where it came from (a message's body, or a batch
+    task's spec as parsed), its id and its trace parent."""
 
     verdict: Accepted | Rejected
-    body: bytes
+    source: object
     message_id: str
     traceparent: str | None
+
+    @property
+    def body(self) -> bytes:
+        """What a refusal dead-letters: the message's body, or the batch task's own spec as
+        JSON — written only for a task that is refused."""
+        if isinstance(self.source, bytes):
+            return self.source
+        return json.dumps(self.source).encode()
 
 
 MAX_BATCH = 1000  # tasks in one batch message, at most
@@ -156,12 +164,12 @@ def _entry(index: int, item: object, policy: JobPolicy) -> Entry:
     fields = item if isinstance(item, dict) else {}
     spec = fields.get("spec")
     ident = fields.get("id")
-    body = json.dumps(spec if spec is not None else item).encode()
+    source = spec if spec is not None else item
     message_id = ident if isinstance(ident, str) and len(ident) <= 256 else ""
     parent = header_text(fields, "traceparent", _TRACEPARENT)
 
     def rejected(reason: str) -> Entry:
-        return Entry(Rejected(f"task {index} of a batch: {reason}"), body, message_id, parent)
+        return Entry(Rejected(f"task {index} of a batch: {reason}"), source, message_id, parent)
 
     if not isinstance(item, dict):
         return rejected(f"an entry must be a JSON object, got {type(item).__name__}")
@@ -172,7 +180,7 @@ def _entry(index: int, item: object, policy: JobPolicy) -> Entry:
     verdict = _verdict(spec, message_id, policy)
     if isinstance(verdict, Rejected):
         return rejected(verdict.reason)
-    return Entry(verdict, body, message_id, parent)
+    return Entry(verdict, source, message_id, parent)
 
 
 def read_json(body: bytes) -> Any:

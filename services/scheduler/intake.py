@@ -67,13 +67,15 @@ Admitted = tuple[list[Task], list[Refusal]]  # the tasks made ready, the submiss
 @dataclass(frozen=True)
 class _Submission:
     accepted: Accepted
-    body: bytes  # the task's spec as submitted: what a refusal dead-letters
+    entry: Entry  # as submitted: what a refusal dead-letters
     routing_key: str
-    message_id: str
-    parent: str | None  # its trace parent
 
     def refused(self, reason: str) -> Refusal:
-        return Refusal(self.body, self.routing_key, self.message_id, reason)
+        return _refusal(self.entry, self.routing_key, reason)
+
+
+def _refusal(entry: Entry, routing_key: str, reason: str) -> Refusal:
+    return Refusal(entry.body, routing_key, entry.message_id, reason)
 
 
 class Intake(Part):
@@ -121,39 +123,21 @@ class Intake(Part):
                     refused.append(sub.refused(_conflict(sub.accepted)))
 
             for message in batch:
-                key = message.routing_key or ""
-                if key == WORKFLOW_KEY:
+                if message.routing_key == WORKFLOW_KEY:
                     reason = await self._accept_workflow(message)
                     if reason is not None:
                         refused.append(Refusal.of(message, reason))
                     continue
-                if key == BATCH_KEY:  # many tasks, each judged alone
-                    judged = judge_batch(
-                        message.body,
-                        message.content_type,
-                        self.settings.max_message_bytes,
-                        self.policy,
-                    )
-                    if isinstance(judged, Rejected):
-                        refused.append(Refusal.of(message, judged.reason))
-                        continue
-                    entries, entry_key = judged, SUBMIT_KEY
-                else:
-                    verdict = judge(
-                        message.body,
-                        message.content_type,
-                        message.message_id,
-                        self.settings.max_message_bytes,
-                        self.policy,
-                    )
-                    mid, parent = message.message_id or "", traceparent(message.headers)
-                    entries, entry_key = [Entry(verdict, message.body, mid, parent)], key
+                judged = self._judge(message)
+                if isinstance(judged, Refusal):
+                    refused.append(judged)
+                    continue
+                entries, key = judged
                 for e in entries:
                     if isinstance(e.verdict, Rejected):
-                        refused.append(Refusal(e.body, entry_key, e.message_id, e.verdict.reason))
+                        refused.append(_refusal(e, key, e.verdict.reason))
                     else:
-                        sub = _Submission(e.verdict, e.body, entry_key, e.message_id, e.traceparent)
-                        take(sub)
+                        take(_Submission(e.verdict, e, key))
             # batch messages carry many tasks each: one admission statement takes at most
             # SKED_SUBMIT_BATCH of them, as it would take single ones
             ready, failed = [], []
@@ -179,6 +163,20 @@ class Intake(Part):
         await batch[-1].ack(multiple=True)
         return ready
 
+    def _judge(self, message: AbstractIncomingMessage) -> tuple[list[Entry], str] | Refusal:
+        """The tasks of a message, each judged, and the routing key a refused one goes to the
+        dead letters under; or the refusal of the whole message (a malformed batch)."""
+        limit, policy = self.settings.max_message_bytes, self.policy
+        if message.routing_key == BATCH_KEY:  # many tasks, each judged alone
+            entries = judge_batch(message.body, message.content_type, limit, policy)
+            if isinstance(entries, Rejected):
+                return Refusal.of(message, entries.reason)
+            return entries, SUBMIT_KEY
+        mid = message.message_id
+        verdict = judge(message.body, message.content_type, mid, limit, policy)
+        entry = Entry(verdict, message.body, mid or "", traceparent(message.headers))
+        return [entry], message.routing_key or ""
+
     async def _admit_isolating(self, subs: list[_Submission]) -> Admitted:
         """Admit `subs`; the one submission whose admission fails alone is refused with the
         error. Admission is idempotent (task ids), so retrying what was admitted changes nothing."""
@@ -196,7 +194,7 @@ class Intake(Part):
 
     async def _admit_submissions(self, subs: Sequence[_Submission]) -> Admitted:
         task_ids = [s.accepted.task_id for s in subs]
-        parents = [s.parent for s in subs]
+        parents = [s.entry.traceparent for s in subs]
         contexts, handles = hooks.received(SUBMIT_QUEUE, task_ids, parents)
         try:
             ready, existing = await self.admit([s.accepted.spec for s in subs], task_ids, contexts)
