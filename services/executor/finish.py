@@ -109,7 +109,6 @@ class Finisher:
         retry commit together."""
         node = self.node
         ends = [end_move(a.task, r, f"ended on {a.task.node}", node.boot_id) for a, r in current]
-        older = [(a.task, r) for a, r in superseded]
         if not superseded and all(r.ok for _, r in current):
             won = {t.id for t in await node.store.tasks.transition_many(ends)}
             lost = [(a.task, r) for a, r in current if a.task.id not in won]
@@ -122,7 +121,7 @@ class Finisher:
             await tx.tasks.transition_many(retries(ended))
             won = {t.id for t in ended}
             lost = [(a.task, r) for a, r in current if a.task.id not in won]
-            late = await self._set_aside(tx, lost, older)
+            late = await self._set_aside(tx, lost, [(a.task, r) for a, r in superseded])
         self.readied += [t for t in ended if t.status is State.READY]
         return late
 
@@ -132,16 +131,13 @@ class Finisher:
         """Outcomes whose task moved on (canceled, paused, lost and retried): kept as late
         results, not applied, and their leases given back. Returns them."""
         node = self.node
-        late = lost
-        if late:
-            # a retry of a write whose COMMIT went through but whose reply was lost loses
-            # its CAS to itself: that outcome is applied already, not late
-            mine: set[UUID] = set()
-            for where in {t.node for t, _ in late}:
-                of = [(t.id, t.version) for t, _ in late if t.node == where]
-                mine |= await tx.tasks.ended_with(of, f"ended on {where}")
-            late = [(t, r) for t, r in late if t.id not in mine]
-        late += superseded
+        # a retry of a write whose COMMIT went through but whose reply was lost loses its CAS
+        # to itself: that outcome is applied already, not late
+        mine: set[UUID] = set()
+        for where in {t.node for t, _ in lost}:
+            of = [(t.id, t.version) for t, _ in lost if t.node == where]
+            mine |= await tx.tasks.ended_with(of, f"ended on {where}")
+        late = [(t, r) for t, r in lost if t.id not in mine] + superseded
         await tx.late.record(
             [
                 (t.id, t.attempt, r.ok, r.result, r.error, f"attempt superseded on {t.node}")
