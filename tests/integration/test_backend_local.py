@@ -679,6 +679,26 @@ async def test_an_unrenewed_lease_freezes_the_tree_and_a_renewal_thaws_it(
     assert (await job).stopped
 
 
+async def test_a_frozen_tree_is_stopped_without_running_again(
+    backend: LocalBackend, tmp_path: Path
+) -> None:
+    """A tree frozen because its lease lapsed may already have a successor running elsewhere:
+    stopping it (the task moved on, the executor shuts down) kills it as it stands. Thawing
+    it for a graceful SIGTERM would run it beside its successor for the grace — here, a
+    script that ignores SIGTERM would write on for the whole of it."""
+    ticks = tmp_path / "ticks"
+    script = f"trap '' TERM; while :; do echo x >> {ticks}; sleep 0.02; done"
+    launch = replace(command(script), lease_s=0.5)
+    key = (launch.task_id, launch.attempt)
+    job = asyncio.create_task(backend.run(launch))
+    await until(lambda: backend.frozen(key), "the lease to lapse and the tree to freeze")
+    size = ticks.stat().st_size
+    await backend.stop_task(launch.task_id, launch.attempt)
+    outcome = await job
+    assert outcome.stopped
+    assert ticks.stat().st_size == size, "the frozen tree ran again on its way out"
+
+
 async def test_a_tree_frozen_too_long_is_killed(tmp_path: Path) -> None:
     b = LocalBackend(1, tmp_path / "state", freeze_max_s=0.3)
     await b.start()

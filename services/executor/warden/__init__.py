@@ -12,7 +12,7 @@ supervisor of one process tree at a time, which
   renewed the lease; if none arrives in time, the shim freezes the whole tree (SIGSTOP) on
   its own, without the executor (which may be frozen, partitioned or dead). `renew` again
   thaws it; `kill` (the attempt was superseded), the executor's death, or staying frozen
-  past `freeze_max_s` kills it;
+  past `freeze_max_s` kills it, and so does `stop` while it is frozen (only `renew` thaws);
 - reports to the executor on a pipe: `pid N START`, `frozen`, `thawed`, `exit STATUS HOW`;
 - once the tree is gone to its last process, tells the warden it is idle and waits for the
   next attempt (a shim some of whose tree would not die exits instead, leaving the rest to

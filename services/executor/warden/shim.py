@@ -162,6 +162,12 @@ class Shim:
             self.expiry = None
             self._thaw()
         elif words[0] == "stop":  # SIGTERM, then SIGKILL after the grace
+            if self.frozen_at is not None:
+                # Frozen: its lease lapsed, and a next attempt may run elsewhere by now. A
+                # graceful stop would thaw it to take SIGTERM and let it run beside that
+                # attempt for the grace; SIGKILL ends a stopped process as it stands.
+                self.how = "killed"
+                return True
             self.how = "stopped"
             self._thaw()
             signal_(self.leader, signal.SIGTERM, group=True)
