@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 from uuid import UUID, uuid4
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -15,7 +16,8 @@ from aiormq.exceptions import ChannelInvalidStateError
 
 from services.executor.backends import Backend, Key, Outcome
 from shared.bus import AmqpBus
-from shared.models import Task
+from shared.dispatches import Entry, unpack
+from shared.models import Dispatch, Task
 from shared.outcome import Report
 from shared.policy import JobPolicy
 from shared.queues import ReadyQueue
@@ -26,10 +28,55 @@ from shared.store import Store
 log = logging.getLogger(__name__)
 
 
+class Delivery:
+    """One message from the node's queue: acknowledged once every dispatch in it is settled
+    (its attempt's outcome written, its claim lost, or the entry refused)."""
+
+    __slots__ = ("left", "message")
+
+    def __init__(self, message: AbstractIncomingMessage, entries: int) -> None:
+        self.message = message
+        self.left = entries
+
+
+class Item:
+    """One dispatch as delivered: an entry of a message (shared.dispatches)."""
+
+    __slots__ = ("delivery", "entry", "settled")
+
+    def __init__(self, delivery: Delivery, entry: Entry) -> None:
+        self.delivery = delivery
+        self.entry = entry
+        self.settled = False
+
+    @property
+    def dispatch(self) -> Dispatch | None:
+        return self.entry.dispatch
+
+    @property
+    def headers(self) -> Mapping[str, Any]:
+        return self.entry.headers
+
+    def settle(self) -> bool:
+        """Mark this dispatch done with; True when it was the last open one of its message."""
+        if self.settled:
+            return False
+        self.settled = True
+        self.delivery.left -= 1
+        return self.delivery.left == 0
+
+
+def items_of(message: AbstractIncomingMessage) -> list[Item]:
+    """The dispatches a message carries, each read and checked alone."""
+    entries = unpack(message.body, message.headers)
+    delivery = Delivery(message, len(entries))
+    return [Item(delivery, e) for e in entries]
+
+
 @dataclass
 class Attempt:
     task: Task  # as it stood after this executor's Scheduling -> Running CAS
-    message: AbstractIncomingMessage | None  # its dispatch; None: adopted, not dispatched
+    message: Item | None  # its dispatch; None: adopted, not dispatched
     # monotonic time before the statement that last renewed its lease was sent
     renewed_at: float = 0.0
 
@@ -57,10 +104,12 @@ class Node:
         # the node ids whose dispatches this executor takes (services.executor.serving)
         self.serves: set[str] = {self.id} if backend.offers() is None else set()
         self.active: dict[Key, Attempt] = {}
-        # A backlog (SKED_PREFETCH, a local node only): RabbitMQ hands this node up to slots +
-        # prefetch dispatches, and the starter claims one only while fewer than `slots`
-        # attempts run here (`running`); `slot_freed` is set when an outcome becomes known.
-        self.gated = settings.prefetch > 0 and backend.offers() is None
+        # A local node claims an attempt only while fewer than `slots` run here (`running`);
+        # `slot_freed` is set when an outcome becomes known. With a backlog (SKED_PREFETCH)
+        # RabbitMQ hands the node up to slots + prefetch messages; and as a message carries
+        # many dispatches, the gate, not the prefetch, is what keeps a node from running more
+        # than its slots while a superseded attempt is still on its way out.
+        self.gated = backend.offers() is None
         self.slot_freed = asyncio.Event()
         # outcomes known here but not yet written: a probe gets the real outcome from these
         self.unreported: dict[Key, Outcome] = {}
@@ -88,10 +137,13 @@ class Node:
         self.acks.received(message)
         await self.inbox.put(message)
 
-    async def dead_letter(self, message: AbstractIncomingMessage, reason: str) -> None:
-        """A message this node cannot use goes to `sked.dead` with the reason, alone."""
-        log.warning("dead-lettering a message from %s: %s", message.routing_key, reason)
-        await self.bus.dead_letter(message.body, reason, message.routing_key or "")
+    async def dead_letter(self, message: AbstractIncomingMessage | Item, reason: str) -> None:
+        """A message (or one dispatch of one) this node cannot use goes to `sked.dead` with
+        the reason, alone."""
+        whole = message.delivery.message if isinstance(message, Item) else message
+        body = message.entry.raw if isinstance(message, Item) else message.body
+        log.warning("dead-lettering a message from %s: %s", whole.routing_key, reason)
+        await self.bus.dead_letter(body, reason, whole.routing_key or "")
         await self.acks.ack([message])
 
 
@@ -116,11 +168,16 @@ class Acks:
         if message.delivery_tag is not None:
             self._open.setdefault(channel, set()).add(message.delivery_tag)
 
-    async def ack(self, messages: Iterable[AbstractIncomingMessage | None]) -> None:
-        """Acknowledge these; if the channel is gone, RabbitMQ requeues them, and a second
+    async def ack(self, messages: Iterable[AbstractIncomingMessage | Item | None]) -> None:
+        """Acknowledge these (a dispatch: its message, once the last of the message's
+        dispatches is settled); if the channel is gone, RabbitMQ requeues them, and a second
         delivery finds the task moved on and is dropped — so a failed ack loses nothing."""
         by_channel: dict[object, list[AbstractIncomingMessage]] = {}
-        for message in messages:
+        for item in messages:
+            if isinstance(item, Item):
+                message = item.delivery.message if item.settle() else None
+            else:
+                message = item
             if message is not None:
                 by_channel.setdefault(_channel_of(message), []).append(message)
         for channel, some in by_channel.items():

@@ -14,10 +14,9 @@ from collections.abc import Sequence
 from uuid import UUID
 
 from aio_pika.abc import AbstractIncomingMessage
-from pydantic import ValidationError
 
 from services.executor.backends import Key, Launch, Outcome
-from services.executor.node import Attempt, Node
+from services.executor.node import Attempt, Item, Node, items_of
 from shared import fsm, heartbeat, hooks, lease
 from shared.errors import one_line
 from shared.fsm import State
@@ -27,13 +26,13 @@ from shared.runtime import next_batch, wait_any
 
 log = logging.getLogger(__name__)
 
-Received = tuple[Dispatch, AbstractIncomingMessage]
+Received = tuple[Dispatch, Item]
 
 
 class Starter:
     def __init__(self, node: Node) -> None:
         self.node = node
-        self.held: deque[AbstractIncomingMessage] = deque()  # the backlog, when gated
+        self.held: deque[Item] = deque()  # the backlog, when gated
 
     async def run(self) -> None:
         if self.node.gated:
@@ -53,47 +52,51 @@ class Starter:
                 batch = await next_batch(node.inbox)
                 if batch is None:
                     return
-                held.extend(batch)
+                held.extend(item for message in batch for item in items_of(message))
             while not node.inbox.empty():
                 message = node.inbox.get_nowait()
                 if message is None:
                     node.inbox.put_nowait(None)
                     return
-                held.append(message)
+                held.extend(items_of(message))
             free = node.settings.slots - node.running
             if free <= 0:
                 node.slot_freed.clear()
                 await wait_any(node.slot_freed, node.stopping)
                 continue
-            await self.start([held.popleft() for _ in range(min(free, len(held)))])
+            await self.start_items([held.popleft() for _ in range(min(free, len(held)))])
 
     async def start(self, batch: list[AbstractIncomingMessage]) -> int:
-        """Claim and start a batch of dispatches; returns how many attempts started here."""
+        """Claim and start the dispatches of a batch of messages; returns how many attempts
+        started here."""
+        return await self.start_items([item for m in batch for item in items_of(m)])
+
+    async def start_items(self, items: list[Item]) -> int:
+        """Claim and start these dispatches; returns how many attempts started here."""
         node = self.node
         fresh: dict[UUID, Received] = {}
-        for message in batch:
-            try:
-                dispatch = Dispatch.model_validate_json(message.body)
-            except ValidationError as exc:  # only a bug or a foreign publisher does this
-                await node.dead_letter(message, f"unreadable dispatch: {exc}")
+        for item in items:
+            dispatch = item.dispatch
+            if dispatch is None:  # only a bug or a foreign publisher does this
+                await node.dead_letter(item, item.entry.problem or "unreadable dispatch")
                 continue
             if dispatch.node not in node.serves:
-                await node.dead_letter(message, f"a dispatch for node {dispatch.node!r}")
+                await node.dead_letter(item, f"a dispatch for node {dispatch.node!r}")
                 continue
             key = (dispatch.task_id, dispatch.attempt)
             if key in node.active:
                 # redelivered after a reconnect while it still runs: acknowledge via this copy
-                node.active[key].message = message
+                node.active[key].message = item
                 continue
             older = fresh.get(dispatch.task_id)
             if older is not None:
                 # the same task twice in one batch: the higher attempt is the live one (the
                 # older was superseded), and a copy of the same attempt is a duplicate
-                stale, keep = sorted([older, (dispatch, message)], key=lambda d: d[0].attempt)
+                stale, keep = sorted([older, (dispatch, item)], key=lambda d: d[0].attempt)
                 await node.acks.ack([stale[1]])
                 fresh[dispatch.task_id] = keep
                 continue
-            fresh[dispatch.task_id] = (dispatch, message)
+            fresh[dispatch.task_id] = (dispatch, item)
         return await self._claim_isolating(list(fresh.values()))
 
     async def _claim_isolating(self, dispatches: list[Received]) -> int:
@@ -136,14 +139,16 @@ class Starter:
                 if mine and any(d.task_id == task.id and d.attempt == task.attempt for d in lost):
                     won[task.id] = task
         messages = {d.task_id: m for d, m in dispatches}
-        for dispatch, message in dispatches:
+        stale = []
+        for dispatch, item in dispatches:
             if dispatch.task_id not in won:
                 log.info(
                     "dispatch of %s attempt %d is stale (the task moved on); dropped",
                     dispatch.task_id,
                     dispatch.attempt,
                 )
-                await node.acks.ack([message])
+                stale.append(item)
+        await node.acks.ack(stale)
         for task in won.values():
             self._begin(Attempt(task, messages[task.id], sent_at))
         return len(won)
@@ -215,14 +220,15 @@ class Starter:
     async def _hand_back_unstarted(self) -> None:
         """On shutdown, dispatches received but not started go back to Ready at once."""
         node = self.node
-        while self.held or not node.inbox.empty():
-            message = self.held.popleft() if self.held else node.inbox.get_nowait()
-            if message is None:
-                continue
-            try:
-                dispatch = Dispatch.model_validate_json(message.body)
-            except ValidationError:
-                await node.acks.ack([message])
+        while not node.inbox.empty():
+            message = node.inbox.get_nowait()
+            if message is not None:
+                self.held.extend(items_of(message))
+        while self.held:
+            item = self.held.popleft()
+            dispatch = item.dispatch
+            if dispatch is None:
+                await node.acks.ack([item])
                 continue
             # best effort: if a server is away, recovery's stuck-in-Scheduling sweep does it
             with contextlib.suppress(*TRANSIENT):
@@ -230,4 +236,4 @@ class Starter:
                 moved = await node.store.tasks.transition(fsm.plan(dispatch, State.READY, why))
                 if moved is not None:
                     await node.queue.push([moved])
-            await node.acks.ack([message])
+            await node.acks.ack([item])

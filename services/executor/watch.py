@@ -79,8 +79,8 @@ class Watcher:
     async def watch_loop(self) -> None:
         """Stop attempts whose task is no longer Running in that attempt here. Woken by the
         NOTIFY of such a move and by a lease renewal Postgres refused (so a missed NOTIFY costs
-        at most a renewal period). The dispatch stays unacknowledged until the process is gone,
-        so this node never runs more processes than it has slots."""
+        at most a renewal period). The attempt holds its slot until its process is gone, so this
+        node never runs more processes than it has slots (the starter's gate, node.gated)."""
         node = self.node
         while not node.stopping.is_set():
             await wait_any(node.look, node.stopping)

@@ -14,6 +14,7 @@ from services.scheduler.hub import Hub, Part
 from shared import fsm, hooks
 from shared.bus import DISPATCH_EXCHANGE, AmqpBus, Outgoing
 from shared.degrade import Mode
+from shared.dispatches import MAX_DISPATCHES, pack
 from shared.fsm import State
 from shared.models import Dispatch, Task
 from shared.placement import Choice, Need, NodeState, place_many, within_resources
@@ -196,7 +197,7 @@ class Dispatcher(Part):
         see the Scheduling row (its snapshot predates the commit) and would drop the attempt.
         """
         headers, handles = hooks.dispatching(moved)
-        messages = [_dispatch(t, h) for t, h in zip(moved, headers, strict=True)]
+        messages = _dispatches(moved, headers)
         try:
             await self.bus.publish(DISPATCH_EXCHANGE, messages)
         except TRANSIENT:
@@ -246,6 +247,14 @@ class Dispatcher(Part):
         )
 
 
-def _dispatch(task: Task, headers: dict[str, Any]) -> Outgoing:
-    body = Dispatch.of(task)
-    return Outgoing(body.node, body.model_dump_json().encode(), headers)
+def _dispatches(moved: list[Task], headers: list[dict[str, Any]]) -> list[Outgoing]:
+    """One message per node, carrying the attempts placed there (shared.dispatches)."""
+    by_node: dict[str, list[tuple[Dispatch, dict[str, Any]]]] = {}
+    for task, h in zip(moved, headers, strict=True):
+        body = Dispatch.of(task)
+        by_node.setdefault(body.node, []).append((body, h))
+    return [
+        Outgoing(node, pack(some[i : i + MAX_DISPATCHES]))
+        for node, some in by_node.items()
+        for i in range(0, len(some), MAX_DISPATCHES)
+    ]

@@ -287,13 +287,20 @@ async def test_poison_on_the_dispatch_heartbeat_and_probe_queues(
             "unreadable probe",
         ),
     ]
+    # a node's batch: its bad entry is refused alone, as a message of that entry alone; the
+    # good one (a task that does not exist) loses its claim and is dropped
+    bad = {"dispatch": {**dispatch, "version": -1}}
+    batch = {"schema_version": 1, "dispatches": [{"dispatch": dispatch, "headers": {}}, bad]}
+    alone = {"schema_version": 1, "dispatches": [bad]}
+    refused_alone = [(json.dumps(alone, separators=(",", ":")).encode(), "unreadable dispatch")]
     connection = await aio_pika.connect_robust(settings.rabbitmq_url)
     async with connection:
         channel = await connection.channel(publisher_confirms=True)
         for exchange, key, body, _ in poison:
             await publish(channel, exchange, key, body)
-        reasons = await dead_letters(channel, len(poison))
-    for _, _, body, why in poison:
+        await publish(channel, DISPATCH_EXCHANGE, "n1", json.dumps(batch).encode())
+        reasons = await dead_letters(channel, len(poison) + 1)
+    for body, why in [*((body, why) for _, _, body, why in poison), *refused_alone]:
         assert body in reasons, body[:80]
         assert why in reasons[body], reasons[body]
     # and everything still works

@@ -21,6 +21,7 @@ from services.scheduler.hub import Hub
 from services.scheduler.intake import Intake
 from shared.bus import UNROUTABLE
 from shared.degrade import Mode
+from shared.dispatches import pack, unpack
 from shared.fsm import State
 from shared.heartbeat import ProbeAnswer, Rung
 from shared.models import Dispatch, Task, TaskSpec
@@ -48,7 +49,7 @@ def scheduler_parts(
 
 
 def dispatched(bus: StubBus) -> list[Dispatch]:
-    return [Dispatch.model_validate_json(m.body) for _, m in bus.published]
+    return [e.dispatch for _, m in bus.published for e in unpack(m.body) if e.dispatch]
 
 
 # -- dispatch ---------------------------------------------------------------------------------
@@ -273,6 +274,29 @@ async def test_a_dispatch_for_another_node_or_unreadable_is_dead_lettered() -> N
     assert backend.launched == []
 
 
+async def test_a_batch_message_is_acknowledged_once_every_dispatch_in_it_is_settled() -> None:
+    store, backend = InMemoryStore(), StubBackend(hold=True)
+    node, starter, finisher = executor_parts(store, backend)
+    runs, stale = await scheduled(store), await scheduled(store)
+    elsewhere = replace_node(await scheduled(store), "n2")
+    await store.walk(stale, State.CANCELED)
+    body = pack([(Dispatch.of(t), {}) for t in (runs, stale, elsewhere)])
+    message = StubMessage(body, "n1")
+    assert await starter.start([message]) == 1  # type: ignore[list-item]
+    bus = node.bus
+    assert isinstance(bus, StubBus)
+    [(dead, why)] = bus.dead  # the entry for another node alone, as its own JSON
+    assert why == "a dispatch for node 'n2'"
+    assert unpack(dead)[0].dispatch == Dispatch.of(elsewhere)
+    assert message.acked == 0  # its running attempt holds the message
+    await asyncio.sleep(0)
+    backend.release((runs.id, 1))
+    await asyncio.wait(node.runs)
+    await finisher.finish([node.outcomes.get_nowait()])  # type: ignore[list-item]
+    assert message.acked == 1
+    assert (await store.tasks.get(runs.id)).status is State.SUCCESS
+
+
 def replace_node(task: Task, node: str) -> Task:
     from dataclasses import replace
 
@@ -381,6 +405,29 @@ def test_only_a_workflow_tasks_end_wakes_workflow_resolution() -> None:
     hub.task_notify(None, 0, "", "*:300:success")  # too many to list: look at all
     assert hub.resolve.is_set()
     assert hub.resolve_all
+
+
+async def test_a_message_of_more_dispatches_than_free_slots_starts_only_slots() -> None:
+    """A superseded attempt on its way out still holds its slot: a dispatch message may then
+    carry more attempts than are free, and the rest wait unclaimed for a slot."""
+    store, backend = InMemoryStore(), StubBackend(hold=True)
+    settings = SETTINGS.model_copy(update={"slots": 2, "prefetch": 0})
+    node = Node(settings, store, StubBus(), backend, FakeReadyQueue(), asyncio.Event())  # type: ignore[arg-type]
+    starter = Starter(node)
+    tasks = [await scheduled(store) for _ in range(3)]
+    node.inbox.put_nowait(StubMessage(pack([(Dispatch.of(t), {}) for t in tasks]), "n1"))  # type: ignore[arg-type]
+    loop = asyncio.create_task(starter.run())
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert len(backend.launched) == 2
+    backend.release((backend.launched[0].task_id, 1))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert len(backend.launched) == 3
+    node.inbox.put_nowait(None)
+    backend.release((backend.launched[1].task_id, 1))
+    backend.release((backend.launched[2].task_id, 1))
+    await loop
 
 
 async def test_with_a_backlog_only_slots_run_and_held_ones_start_as_slots_free() -> None:

@@ -1,0 +1,111 @@
+"""The dispatch message (pure): a scheduler sends a node the attempts one placement pass put
+there in one message, each with its trace headers; an executor reads each entry alone.
+
+A message per attempt cost each side a message's worth of work per task — aio-pika's objects,
+frames, a confirm and an acknowledgement, RabbitMQ's own bookkeeping — the largest per-task
+cost left in the scheduler's and the executor's messaging (docs/performance.md). Body:
+
+    {"schema_version": 1, "dispatches": [{"dispatch": {<Dispatch>}, "headers": {...}}, ...]}
+
+A body that is one Dispatch (what sked sent before) is read as a batch of one, its headers
+the message's. Every input is hostile until checked: an entry that cannot be read is refused
+alone (its own JSON is what a dead letter keeps), and the rest of the message is used.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from shared.errors import one_line
+from shared.jsonvalue import Unsafe, parse
+from shared.models import SCHEMA_VERSION, Dispatch
+
+MAX_DISPATCHES = 1000  # entries one message may carry; a pass places dispatch_batch at most
+MAX_HEADERS = 16  # trace headers are a handful: traceparent, tracestate, baggage
+MAX_HEADER_CHARS = 1024
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One entry of a dispatch message: the dispatch, or why it cannot be used."""
+
+    dispatch: Dispatch | None
+    problem: str | None  # set when dispatch is None
+    raw: bytes  # what a dead letter of this entry alone carries: a message of it alone
+    headers: Mapping[str, Any]
+
+
+def pack(dispatches: Sequence[tuple[Dispatch, Mapping[str, Any]]]) -> bytes:
+    """One message's body: these dispatches (all to one node), each with its headers."""
+    return json.dumps(
+        {
+            "schema_version": SCHEMA_VERSION,
+            "dispatches": [
+                {"dispatch": d.model_dump(mode="json"), "headers": dict(h)} for d, h in dispatches
+            ],
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
+def unpack(body: bytes, headers: Mapping[str, Any] | None = None) -> list[Entry]:
+    """The entries of a dispatch message, each checked alone. A body that is not a dispatch
+    message at all is one entry with the problem, keeping the whole body."""
+    try:
+        data = parse(body)
+    except Unsafe as exc:
+        return [_refused(f"unreadable dispatch: {exc}", body)]
+    if not (isinstance(data, dict) and "dispatches" in data):
+        return [_entry(data, body, headers or {})]  # one dispatch, as sent before batches
+    entries = data.get("dispatches")
+    if data.get("schema_version") != SCHEMA_VERSION or set(data) != {
+        "schema_version",
+        "dispatches",
+    }:
+        return [_refused("unreadable dispatch message: not schema version 1", body)]
+    if not isinstance(entries, list) or not 0 < len(entries) <= MAX_DISPATCHES:
+        return [
+            _refused(
+                f"unreadable dispatch message: 'dispatches' must be a list of 1 to "
+                f"{MAX_DISPATCHES} entries",
+                body,
+            )
+        ]
+    out = []
+    for item in entries:
+        raw = json.dumps(
+            {"schema_version": SCHEMA_VERSION, "dispatches": [item]}, separators=(",", ":")
+        ).encode()
+        if not (isinstance(item, dict) and set(item) <= {"dispatch", "headers"}):
+            out.append(_refused("unreadable dispatch: an entry is not {dispatch, headers}", raw))
+            continue
+        out.append(_entry(item.get("dispatch"), raw, _headers(item.get("headers"))))
+    return out
+
+
+def _entry(data: Any, raw: bytes, headers: Mapping[str, Any]) -> Entry:
+    try:
+        return Entry(Dispatch.model_validate(data), None, raw, headers)
+    except ValidationError as exc:
+        return _refused(f"unreadable dispatch: {one_line(exc)}", raw)
+
+
+def _refused(problem: str, raw: bytes) -> Entry:
+    return Entry(None, problem, raw, {})
+
+
+def _headers(value: Any) -> dict[str, str]:
+    """An entry's trace headers if they are a small map of text to text; anything else is
+    dropped (tracing is best effort; the dispatch is still good)."""
+    if not isinstance(value, dict) or len(value) > MAX_HEADERS:
+        return {}
+    ok = all(
+        isinstance(k, str) and isinstance(v, str) and len(k) + len(v) <= MAX_HEADER_CHARS
+        for k, v in value.items()
+    )
+    return value if ok else {}

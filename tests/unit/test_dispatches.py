@@ -1,0 +1,73 @@
+"""The dispatch message (shared.dispatches): a node's attempts of one pass in one message, each
+entry read alone — a bad entry is refused with its own JSON, the rest are used."""
+
+from __future__ import annotations
+
+import json
+from uuid import uuid4
+
+from shared.dispatches import MAX_DISPATCHES, pack, unpack
+from shared.models import Dispatch
+
+
+def dispatch(node: str = "n1", attempt: int = 1) -> Dispatch:
+    return Dispatch(
+        task_id=uuid4(), attempt=attempt, version=4, retry_count=0, max_retries=0, node=node
+    )
+
+
+def test_a_batch_comes_back_entry_by_entry_with_each_entrys_headers() -> None:
+    sent = [(dispatch(), {"traceparent": f"00-{i:032x}-{i:016x}-01"}) for i in range(1, 4)]
+    entries = unpack(pack(sent))
+    assert [(e.dispatch, dict(e.headers)) for e in entries] == sent
+    assert all(e.problem is None for e in entries)
+    # each entry's raw JSON is a message of that entry alone: what its dead letter carries
+    assert unpack(entries[0].raw)[0].dispatch == sent[0][0]
+
+
+def test_a_single_dispatch_body_is_a_batch_of_one_with_the_messages_headers() -> None:
+    d = dispatch()
+    [entry] = unpack(d.model_dump_json().encode(), {"traceparent": "x"})
+    assert (entry.dispatch, dict(entry.headers)) == (d, {"traceparent": "x"})
+
+
+def test_a_bad_entry_is_refused_alone() -> None:
+    good = dispatch()
+    body = json.loads(pack([(good, {})]))
+    body["dispatches"] += [
+        {"dispatch": {**good.model_dump(mode="json"), "attempt": -1}},
+        {"dispatch": good.model_dump(mode="json"), "extra": 1},
+        "not an entry",
+    ]
+    entries = unpack(json.dumps(body).encode())
+    assert entries[0].dispatch == good
+    assert [e.dispatch for e in entries[1:]] == [None, None, None]
+    assert all((e.problem or "").startswith("unreadable dispatch") for e in entries[1:])
+    assert json.loads(entries[3].raw)["dispatches"] == ["not an entry"]
+
+
+def test_a_malformed_message_is_one_refusal_keeping_the_whole_body() -> None:
+    many = {"schema_version": 1, "dispatches": [{}] * (MAX_DISPATCHES + 1)}
+    for body in (
+        b"{not json",
+        b'{"schema_version": 2, "dispatches": []}',
+        b'{"schema_version": 1, "dispatches": "all"}',
+        b'{"schema_version": 1, "dispatches": []}',
+        b'{"schema_version": 1, "dispatches": [], "more": 1}',
+        json.dumps(many).encode(),
+        b'{"task_id": 1}',
+        b"[1, NaN]",
+    ):
+        [entry] = unpack(body)
+        assert entry.dispatch is None, body
+        assert (entry.problem or "").startswith("unreadable dispatch"), (body, entry.problem)
+        assert entry.raw == body
+
+
+def test_hostile_headers_are_dropped_and_the_dispatch_kept() -> None:
+    d = dispatch()
+    for headers in ({"a": 1}, {"a": "x" * 5000}, {str(i): "v" for i in range(50)}, ["x"]):
+        body = {"schema_version": 1, "dispatches": [{"dispatch": d.model_dump(mode="json"),
+                                                     "headers": headers}]}  # fmt: skip
+        [entry] = unpack(json.dumps(body).encode())
+        assert (entry.dispatch, dict(entry.headers)) == (d, {})
