@@ -1,11 +1,12 @@
 """Benchmark (not a test): where a burst's CPU goes, per process, and (with --py-spy) where in
 each service's code.
 
-Runs the stack of bench/throughput.py, submits a burst, and reads each process's CPU time from
+Runs the stack of bench/throughput.py, submits a burst (or, with --rate R, one task at a time
+at R tasks/s: what a task costs when nothing batches), and reads each process's CPU time from
 /proc before and after: the services (by pid), every Postgres backend, RabbitMQ (beam.smp),
 Redis, and this client. With --py-spy DIR it records a py-spy profile of each service during
 the burst (speedscope JSON, one file per service; open at https://www.speedscope.app).
-Run: .venv/bin/python bench/profile.py [--tasks 5000] [--py-spy /tmp/prof]
+Run: .venv/bin/python bench/profile.py [--tasks 5000] [--rate 100] [--py-spy /tmp/prof]
 """
 
 from __future__ import annotations
@@ -183,15 +184,26 @@ TRUE = {"name": "true", "job": {"kind": "command", "argv": ["true"]}}
 
 
 async def quiet_burst(
-    client: SkedClient, pool: asyncpg.Pool, n: int, job: dict[str, Any] = NOOP
+    client: SkedClient,
+    pool: asyncpg.Pool,
+    n: int,
+    job: dict[str, Any] = NOOP,
+    rate: float | None = None,
 ) -> tuple[float, str]:
-    """A burst of `n` no-op tasks, waited for with one count query every 100 ms (the SDK's
-    wait_all reads the tasks each notification names: a load on the system measured)."""
+    """A burst of `n` no-op tasks (or, at `rate`, one submission every 1/rate s), waited for
+    with one count query every 0.5 s (the SDK's wait_all reads the tasks each notification
+    names: a load on the system measured). Returns tasks/s by their own finish times."""
     name = f"burst-{time.monotonic_ns()}"
     spec = {**job, "name": name}
     start = time.time()
-    for i in range(0, n, 500):
-        await client.submit_many([spec] * min(500, n - i))
+    if rate is None:
+        for i in range(0, n, 500):
+            await client.submit_many([spec] * min(500, n - i))
+    else:
+        paced = time.perf_counter()
+        for i in range(n):
+            await asyncio.sleep(max(0.0, paced + i / rate - time.perf_counter()))
+            await client.submit(spec)
     while True:
         row = await pool.fetchrow(
             "SELECT count(*) AS n, max(finished_at) AS last FROM tasks"
@@ -200,7 +212,7 @@ async def quiet_burst(
         )
         if row["n"] >= n:
             return n / (row["last"].timestamp() - start), name
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -234,7 +246,7 @@ async def main(args: argparse.Namespace) -> None:
         job = TRUE if args.command else NOOP
         waits: collections.Counter[str] = collections.Counter()
         sampler = asyncio.create_task(_sample_waits(settings.database_url, waits))
-        rate, burst_name = await quiet_burst(client, pool, args.tasks, job)
+        rate, burst_name = await quiet_burst(client, pool, args.tasks, job, args.rate)
         sampler.cancel()
         wall = time.perf_counter() - wall
         groups = groups_of(stack)  # again: with the processes born during the burst
@@ -278,4 +290,7 @@ if __name__ == "__main__":
     parser.add_argument("--schedulers", type=int, default=1)
     parser.add_argument("--command", action="store_true", help="`true` commands, not handlers")
     parser.add_argument("--py-spy", metavar="DIR", help="record a py-spy profile per service")
+    parser.add_argument(
+        "--rate", type=float, help="submit one task at a time at this rate (tasks/s), not a burst"
+    )
     asyncio.run(main(parser.parse_args()))
