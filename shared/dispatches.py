@@ -8,8 +8,9 @@ cost left in the scheduler's and the executor's messaging (docs/performance.md).
     {"schema_version": 1, "dispatches": [{"dispatch": {<Dispatch>}, "headers": {...}}, ...]}
 
 A body that is one Dispatch (what sked sent before) is read as a batch of one, its headers
-the message's. Every input is hostile until checked: an entry that cannot be read is refused
-alone (its own JSON is what a dead letter keeps), and the rest of the message is used.
+the message's. Every input is hostile until checked: a body past MAX_BODY_BYTES is not parsed,
+an entry that cannot be read is refused alone (a message of that entry alone is what its dead
+letter keeps, written only then), and the rest of the message is used.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from shared.models import SCHEMA_VERSION, Dispatch
 MAX_DISPATCHES = 1000  # entries one message may carry; a pass places dispatch_batch at most
 MAX_HEADERS = 16  # trace headers are a handful: traceparent, tracestate, baggage
 MAX_HEADER_CHARS = 1024
+# A full message of MAX_DISPATCHES entries with their trace headers is ~0.5 MB.
+MAX_BODY_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -36,8 +39,17 @@ class Entry:
 
     dispatch: Dispatch | None
     problem: str | None  # set when dispatch is None
-    raw: bytes  # what a dead letter of this entry alone carries: a message of it alone
     headers: Mapping[str, Any]
+    source: Any  # the entry as read (bytes: the whole body, for a single-dispatch message)
+
+    @property
+    def raw(self) -> bytes:
+        """What a dead letter of this entry alone carries: a message of it alone (JSON is
+        written only here, for the rare refusal, not for every entry read)."""
+        if isinstance(self.source, bytes):
+            return self.source
+        wrapped = {"schema_version": SCHEMA_VERSION, "dispatches": [self.source]}
+        return json.dumps(wrapped, separators=(",", ":")).encode()
 
 
 def pack(dispatches: Sequence[tuple[Dispatch, Mapping[str, Any]]]) -> bytes:
@@ -56,6 +68,8 @@ def pack(dispatches: Sequence[tuple[Dispatch, Mapping[str, Any]]]) -> bytes:
 def unpack(body: bytes, headers: Mapping[str, Any] | None = None) -> list[Entry]:
     """The entries of a dispatch message, each checked alone. A body that is not a dispatch
     message at all is one entry with the problem, keeping the whole body."""
+    if len(body) > MAX_BODY_BYTES:
+        return [_refused(f"unreadable dispatch: {len(body)} bytes, over {MAX_BODY_BYTES}", body)]
     try:
         data = parse(body)
     except Unsafe as exc:
@@ -78,25 +92,22 @@ def unpack(body: bytes, headers: Mapping[str, Any] | None = None) -> list[Entry]
         ]
     out = []
     for item in entries:
-        raw = json.dumps(
-            {"schema_version": SCHEMA_VERSION, "dispatches": [item]}, separators=(",", ":")
-        ).encode()
         if not (isinstance(item, dict) and set(item) <= {"dispatch", "headers"}):
-            out.append(_refused("unreadable dispatch: an entry is not {dispatch, headers}", raw))
+            out.append(_refused("unreadable dispatch: an entry is not {dispatch, headers}", item))
             continue
-        out.append(_entry(item.get("dispatch"), raw, _headers(item.get("headers"))))
+        out.append(_entry(item.get("dispatch"), item, _headers(item.get("headers"))))
     return out
 
 
-def _entry(data: Any, raw: bytes, headers: Mapping[str, Any]) -> Entry:
+def _entry(data: Any, source: Any, headers: Mapping[str, Any]) -> Entry:
     try:
-        return Entry(Dispatch.model_validate(data), None, raw, headers)
+        return Entry(Dispatch.model_validate(data), None, headers, source)
     except ValidationError as exc:
-        return _refused(f"unreadable dispatch: {one_line(exc)}", raw)
+        return _refused(f"unreadable dispatch: {one_line(exc)}", source)
 
 
-def _refused(problem: str, raw: bytes) -> Entry:
-    return Entry(None, problem, raw, {})
+def _refused(problem: str, source: Any) -> Entry:
+    return Entry(None, problem, {}, source)
 
 
 def _headers(value: Any) -> dict[str, str]:

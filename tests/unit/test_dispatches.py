@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from uuid import uuid4
 
-from shared.dispatches import MAX_DISPATCHES, pack, unpack
+from shared.dispatches import MAX_BODY_BYTES, MAX_DISPATCHES, pack, unpack
 from shared.models import Dispatch
 
 
@@ -71,3 +71,11 @@ def test_hostile_headers_are_dropped_and_the_dispatch_kept() -> None:
                                                      "headers": headers}]}  # fmt: skip
         [entry] = unpack(json.dumps(body).encode())
         assert (entry.dispatch, dict(entry.headers)) == (d, {})
+
+
+def test_a_body_past_the_size_bound_is_refused_unparsed() -> None:
+    body = b'{"schema_version": 1, "dispatches": [' + b" " * MAX_BODY_BYTES + b"]}"
+    [entry] = unpack(body)
+    assert entry.dispatch is None
+    assert (entry.problem or "").startswith("unreadable dispatch")
+    assert entry.raw == body
