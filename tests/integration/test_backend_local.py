@@ -448,9 +448,11 @@ async def start_two_attempts(tmp_path: Path, script: str) -> tuple[Any, UUID, li
     def started() -> bool:
         if executor.poll() is not None:
             raise AssertionError((tmp_path / "executor.out").read_text())
-        return bool(read_pid(tmp_path / "command.pid") and read_pid(tmp_path / "handler.pid"))
+        both = read_pid(tmp_path / "command.pid") and read_pid(tmp_path / "handler.pid")
+        # a process may write its pid before the executor has written its record
+        return bool(both) and len(records(state)) >= 2
 
-    await until(started, "the executor to start both attempts", timeout=30)
+    await until(started, "the executor to start and record both attempts", timeout=30)
     leaders = [json.loads(p.read_text())["pid"] for p in records(state)]
     assert len(leaders) == 2
     return executor, task_id, leaders
