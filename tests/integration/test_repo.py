@@ -356,3 +356,24 @@ async def test_batches_lock_rows_in_id_order(
         rows = await asyncio.wait_for(batch, 10)
     assert free, "the batch held a row above the one it waits for: lock order is not id order"
     assert len(rows) == 3
+
+
+async def test_the_clis_quick_read_matches_the_store(
+    store: Store, pool: asyncpg.Pool, dsn: str
+) -> None:
+    """`sked status` reads a task on a bare connection (no jsonb codec): the task it builds is
+    the store's, its JSON columns included; an unknown id is NotFound."""
+    from shared.store.quick import read_task
+
+    task = await store.tasks.create(spec("quick"))
+    await pool.execute(
+        """UPDATE tasks SET result = '{"a": [1, 2.5, null], "s": "x"}', inputs = '{"up": 3}'
+           WHERE id = $1""",
+        task.id,
+    )
+    read = await read_task(dsn, task.id)
+    assert read == await store.tasks.get(task.id)
+    assert read.result == {"a": [1, 2.5, None], "s": "x"}
+    assert read.inputs == {"up": 3}
+    with pytest.raises(NotFound):
+        await read_task(dsn, UUID(int=7))

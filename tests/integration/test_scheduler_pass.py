@@ -37,3 +37,22 @@ async def test_a_failed_pass_puts_the_popped_tasks_back(settings: Settings) -> N
         assert {t.status for t in await b.store.tasks.list_tasks()} == {
             State.READY
         }  # none committed
+
+
+async def test_a_pass_fills_a_full_nodes_backlog(settings: Settings) -> None:
+    """A node whose slots are all taken still has room for its backlog (SKED_PREFETCH): a pass
+    places up to slots + prefetch there, no more. (The pass once counted only the slots as
+    room, so a backlog never filled once the slots had: every freed slot waited for a round
+    through the scheduler again.)"""
+    async with backends(settings) as b:
+        scheduler = Scheduler(settings, b.store, b.bus, b.ready_queue)
+        await b.store.nodes.register("n1", 2, 0.0, 0, 0, {}, uuid4(), prefetch=3)
+        ready = await b.store.tasks.create_many(
+            [spec(f"t{i}") for i in range(7)], walk=(State.PENDING, State.READY)
+        )
+        await scheduler.queue.push(ready)
+        assert await scheduler.dispatch.dispatch_once() == 5
+        assert await scheduler.dispatch.dispatch_once() == 0  # slots and backlog full
+        statuses = [t.status for t in await b.store.tasks.list_tasks()]
+        assert statuses.count(State.SCHEDULING) == 5
+        assert statuses.count(State.READY) == 2

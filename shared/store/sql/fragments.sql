@@ -19,16 +19,18 @@
 id, task_id, from_status, to_status, version, attempt, reason, at, published_at
 
 -- fragment: locked_in_id_order(where)
--- The body of a CTE that locks the tasks a statement's CTE `u` names, in id order. An UPDATE
--- locks rows in whatever order its join visits them, so two batches over overlapping rows
--- could each hold one the other waits for; locked in one order, they queue instead. After a
--- wait FOR UPDATE re-checks `where` on the newest row, so a row that no longer qualifies is
--- not written.
-SELECT t.id FROM tasks t JOIN u ON u.id = t.id WHERE {{where}} ORDER BY t.id FOR UPDATE OF t
+-- The body of a CTE that locks the tasks a statement's CTE `u` names, in id order, and yields
+-- their rows of `u`: the statement then reads `FROM locked u`. An UPDATE locks rows in whatever
+-- order its join visits them, so two batches over overlapping rows could each hold one the
+-- other waits for; locked in one order, they queue instead. After a wait FOR UPDATE re-checks
+-- `where` on the newest row, so a row that no longer qualifies is not written. (Carrying u's
+-- columns, rather than joining `u` to the locked ids again, keeps the CAS function's generic
+-- plan, which may not hash-join, from a nested loop over both lists: quadratic in the batch.)
+SELECT u.* FROM tasks t JOIN u ON u.id = t.id WHERE {{where}} ORDER BY t.id FOR UPDATE OF t
 
 -- fragment: skip_locked_in_id_order(where)
 -- The same for writes that may be dropped: rows another statement holds are passed over.
-SELECT t.id FROM tasks t JOIN u ON u.id = t.id WHERE {{where}}
+SELECT u.* FROM tasks t JOIN u ON u.id = t.id WHERE {{where}}
 ORDER BY t.id FOR UPDATE OF t SKIP LOCKED
 
 -- fragment: notify(moved)

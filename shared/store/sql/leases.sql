@@ -13,7 +13,7 @@ UPDATE tasks t SET
     lease_until = greatest(t.lease_until, now() + make_interval(secs => t.heartbeat_timeout_s)),
     hb_deadline = greatest(t.hb_deadline,
                            now() + make_interval(secs => t.heartbeat_timeout_s + $4))
-FROM u JOIN locked USING (id)
+FROM locked u
 WHERE t.id = u.id AND t.status = 'running' AND t.attempt = u.attempt AND t.lease_owner = $1
 RETURNING t.id, t.attempt
 
@@ -26,7 +26,7 @@ locked AS (
     {{locked_in_id_order(t.lease_owner = $1 AND t.lease_attempt = u.attempt AND NOT (t.status = 'running' AND t.attempt = u.attempt))}}
 )
 UPDATE tasks t SET lease_owner = NULL, lease_attempt = NULL, lease_until = NULL
-FROM u JOIN locked USING (id)
+FROM locked u
 WHERE t.id = u.id AND t.lease_owner = $1 AND t.lease_attempt = u.attempt
   AND NOT (t.status = 'running' AND t.attempt = u.attempt)
 
@@ -41,7 +41,7 @@ locked AS (
 UPDATE tasks t SET hb_seq = u.seq, hb_at = now(),
                    hb_deadline = greatest(t.hb_deadline,
                                           now() + make_interval(secs => t.heartbeat_timeout_s))
-FROM u JOIN locked USING (id)
+FROM locked u
 WHERE t.id = u.id AND t.status = 'running' AND t.attempt = u.attempt AND u.seq > t.hb_seq
 RETURNING t.id, t.attempt
 
@@ -101,6 +101,6 @@ UPDATE tasks t SET
     lease_until = greatest(t.lease_until, now() + make_interval(secs => t.heartbeat_timeout_s)),
     hb_deadline = greatest(t.hb_deadline,
                            now() + make_interval(secs => t.heartbeat_timeout_s + $4))
-FROM u JOIN locked USING (id)
+FROM locked u
 WHERE t.id = u.id AND t.status = 'running' AND t.attempt = u.attempt
 RETURNING {{task_columns(t.)}}
