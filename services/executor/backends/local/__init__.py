@@ -251,8 +251,10 @@ class LocalBackend(OneNode):
             return Outcome.failed(f"executor error: {describe(exc)}", self._tail(log_path))
         finally:
             del self._runs[key]
-            inputs_path.unlink(missing_ok=True)
-            output_path.unlink(missing_ok=True)
+            if launch.inputs is not None:
+                inputs_path.unlink(missing_ok=True)
+            if isinstance(launch.job, CommandJob):  # a handler's attempt never has one
+                output_path.unlink(missing_ok=True)
 
     async def log_tail(self, key: Key, limit: int) -> str | None:
         path = self._logs / f"{key[0]}-{key[1]}.log"
