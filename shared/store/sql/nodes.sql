@@ -41,26 +41,12 @@ SELECT n.id, n.slots, n.prefetch, n.cpu, n.memory_mb, n.gpu, n.labels, n.ready, 
        COALESCE(u.used_slots, 0) AS used_slots, COALESCE(u.used_cpu, 0) AS used_cpu,
        COALESCE(u.used_memory_mb, 0) AS used_memory_mb, COALESCE(u.used_gpu, 0) AS used_gpu
 FROM nodes n
-LEFT JOIN sked_node_usage() u ON u.node = n.id
+LEFT JOIN (
+    SELECT node, count(*) AS used_slots, sum(cpu) AS used_cpu,
+           sum(memory_mb) AS used_memory_mb, sum(gpu) AS used_gpu
+    FROM tasks WHERE status IN ({{slot_states}}) GROUP BY node
+) u ON u.node = n.id
 ORDER BY n.id
-
--- name: define_node_usage
--- Each node's usage: the attempts that hold it and what they asked for. A function so that it
--- always reads the partial index tasks_active_by_node with a plain index scan: each attempt
--- leaves two dead entries there (Scheduling, Running) until a vacuum, and a plain index scan
--- marks those it meets so that the next pass skips them, where a bitmap scan (a young table's
--- statistics make it look cheaper) visits them all again on every placement pass: ~5 ms a
--- pass after 5,000 tasks, against ~0.1.
-CREATE OR REPLACE FUNCTION sked_node_usage()
-RETURNS TABLE (node text, used_slots bigint, used_cpu float8, used_memory_mb numeric,
-               used_gpu bigint)
-LANGUAGE sql STABLE
-SET enable_seqscan = off
-SET enable_bitmapscan = off
-AS $fn$
-SELECT node, count(*), sum(cpu), sum(memory_mb), sum(gpu)
-FROM tasks WHERE status IN ({{slot_states}}) GROUP BY node
-$fn$
 
 -- name: lock_live_nodes
 -- Placement runs with the live nodes' rows locked, in id order: two schedulers placing at
