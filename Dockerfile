@@ -25,6 +25,10 @@ ENV PATH=/opt/sked/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
 
+# libpq: `sked status` reads through it (shared/store/libpq.py), sparing asyncio's imports
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libpq5 \
+    && rm -rf /var/lib/apt/lists/*
 RUN groupadd --system --gid 10001 sked \
     && useradd --system --uid 10001 --gid sked --home-dir /app --no-create-home \
         --shell /usr/sbin/nologin sked \

@@ -31,19 +31,20 @@ SERVICES: dict[str, str] = {
 Command = Callable[[argparse.Namespace], int]
 
 
-def command(name: str, is_async: bool = True) -> Command:
-    """services.cli.commands' `name`, imported only when the command runs: parsing imports
-    nothing heavy, and each command imports only what it uses (`sked status` needs neither
-    RabbitMQ nor tracing). An async command runs on a fresh event loop."""
+def command(name: str, is_async: bool = True, module: str = "services.cli.commands") -> Command:
+    """`module`'s `name`, imported only when the command runs: parsing imports nothing heavy,
+    and each command imports only what it uses (`sked status` needs neither RabbitMQ nor
+    tracing, nor asyncio when libpq is there). An async command runs on a fresh event loop."""
 
     def call(args: argparse.Namespace) -> int:
-        func = getattr(importlib.import_module("services.cli.commands"), name)
+        func = getattr(importlib.import_module(module), name)
         if not is_async:
             code: int = func(args)
             return code
         from services.cli.output import run
 
-        return run(func(args))
+        done: int = run(func(args))
+        return done
 
     return call
 
@@ -132,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dot", action="store_true", help="the DAG in Graphviz DOT, with states")
     text = "one task: status, attempt, node, result, error, reason"
-    _reader(sub, "status", text, command("_status"))
+    _reader(sub, "status", text, command("status", False, "services.cli.status"))
 
     p = sub.add_parser("list", help="tasks, newest first")
     p.add_argument("--status", action="append", help="filter by state (repeatable)")

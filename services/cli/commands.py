@@ -22,10 +22,9 @@ from services.cli.output import (
     parse_task_id,
     print_id,
     print_json,
-    status_lines,
     workflow_json,
 )
-from services.cli.remote import Client, connect, straight_to_postgres
+from services.cli.remote import Client, connect
 from shared import fsm
 from shared.errors import SkedError
 from shared.fsm import State
@@ -156,23 +155,6 @@ async def _submitted(
 
 
 # -- read ------------------------------------------------------------------------------------
-
-
-async def _status(args: argparse.Namespace) -> int:
-    task_id = parse_task_id(args.id)
-    dsn = straight_to_postgres()
-    if dsn is not None:  # the common read, on its fast path: no pool, no settings model
-        from shared.store.quick import read_task
-
-        task = await read_task(dsn, task_id)
-    else:
-        async with connect() as client:
-            task = await client.get(task_id)
-    if args.json:
-        print_json(task.as_json())
-    else:
-        print("\n".join(status_lines(task)))
-    return 0
 
 
 async def _list(args: argparse.Namespace) -> int:

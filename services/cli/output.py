@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
 from uuid import UUID
 
 from shared.errors import SkedError
@@ -14,6 +13,9 @@ from shared.fsm import State
 if TYPE_CHECKING:  # annotations only: importing these (pydantic models) is the caller's cost
     from shared.models import Task
     from shared.views import WorkflowView
+
+
+T = TypeVar("T")
 
 
 def print_json(value: Any) -> None:
@@ -35,8 +37,10 @@ def parse_task_id(text: str) -> UUID:
         raise SkedError(f"not a task id: {text!r}") from None
 
 
-def run(coro: Awaitable[int]) -> int:
-    return asyncio.run(coro)  # type: ignore[arg-type]
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    import asyncio  # here, not above: `sked status` may answer without it
+
+    return asyncio.run(coro)
 
 
 def clip(text: str, limit: int) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from uuid import UUID
 
 import asyncpg
@@ -358,22 +359,38 @@ async def test_batches_lock_rows_in_id_order(
     assert len(rows) == 3
 
 
-async def test_the_clis_quick_read_matches_the_store(
+async def test_the_clis_quick_reads_match_the_store(
     store: Store, pool: asyncpg.Pool, dsn: str
 ) -> None:
-    """`sked status` reads a task on a bare connection (no jsonb codec): the task it builds is
-    the store's, its JSON columns included; an unknown id is NotFound."""
-    from shared.store.quick import read_task
+    """`sked status` reads a task on a bare connection: through libpq (the row as one JSON
+    object) or through asyncpg without a jsonb codec. The task each builds is the store's,
+    field for field and type for type (UUIDs, times, floats, JSON, arrays); an unknown id is
+    NotFound."""
+    from shared.store import libpq
+    from shared.store.quick import read_task, read_task_now
 
     task = await store.tasks.create(spec("quick"))
     await pool.execute(
-        """UPDATE tasks SET result = '{"a": [1, 2.5, null], "s": "x"}', inputs = '{"up": 3}'
+        """UPDATE tasks SET result = '{"a": [1, 2.5, null], "s": "x"}', inputs = '{"up": 3}',
+                  workflow_id = NULL, uses = '{gpu-pool,"a b"}', cpu = 2, timeout_s = 30,
+                  lease_owner = gen_random_uuid(), lease_until = now() + interval '1.5 s',
+                  started_at = '2026-01-02 03:04:05.1+05:30', error = 'x"y\\z'
            WHERE id = $1""",
         task.id,
     )
-    read = await read_task(dsn, task.id)
-    assert read == await store.tasks.get(task.id)
-    assert read.result == {"a": [1, 2.5, None], "s": "x"}
-    assert read.inputs == {"up": 3}
+    want = await store.tasks.get(task.id)
+    reads = [await read_task(dsn, task.id)]
+    with contextlib.suppress(libpq.Unavailable):  # without it, asyncpg's read is the one
+        reads.append(await asyncio.to_thread(read_task_now, dsn, task.id))
+    for read in reads:
+        assert read == want
+        for name, value in vars(want).items():  # asyncpg's UUID is a subclass of uuid.UUID
+            got = getattr(read, name)
+            assert isinstance(got, type(value)) or isinstance(value, type(got)), name
+        assert read.result == {"a": [1, 2.5, None], "s": "x"}
+        assert read.inputs == {"up": 3}
     with pytest.raises(NotFound):
         await read_task(dsn, UUID(int=7))
+    if len(reads) == 2:
+        with pytest.raises(NotFound):
+            await asyncio.to_thread(read_task_now, dsn, UUID(int=7))

@@ -53,21 +53,48 @@ def test_the_status_command_and_its_clients_import_no_bus_or_tracing() -> None:
     assert "asyncpg" not in found  # the store loads when the SDK first reads
 
 
+def _libpq_here() -> bool:
+    from shared.store import libpq
+
+    try:
+        libpq._load()
+    except libpq.Unavailable:
+        return False
+    return True
+
+
+STATUS = (
+    "from services.cli import main\n"
+    "try:\n"
+    f"    code = main(['status', '{TASK_ID}'])\n"
+    "except OSError:\n"
+    "    code = None\n"
+)
+NOWHERE = {"PATH": "/usr/bin:/bin", "SKED_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none"}
+
+
 def test_running_status_imports_no_bus_or_tracing() -> None:
-    """The whole command, up to its connection (refused here: nothing listens on port 1)."""
-    code = (
-        "from services.cli import main\n"
-        "try:\n"
-        f"    main(['status', '{TASK_ID}'])\n"
-        "except OSError:\n"
-        "    pass\n"
-    )
-    env = {"PATH": "/usr/bin:/bin", "SKED_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none"}
-    found = loaded(code, env)
-    assert "asyncpg" in found  # it did get as far as connecting
+    """The whole command, up to its connection (refused here: nothing listens on port 1):
+    through libpq, without asyncio or asyncpg, where libpq is installed."""
+    found = loaded(STATUS, NOWHERE)
     assert found & NEVER == set()
     # straight to Postgres, a task is read without the settings model or the spec's models
     assert found & {"pydantic", "pydantic_settings"} == set()
+    if _libpq_here():
+        assert "ctypes" in found  # it did get as far as connecting, through libpq
+        assert found & {"asyncio", "asyncpg"} == set()
+    else:
+        assert "asyncpg" in found
+
+
+def test_without_libpq_status_reads_through_asyncpg() -> None:
+    """Where libpq cannot be loaded the command falls back to asyncpg, and a database not
+    there is still a clear error (exit 2)."""
+    hide = "import shared.store.libpq as pq\npq._NAMES = ('libpq-not-here.so.0',)\n"
+    probe = hide + STATUS + "assert code == 2, code\n"
+    found = loaded(probe, NOWHERE)
+    assert "asyncpg" in found
+    assert found & NEVER == set()
 
 
 def test_the_token_parser_offers_every_role() -> None:

@@ -148,6 +148,11 @@ $fn$
 -- One task by id.
 SELECT {{task_columns()}} FROM tasks WHERE id = $1
 
+-- name: get_task_json
+-- One task by id as one JSON object: the CLI's synchronous read (shared.store.libpq takes a
+-- single text value back; shared.store.quick turns it into a Task).
+SELECT row_to_json(t)::text FROM (SELECT {{task_columns()}} FROM tasks WHERE id = $1::uuid) t
+
 -- name: get_tasks
 -- Tasks by id.
 SELECT {{task_columns()}} FROM tasks WHERE id = ANY($1::uuid[])

@@ -1,0 +1,96 @@
+"""One synchronous read through libpq, the C client Postgres ships: the CLI's `sked status`.
+
+Why a binding of our own (ctypes, a handful of calls): for a command that makes one query
+and exits, the Python clients cost more to import than the whole answer should take. Measured
+here: asyncpg needs asyncio, ~60 ms of imports together; psycopg ~140 ms; pg8000 ~90 ms;
+ctypes and loading libpq ~8 ms. libpq keeps doing what must not be written again — the
+connection URL, authentication (SCRAM, md5, ...), TLS, the wire protocol — and this module
+only passes a query with text parameters and takes one text value back. Where libpq cannot be
+loaded, `Unavailable` is raised and the caller reads through asyncpg instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+from shared.errors import SkedError
+
+CONNECTION_OK = 0
+PGRES_TUPLES_OK = 2
+_NAMES = ("libpq.so.5", "libpq.5.dylib", "libpq.so", "libpq.dylib")
+
+
+class Unavailable(Exception):
+    """libpq is not installed here (or not loadable)."""
+
+
+_lib: ctypes.CDLL | None = None
+
+
+def _load() -> ctypes.CDLL:
+    global _lib
+    if _lib is not None:
+        return _lib
+    for name in _NAMES:
+        try:
+            lib = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    else:
+        raise Unavailable("libpq is not installed")
+    p, s, i = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int
+    signatures = {
+        "PQconnectdbParams": (p, [ctypes.POINTER(s), ctypes.POINTER(s), i]),
+        "PQstatus": (i, [p]),
+        "PQerrorMessage": (s, [p]),
+        "PQexecParams": (p, [p, s, i, p, ctypes.POINTER(s), p, p, i]),
+        "PQresultStatus": (i, [p]),
+        "PQresultErrorMessage": (s, [p]),
+        "PQntuples": (i, [p]),
+        "PQgetisnull": (i, [p, i, i]),
+        "PQgetvalue": (s, [p, i, i]),
+        "PQclear": (None, [p]),
+        "PQfinish": (None, [p]),
+    }
+    for fn, (restype, argtypes) in signatures.items():
+        func = getattr(lib, fn)
+        func.restype = restype
+        func.argtypes = argtypes
+    _lib = lib
+    return lib
+
+
+def _message(raw: bytes | None) -> str:
+    return (raw or b"").decode("utf-8", "replace").strip() or "unknown error"
+
+
+def fetch_text(dsn: str, sql: str, params: Sequence[str]) -> str | None:
+    """The first column of the first row `sql` returns, as text; None if there is no row or
+    the value is NULL. Raises Unavailable without libpq, SkedError (with libpq's message) if
+    the connection or the query fails."""
+    lib = _load()
+    keys = (ctypes.c_char_p * 3)(b"dbname", b"client_encoding", None)
+    values = (ctypes.c_char_p * 3)(dsn.encode(), b"UTF8", None)
+    conn = lib.PQconnectdbParams(keys, values, 1)  # 1: dbname may be a URL, expanded
+    if not conn:
+        raise SkedError("cannot connect to Postgres: libpq is out of memory")
+    try:
+        if lib.PQstatus(conn) != CONNECTION_OK:
+            raise SkedError(f"cannot connect to Postgres: {_message(lib.PQerrorMessage(conn))}")
+        args = (ctypes.c_char_p * max(len(params), 1))(*(v.encode() for v in params))
+        result = lib.PQexecParams(conn, sql.encode(), len(params), None, args, None, None, 0)
+        if not result:
+            raise SkedError(f"query failed: {_message(lib.PQerrorMessage(conn))}")
+        try:
+            if lib.PQresultStatus(result) != PGRES_TUPLES_OK:
+                raise SkedError(f"query failed: {_message(lib.PQresultErrorMessage(result))}")
+            if lib.PQntuples(result) == 0 or lib.PQgetisnull(result, 0, 0):
+                return None
+            value: bytes = lib.PQgetvalue(result, 0, 0)
+            return value.decode("utf-8")
+        finally:
+            lib.PQclear(result)
+    finally:
+        lib.PQfinish(conn)
