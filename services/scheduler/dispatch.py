@@ -196,6 +196,14 @@ class Dispatcher(Part):
         Dispatches go out only after the commit: an executor whose CAS ran before it would not
         see the Scheduling row (its snapshot predates the commit) and would drop the attempt.
         """
+        await self.send(moved)
+        await self.queue_waiting(tasks, waiting, ends)
+
+    async def send(self, moved: list[Task]) -> None:
+        """After COMMIT: one dispatch message per node, returning once RabbitMQ has confirmed
+        them all; if it cannot, the attempts are taken back to Ready and the error raised."""
+        if not moved:
+            return
         headers, handles = hooks.dispatching(moved)
         messages = _dispatches(moved, headers)
         try:
@@ -205,7 +213,6 @@ class Dispatcher(Part):
             raise
         finally:
             hooks.finished(handles)
-        await self._queue_waiting(tasks, waiting, ends)
 
     async def _take_back(self, moved: list[Task]) -> None:
         """The dispatches may not have gone out (RabbitMQ away): put the attempts back in line
@@ -217,7 +224,7 @@ class Dispatcher(Part):
             )
             await self.queue.push(back)
 
-    async def _queue_waiting(
+    async def queue_waiting(
         self, tasks: list[Task], waiting: dict[UUID, Choice], ends: int
     ) -> None:
         """Tasks a node can take once it has room go back in line; those no node can take
