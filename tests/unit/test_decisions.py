@@ -179,6 +179,49 @@ async def test_intake_refuses_a_reused_key_and_admits_the_rest_of_the_batch() ->
     assert messages[-1].acked == 1  # one multiple-ack for the batch
 
 
+class GatedBus(StubBus):
+    """A bus whose publishes wait for `gate` (RabbitMQ's confirms, slow to come back)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def publish(self, exchange: str, messages: Any) -> None:
+        await self.gate.wait()
+        await super().publish(exchange, messages)
+
+
+async def test_intake_admits_the_next_submission_while_a_dispatch_awaits_its_confirm() -> None:
+    """A placed submission's dispatch is confirmed in the background: accept() returns (and
+    acknowledges the submission) with the task committed Scheduling; the dispatch goes out
+    once RabbitMQ answers. One that fails to go out is taken back to Ready and queued."""
+    store = InMemoryStore()
+    store.nodes.add("a", slots=4)
+    queue, bus, hub = FakeReadyQueue(), GatedBus(), Hub()
+    dispatcher = Dispatcher(SETTINGS, store, bus, queue, hub)  # type: ignore[arg-type]
+    intake = Intake(SETTINGS, store, bus, queue, hub, dispatcher)  # type: ignore[arg-type]
+    job = {"name": "x", "job": {"kind": "command", "argv": ["true"]}}
+    first = StubMessage(json.dumps(job).encode(), "submit", str(uuid4()))
+    [task] = await asyncio.wait_for(intake.accept([first]), 5)  # type: ignore[list-item]
+    assert first.acked == 1
+    assert (await store.tasks.get(task.id)).status is State.SCHEDULING
+    assert bus.published == []  # still waiting for its confirm
+    second = StubMessage(json.dumps({**job, "name": "y"}).encode(), "submit", str(uuid4()))
+    [other] = await asyncio.wait_for(intake.accept([second]), 5)  # type: ignore[list-item]
+    bus.gate.set()
+    await asyncio.wait_for(asyncio.gather(*intake._sending), 5)
+    assert {d.task_id for d in dispatched(bus)} == {task.id, other.id}
+
+    bus.gate.clear()
+    third = StubMessage(json.dumps({**job, "name": "z"}).encode(), "submit", str(uuid4()))
+    [lost] = await asyncio.wait_for(intake.accept([third]), 5)  # type: ignore[list-item]
+    bus.fail_publish = ConnectionResetError("broker gone")
+    bus.gate.set()
+    await asyncio.wait_for(asyncio.gather(*intake._sending), 5)
+    assert (await store.tasks.get(lost.id)).status is State.READY  # taken back, in line
+    assert lost.id in await queue.pop(10)
+
+
 async def test_intake_admits_a_batch_message_and_dead_letters_its_bad_tasks_alone() -> None:
     store = InMemoryStore()
     dispatcher, queue, bus, hub = scheduler_parts(store)
