@@ -18,12 +18,13 @@ def status(args: argparse.Namespace) -> int:
     dsn = straight_to_postgres()
     task: Task
     if dsn is not None:
-        from shared.store.libpq import Unavailable
+        from shared.store.libpq import NotConnected, Unavailable
         from shared.store.quick import read_task, read_task_now
 
         try:
             task = read_task_now(dsn, task_id)
-        except Unavailable:
+        except (Unavailable, NotConnected):
+            # no libpq here, or it would not connect: asyncpg tries (and says why it failed)
             task = run(read_task(dsn, task_id))
     else:
         task = run(_through_api(task_id))

@@ -25,6 +25,11 @@ class Unavailable(Exception):
     """libpq is not installed here (or not loadable)."""
 
 
+class NotConnected(SkedError):
+    """libpq could not connect (or would not take the URL): the caller may try asyncpg, which
+    reads a few URL parameters libpq does not, and words its own error if it fails too."""
+
+
 _lib: ctypes.CDLL | None = None
 
 
@@ -68,17 +73,18 @@ def _message(raw: bytes | None) -> str:
 
 def fetch_text(dsn: str, sql: str, params: Sequence[str]) -> str | None:
     """The first column of the first row `sql` returns, as text; None if there is no row or
-    the value is NULL. Raises Unavailable without libpq, SkedError (with libpq's message) if
-    the connection or the query fails."""
+    the value is NULL. Raises Unavailable without libpq, NotConnected (with libpq's message)
+    if it cannot connect, SkedError if the query fails."""
     lib = _load()
     keys = (ctypes.c_char_p * 3)(b"dbname", b"client_encoding", None)
     values = (ctypes.c_char_p * 3)(dsn.encode(), b"UTF8", None)
     conn = lib.PQconnectdbParams(keys, values, 1)  # 1: dbname may be a URL, expanded
     if not conn:
-        raise SkedError("cannot connect to Postgres: libpq is out of memory")
+        raise NotConnected("cannot connect to Postgres: libpq is out of memory")
     try:
         if lib.PQstatus(conn) != CONNECTION_OK:
-            raise SkedError(f"cannot connect to Postgres: {_message(lib.PQerrorMessage(conn))}")
+            why = _message(lib.PQerrorMessage(conn))
+            raise NotConnected(f"cannot connect to Postgres: {why}")
         args = (ctypes.c_char_p * max(len(params), 1))(*(v.encode() for v in params))
         result = lib.PQexecParams(conn, sql.encode(), len(params), None, args, None, None, 0)
         if not result:

@@ -7,6 +7,7 @@ Each check runs in a fresh interpreter (`python -c`): this process has imported 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -74,17 +75,24 @@ NOWHERE = {"PATH": "/usr/bin:/bin", "SKED_DATABASE_URL": "postgresql://nobody@12
 
 
 def test_running_status_imports_no_bus_or_tracing() -> None:
-    """The whole command, up to its connection (refused here: nothing listens on port 1):
-    through libpq, without asyncio or asyncpg, where libpq is installed."""
-    found = loaded(STATUS, NOWHERE)
+    """The whole command, up to its connection (refused here: nothing listens on port 1).
+    Refused by libpq, it tries asyncpg too, which says why it failed."""
+    found = loaded(STATUS + "assert code == 2, code\n", NOWHERE)
     assert found & NEVER == set()
     # straight to Postgres, a task is read without the settings model or the spec's models
     assert found & {"pydantic", "pydantic_settings"} == set()
-    if _libpq_here():
-        assert "ctypes" in found  # it did get as far as connecting, through libpq
-        assert found & {"asyncio", "asyncpg"} == set()
-    else:
-        assert "asyncpg" in found
+
+
+def test_status_through_libpq_loads_neither_asyncio_nor_asyncpg() -> None:
+    """Connected through libpq (to a database without sked's tables: the query fails, a
+    clear error, exit 2), the command never loads asyncio or asyncpg."""
+    if not _libpq_here():
+        pytest.skip("libpq is not installed here: `sked status` reads through asyncpg")
+    admin = os.environ.get("SKED_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
+    found = loaded(STATUS + "assert code == 2, code\n", {**NOWHERE, "SKED_DATABASE_URL": admin})
+    assert "ctypes" in found
+    assert found & {"asyncio", "asyncpg"} == set()
+    assert found & NEVER == set()
 
 
 def test_without_libpq_status_reads_through_asyncpg() -> None:
