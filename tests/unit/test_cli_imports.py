@@ -54,16 +54,6 @@ def test_the_status_command_and_its_clients_import_no_bus_or_tracing() -> None:
     assert "asyncpg" not in found  # the store loads when the SDK first reads
 
 
-def _libpq_here() -> bool:
-    from shared.store import libpq
-
-    try:
-        libpq._load()
-    except libpq.Unavailable:
-        return False
-    return True
-
-
 STATUS = (
     "from services.cli import main\n"
     "try:\n"
@@ -85,9 +75,8 @@ def test_running_status_imports_no_bus_or_tracing() -> None:
 
 def test_status_through_libpq_loads_neither_asyncio_nor_asyncpg() -> None:
     """Connected through libpq (to a database without sked's tables: the query fails, a
-    clear error, exit 2), the command never loads asyncio or asyncpg."""
-    if not _libpq_here():
-        pytest.skip("libpq is not installed here: `sked status` reads through asyncpg")
+    clear error, exit 2), the command never loads asyncio or asyncpg. (The test command
+    installs libpq where it is missing, as a deployment's image does.)"""
     admin = os.environ.get("SKED_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
     found = loaded(STATUS + "assert code == 2, code\n", {**NOWHERE, "SKED_DATABASE_URL": admin})
     assert "ctypes" in found
