@@ -57,6 +57,11 @@ class NodeState:
         """How many attempts may hold this node at once: running, or dispatched and held."""
         return self.slots + self.prefetch
 
+    @property
+    def room(self) -> int:
+        """How many more attempts it may take now (slots and backlog; resources aside)."""
+        return max(self.capacity - self.used_slots, 0)
+
     def placed(self, need: Need) -> NodeState:
         """This node after reserving `need` on it."""
         return replace(
@@ -101,7 +106,7 @@ def fits(node: NodeState, need: Need) -> bool:
     return (
         node.ready
         and matches(node, need.selector)
-        and node.used_slots < node.capacity
+        and node.room > 0
         and node.used_cpu + need.cpu <= node.cpu + EPS
         and node.used_memory_mb + need.memory_mb <= node.memory_mb
         and node.used_gpu + need.gpu <= node.gpu

@@ -218,22 +218,21 @@ class Starter:
         run.add_done_callback(node.runs.discard)
 
     async def _hand_back_unstarted(self) -> None:
-        """On shutdown, dispatches received but not started go back to Ready at once."""
+        """On shutdown, dispatches received but not started go back to Ready at once, in one
+        statement, and back in line with one push."""
         node = self.node
         while not node.inbox.empty():
             message = node.inbox.get_nowait()
             if message is not None:
                 self.held.extend(items_of(message))
-        while self.held:
-            item = self.held.popleft()
-            dispatch = item.dispatch
-            if dispatch is None:
-                await node.acks.ack([item])
-                continue
-            # best effort: if a server is away, recovery's stuck-in-Scheduling sweep does it
-            with contextlib.suppress(*TRANSIENT):
-                why = f"node {dispatch.node} shut down before start"
-                moved = await node.store.tasks.transition(fsm.plan(dispatch, State.READY, why))
-                if moved is not None:
-                    await node.queue.push([moved])
-            await node.acks.ack([item])
+        items, self.held = list(self.held), deque()
+        moves = [
+            fsm.plan(d, State.READY, f"node {d.node} shut down before start")
+            for d in (item.dispatch for item in items)
+            if d is not None
+        ]
+        # best effort: if a server is away, recovery's stuck-in-Scheduling sweep does it
+        with contextlib.suppress(*TRANSIENT):
+            moved = await node.store.tasks.transition_many(moves)
+            await node.queue.push(moved)
+        await node.acks.ack(items)

@@ -85,7 +85,7 @@ class Dispatcher(Part):
         try:
             async with self.store.transaction() as tx:
                 nodes = [n.state() for n in await tx.nodes.lock_and_read()]
-                free = sum(max(n.capacity - n.used_slots, 0) for n in nodes if n.ready)
+                free = sum(n.room for n in nodes if n.ready)
                 if free <= 0:
                     return 0
                 mode = (await tx.degrade.read()).effective()
