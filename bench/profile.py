@@ -286,7 +286,9 @@ if __name__ == "__main__":
     parser.add_argument("--tasks", type=int, default=5000)
     parser.add_argument("--executors", type=int, default=2)
     parser.add_argument("--slots", type=int, default=16)
-    parser.add_argument("--prefetch", type=int, default=0, help="SKED_PREFETCH per executor")
+    parser.add_argument(
+        "--prefetch", type=int, default=None, help="SKED_PREFETCH per executor (default: unset)"
+    )
     parser.add_argument("--schedulers", type=int, default=1)
     parser.add_argument("--command", action="store_true", help="`true` commands, not handlers")
     parser.add_argument("--py-spy", metavar="DIR", help="record a py-spy profile per service")

@@ -526,7 +526,9 @@ if __name__ == "__main__":
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--executors", type=int, default=2)
     parser.add_argument("--slots", type=int, default=16)
-    parser.add_argument("--prefetch", type=int, default=0, help="SKED_PREFETCH per executor")
+    parser.add_argument(
+        "--prefetch", type=int, default=None, help="SKED_PREFETCH per executor (default: unset)"
+    )
     parser.add_argument(
         "--celery-concurrency",
         type=int,

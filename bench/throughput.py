@@ -69,11 +69,13 @@ class Stack:
             "SKED_LOG_LEVEL": "WARNING",
             # every slot's handler worker up front: the figures are steady state, not start-up
             "SKED_WARM_WORKERS": str(self.args.slots),
-            "SKED_PREFETCH": str(getattr(self.args, "prefetch", 0)),
             "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
             "SKED_TASK_ENV_PASS": "PYTHONPATH",  # the handlers are this checkout's
             "SKED_HEARTBEAT_SECRET": secrets.token_hex(32),
         }
+        env.pop("SKED_PREFETCH", None)  # unset: sked's default, a backlog earned by short tasks
+        if getattr(self.args, "prefetch", None) is not None:
+            env["SKED_PREFETCH"] = str(self.args.prefetch)
         schedulers = [["scheduler"]] * getattr(self.args, "schedulers", 1)
         services = [*schedulers, ["relay"]] + [
             ["executor", "--node-id", f"bench-{i}", "--slots", str(self.args.slots)]
@@ -199,6 +201,8 @@ if __name__ == "__main__":
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--executors", type=int, default=2)
     parser.add_argument("--slots", type=int, default=16)
-    parser.add_argument("--prefetch", type=int, default=0, help="SKED_PREFETCH per executor")
+    parser.add_argument(
+        "--prefetch", type=int, default=None, help="SKED_PREFETCH per executor (default: unset)"
+    )
     parser.add_argument("--schedulers", type=int, default=1)
     asyncio.run(main(parser.parse_args()))

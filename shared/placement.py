@@ -23,6 +23,9 @@ W_FREE, W_LOAD, W_AFFINITY = 0.5, 0.3, 0.2
 EPS = 1e-9
 
 
+LATE_S = 1.0  # a node heard from this much later than another loses a tie to it
+
+
 @dataclass(frozen=True)
 class Need:
     cpu: float = 0.0
@@ -51,6 +54,11 @@ class NodeState:
     # dispatches it takes beyond its slots: its executor holds them (Scheduling) and starts
     # each as a slot frees. Slot usage counts them; cpu, memory and gpu are reserved as ever.
     prefetch: int = 0
+    # when its executor last heartbeat (epoch seconds, Postgres's clock; 0: unknown): between
+    # equally good nodes, one heard from LATE_S later than another loses, so a node frozen
+    # or cut off (still within its TTL, its load as it last reported it) is not picked over
+    # one that beats on time
+    heard_at: float = 0.0
 
     @property
     def capacity(self) -> int:
@@ -179,7 +187,10 @@ def choose(need: Need, nodes: Sequence[NodeState]) -> Choice:
     candidates = [n for n in nodes if fits(n, need)]
     if not candidates:
         return Choice(None, why_not(need, nodes), waits_for_room(need, nodes))
-    return Choice(min(candidates, key=lambda n: (-score(n, need), n.id)))
+    last = max(n.heard_at for n in candidates)
+    return Choice(
+        min(candidates, key=lambda n: (-score(n, need), n.heard_at < last - LATE_S, n.id))
+    )
 
 
 K = TypeVar("K", bound=Hashable)

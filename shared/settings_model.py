@@ -99,11 +99,13 @@ class Settings(BaseSettings):
     # Executor (one process = one node).
     node_id: str = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "node")
     slots: int = Field(default=4, ge=1, le=10_000)
-    # Dispatches a node takes beyond its slots, held unstarted and started the moment a slot
-    # frees: its slots never wait for a round through the scheduler. Worth it for short tasks;
-    # a held dispatch is bound to its node (a task placed behind a long one waits for it), so
-    # keep it small, or 0, where tasks run long. Local nodes only.
-    prefetch: int = Field(default=0, ge=0, le=10_000)
+    # Dispatches a node holds beyond its slots, each started the moment a slot frees, so its
+    # slots never wait for a round through the scheduler (shared/backlog.py). Unset: up to
+    # as many as its slots, held only while its attempts run short, and one held
+    # backlog_hold_s handed back to Ready; a number: always that many, each held until a slot
+    # frees (for tasks known to be short); 0: none. Local nodes only.
+    prefetch: int | None = Field(default=None, ge=0, le=10_000)
+    backlog_hold_s: float = Field(default=2.0, gt=0)
     node_cpu: float = Field(default_factory=lambda: float(os.cpu_count() or 1), ge=0)
     node_memory_mb: int = Field(default_factory=_total_memory_mb, ge=0)
     node_gpu: int = Field(default=0, ge=0)
@@ -216,6 +218,16 @@ class Settings(BaseSettings):
         if leaked:
             raise ValueError(f"tasks never get sked's own variables: {', '.join(leaked)}")
         return names
+
+    @property
+    def backlog_limit(self) -> int:
+        """The most dispatches a local node holds beyond its slots (SKED_PREFETCH)."""
+        return self.slots if self.prefetch is None else self.prefetch
+
+    @property
+    def backlog_hold(self) -> float | None:
+        """How long a held dispatch may wait for a slot; None: a fixed backlog."""
+        return self.backlog_hold_s if self.prefetch is None else None
 
     def require_heartbeat_secret(self) -> str:
         """The heartbeat secret, or a clear error: a guessable secret would let anyone forge

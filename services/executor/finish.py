@@ -76,6 +76,7 @@ class Finisher:
         for attempt, _ in batch:
             node.active.pop((attempt.task.id, attempt.task.attempt), None)
             node.unreported.pop((attempt.task.id, attempt.task.attempt), None)
+        node.slot_freed.set()  # their ends are written: a held dispatch may take a slot
         await node.acks.ack([attempt.message for attempt, _ in batch])
 
     async def _write_isolating(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from aiormq.exceptions import ChannelInvalidStateError
 
 from services.executor.backends import Backend, Key, Outcome
+from shared.backlog import Backlog
 from shared.bus import AmqpBus
 from shared.dispatches import Entry, unpack
 from shared.models import Dispatch, Task
@@ -42,11 +44,12 @@ class Delivery:
 class Item:
     """One dispatch as delivered: an entry of a message (shared.dispatches)."""
 
-    __slots__ = ("delivery", "entry", "settled")
+    __slots__ = ("delivery", "entry", "received_at", "settled")
 
-    def __init__(self, delivery: Delivery, entry: Entry) -> None:
+    def __init__(self, delivery: Delivery, entry: Entry, received_at: float) -> None:
         self.delivery = delivery
         self.entry = entry
+        self.received_at = received_at  # monotonic: how long it has been held
         self.settled = False
 
     @property
@@ -70,7 +73,8 @@ def items_of(message: AbstractIncomingMessage) -> list[Item]:
     """The dispatches a message carries, each read and checked alone."""
     entries = unpack(message.body, message.headers)
     delivery = Delivery(message, len(entries))
-    return [Item(delivery, e) for e in entries]
+    now = time.monotonic()
+    return [Item(delivery, e, now) for e in entries]
 
 
 @dataclass
@@ -104,13 +108,20 @@ class Node:
         # the node ids whose dispatches this executor takes (services.executor.serving)
         self.serves: set[str] = {self.id} if backend.offers() is None else set()
         self.active: dict[Key, Attempt] = {}
-        # A local node claims an attempt only while fewer than `slots` run here (`running`);
-        # `slot_freed` is set when an outcome becomes known. With a backlog (SKED_PREFETCH)
+        # A local node claims an attempt only while fewer than `slots` hold it (`running`);
+        # `slot_freed` is set when outcomes are written — not when known: then the record
+        # never shows a node more attempts Running than its slots (the next attempt's
+        # started_at comes after the last one's finished_at). With a backlog (SKED_PREFETCH)
         # RabbitMQ hands the node up to slots + prefetch messages; and as a message carries
         # many dispatches, the gate, not the prefetch, is what keeps a node from running more
         # than its slots while a superseded attempt is still on its way out.
         self.gated = backend.offers() is None
         self.slot_freed = asyncio.Event()
+        # the backlog this node holds now (none until its attempts prove short); the nodes
+        # loop writes it to the node's row when `backlog_changed` is set
+        limit = settings.backlog_limit if self.gated else 0
+        self.backlog = Backlog(limit, settings.backlog_hold)
+        self.backlog_changed = asyncio.Event()
         # outcomes known here but not yet written: a probe gets the real outcome from these
         self.unreported: dict[Key, Outcome] = {}
         self.inbox: asyncio.Queue[AbstractIncomingMessage | None] = asyncio.Queue()
@@ -122,8 +133,9 @@ class Node:
 
     @property
     def running(self) -> int:
-        """Attempts here whose outcome is not known yet (their process may still run)."""
-        return len(self.active) - len(self.unreported)
+        """Attempts holding a slot here: their outcome is not written yet (their process
+        may still run, or its outcome wait in the finish batch)."""
+        return len(self.active)
 
     def suspect(self, task_ids: set[UUID] | None = None) -> None:
         """These tasks (None: all here) may have been taken away: the watch loop looks."""

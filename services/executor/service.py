@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -87,7 +88,8 @@ class Executor(Service):
     async def setup(self) -> None:
         s, node = self.settings, self.node
         await node.backend.start()
-        self._channel = channel = await node.bus.consumer_channel(prefetch=s.slots + s.prefetch)
+        prefetch = s.slots + node.backlog.limit
+        self._channel = channel = await node.bus.consumer_channel(prefetch=prefetch)
         probes = await channel.declare_queue(exclusive=True, auto_delete=True)
         await probes.consume(self._on_probe)
         self.serving = Serving(node, channel, probes)
@@ -168,11 +170,20 @@ class Executor(Service):
         node, serving = self.node, self.serving
         assert serving is not None
         beats = 0
+        beat_at = time.monotonic() + self.settings.node_heartbeat_s
         while not self.stopping.is_set():
             changed = node.backend.offers_changed
-            await wait_any(self.stopping, changed, timeout=self.settings.node_heartbeat_s)
+            timeout = max(beat_at - time.monotonic(), 0)
+            await wait_any(self.stopping, changed, node.backlog_changed, timeout=timeout)
             if self.stopping.is_set():
                 return
+            if node.backlog_changed.is_set():
+                node.backlog_changed.clear()
+                with contextlib.suppress(*TRANSIENT):  # else the next heartbeat writes it
+                    await serving.advertise()
+            if not changed.is_set() and time.monotonic() < beat_at:
+                continue
+            beat_at = time.monotonic() + self.settings.node_heartbeat_s
             changed.clear()
             await serving.sync()
             beats += 1

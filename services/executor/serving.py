@@ -43,7 +43,7 @@ def local_offer(settings: Settings) -> NodeOffer:
         s.node_gpu,
         s.node_labels,
         True,
-        prefetch=s.prefetch,
+        prefetch=s.backlog_limit,
     )
 
 
@@ -99,7 +99,7 @@ class Serving:
                 offer.gpu,
                 offer.labels,
                 owner,
-                offer.prefetch,
+                self._advertised(node_id, offer),
             )
             # RabbitMQ hands the next consumer no more than the node may hold
             await self.channel.set_qos(prefetch_count=offer.slots + offer.prefetch)
@@ -118,13 +118,26 @@ class Serving:
         if not ready:
             log.info("node %s is no longer served (gone, cordoned or not ready)", node_id)
 
+    def _advertised(self, node_id: str, offer: NodeOffer) -> int:
+        """The backlog a node's row offers placement: a local node's as its attempts have
+        earned (shared/backlog.py), a cluster node's as offered."""
+        return self.node.backlog.advertised if self.node.gated else offer.prefetch
+
+    async def advertise(self) -> None:
+        """Write the local node's backlog now: it changed."""
+        node = self.node
+        served = self.served.get(node.id)
+        if node.gated and served is not None:
+            await node.store.nodes.set_prefetch(node.id, served.owner, node.backlog.advertised)
+
     async def beat(self) -> bool:
         """Refresh every served node's row; False when a local node was taken over."""
         node = self.node
         for node_id, served in list(self.served.items()):
             slots = served.offer.slots
             load = sum(1 for t in node.active.values() if t.task.node == node_id) / slots
-            if not await node.store.nodes.heartbeat(node_id, served.owner, load):
+            prefetch = self._advertised(node_id, served.offer)
+            if not await node.store.nodes.heartbeat(node_id, served.owner, load, prefetch):
                 if served.owner == node.boot_id:
                     return False
                 await self._leave(node_id)  # its row was re-registered under another owner

@@ -62,9 +62,32 @@ class Starter:
             free = node.settings.slots - node.running
             if free <= 0:
                 node.slot_freed.clear()
-                await wait_any(node.slot_freed, node.stopping)
+                hold_s = node.backlog.hold_s
+                if hold_s is None:  # a fixed backlog: held until a slot frees
+                    await wait_any(node.slot_freed, node.stopping)
+                    continue
+                wait_s = held[0].received_at + hold_s - time.monotonic()
+                if wait_s > 0 and await wait_any(node.slot_freed, node.stopping, timeout=wait_s):
+                    continue
+                await self._hand_back_held(time.monotonic() - hold_s)
                 continue
             await self.start_items([held.popleft() for _ in range(min(free, len(held)))])
+
+    async def _hand_back_held(self, before: float) -> None:
+        """Dispatches held since before `before` (monotonic) go back to Ready, in their place
+        in line, for a node with a free slot: the slots here are all taken by attempts longer
+        than a backlog suits, so this node holds none from now until its attempts run short."""
+        node, held = self.node, self.held
+        late: list[Item] = []
+        while held and held[0].received_at <= before:
+            late.append(held.popleft())
+        if not late:
+            return
+        hold_s = node.backlog.hold_s or 0.0
+        log.info("%d held dispatches waited %gs for a slot; handed back", len(late), hold_s)
+        if node.backlog.handed_back():
+            node.backlog_changed.set()
+        await self._hand_back(late, f"held on node {node.id} {hold_s:g}s without a free slot")
 
     async def start(self, batch: list[AbstractIncomingMessage]) -> int:
         """Claim and start the dispatches of a batch of messages; returns how many attempts
@@ -158,14 +181,16 @@ class Starter:
         headers = attempt.message.headers if attempt.message is not None else {}
         with hooks.attempt(task, task.node or node.id, headers) as seen:
             refused = node.policy.refuses(task.spec.job)
+            began = time.monotonic()
             try:
                 outcome = await self._outcome(attempt, refused)
             except Exception as exc:  # a backend's bug must not leave the attempt hanging
                 log.exception("the backend failed running %s attempt %d", task.id, task.attempt)
                 outcome = Outcome.failed(f"the backend failed: {one_line(exc)}")
             seen.ended(outcome.ok, outcome.error)
+        if attempt.message is not None and node.backlog.ran(time.monotonic() - began):
+            node.backlog_changed.set()
         node.unreported[(task.id, task.attempt)] = outcome
-        node.slot_freed.set()  # its process is gone: a held dispatch may take the slot
         await node.outcomes.put((attempt, outcome))
 
     async def _outcome(self, attempt: Attempt, refused: str | None) -> Outcome:
@@ -226,12 +251,18 @@ class Starter:
             if message is not None:
                 self.held.extend(items_of(message))
         items, self.held = list(self.held), deque()
+        await self._hand_back(items, f"node {node.id} shut down before start")
+
+    async def _hand_back(self, items: list[Item], reason: str) -> None:
+        """Scheduling -> Ready for these unstarted dispatches in one statement, back in line
+        with one push, then acknowledged. Best effort: if a server is away, recovery's
+        stuck-in-Scheduling sweep does it."""
+        node = self.node
         moves = [
-            fsm.plan(d, State.READY, f"node {d.node} shut down before start")
+            fsm.plan(d, State.READY, reason)
             for d in (item.dispatch for item in items)
             if d is not None
         ]
-        # best effort: if a server is away, recovery's stuck-in-Scheduling sweep does it
         with contextlib.suppress(*TRANSIENT):
             moved = await node.store.tasks.transition_many(moves)
             await node.queue.push(moved)

@@ -65,6 +65,7 @@ class NodeRow:
             ready=up and self.cordoned_at is None,
             cordoned=up and self.cordoned_at is not None,
             load=self.load,
+            heard_at=self.heartbeat_at.timestamp(),
             used_slots=self.used_slots,
             used_cpu=self.used_cpu,
             used_memory_mb=self.used_memory_mb,
@@ -100,9 +101,17 @@ class Nodes:
             Q.register_node, node_id, slots, cpu, memory_mb, gpu, dict(labels), boot_id, prefetch
         )
 
-    async def heartbeat(self, node_id: str, boot_id: UUID, load: float) -> bool:
-        """Refresh the node; False if another executor has since taken over this node id."""
-        return await self.db.fetchval(Q.node_heartbeat, node_id, boot_id, load) is not None
+    async def heartbeat(
+        self, node_id: str, boot_id: UUID, load: float, prefetch: int | None = None
+    ) -> bool:
+        """Refresh the node (and its backlog, unless None); False if another executor has
+        since taken over this node id."""
+        found = await self.db.fetchval(Q.node_heartbeat, node_id, boot_id, load, prefetch)
+        return found is not None
+
+    async def set_prefetch(self, node_id: str, boot_id: UUID, prefetch: int) -> None:
+        """The backlog the node holds now (shared/backlog.py)."""
+        await self.db.execute(Q.set_node_prefetch, node_id, boot_id, prefetch)
 
     async def set_ready(self, node_id: str, boot_id: UUID, ready: bool) -> None:
         await self.db.execute(Q.set_node_ready, node_id, boot_id, ready)

@@ -169,6 +169,20 @@ async def test_a_low_task_in_a_stream_of_highs_starts_within_the_aging_bound(
         await eventually(streaming, timeout=30, what="the stream of highs to get going")
         [low] = await client.submit_many([handler("low", "nap", {"ms": 1}, priority=0)])
         task = await client.wait(low, timeout=30)
+        assert task.queued_at is not None
+
+        async def past_its_window() -> bool:
+            # stream on until highs were queued after the low's window closed (bound below):
+            # a fast node may start the low before any such high is queued
+            after = task.queued_at + timedelta(seconds=(10 - 0) * aging_s + 0.2)
+            return bool(
+                await pool.fetchval(
+                    "SELECT count(*) FROM tasks WHERE name LIKE 'high-%' AND queued_at > $1",
+                    after,
+                )
+            )
+
+        await eventually(past_its_window, timeout=10, what="highs queued past the low's window")
     finally:
         stop.set()
         await streamer

@@ -174,6 +174,15 @@ def peak_usage(holds: Iterable[Hold]) -> dict[str, dict[str, tuple[float, float]
     return peaks
 
 
+def capacity(row: NodeRow, resource: str, what: str) -> float:
+    """A node's capacity for `resource`. Runs: its slots. Reservations also count dispatches
+    held in its backlog, Scheduling, slot-free: up to as many again as its slots (the default
+    backlog, shared/backlog.py); cpu, memory and gpu are reserved for them as for any attempt."""
+    if resource == "slots" and what == "reservations":
+        return float(row.slots * 2)
+    return float(getattr(row, resource))
+
+
 def over_capacity(holds: list[Hold], nodes: dict[str, NodeRow], what: str) -> list[str]:
     """Each node and resource whose peak exceeds the node's capacity, with the holds open at
     that instant (the evidence); prints every peak."""
@@ -183,7 +192,7 @@ def over_capacity(holds: list[Hold], nodes: dict[str, NodeRow], what: str) -> li
         row = nodes[node]
         for r in RESOURCES:
             peak, at = best[r]
-            if peak > getattr(row, r) + 1e-6:
+            if peak > capacity(row, r, what) + 1e-6:
                 open_then = sorted(
                     (h for h in holds if h.node == node and h.start <= at < h.end and h.need[r]),
                     key=lambda h: h.start,
@@ -194,9 +203,9 @@ def over_capacity(holds: list[Hold], nodes: dict[str, NodeRow], what: str) -> li
                     for h in open_then
                 )
                 over.append(
-                    f"{what}: {node} {r} {peak:g} > {getattr(row, r):g} at {at:.6f}: {shown}"
+                    f"{what}: {node} {r} {peak:g} > {capacity(row, r, what):g} at {at:.6f}: {shown}"
                 )
-        shown = ", ".join(f"{r} {best[r][0]:g}/{getattr(row, r):g}" for r in RESOURCES)
+        shown = ", ".join(f"{r} {best[r][0]:g}/{capacity(row, r, what):g}" for r in RESOURCES)
         print(f"{what}: {node} peak {shown}")  # noqa: T201 - shown with -s
     return over
 

@@ -107,9 +107,9 @@ class FakeTasks:
             changes["next_retry_at"] = now + timedelta(seconds=p["retry_in_s"])
         if to is State.PAUSED:
             changes["paused_at"] = now
-        if to is State.READY:
-            changes["queued_at"] = now
-            if move.source not in fsm.HOLDS_SLOT and task.schedule_timeout_s is not None:
+        if to is State.READY and move.source not in fsm.HOLDS_SLOT:
+            changes["queued_at"] = now  # back from a slot unstarted: its place in line kept
+            if task.schedule_timeout_s is not None:
                 changes["schedule_deadline"] = now + timedelta(seconds=task.schedule_timeout_s)
         if to is State.RUNNING:
             lease = timedelta(seconds=task.heartbeat_timeout_s)

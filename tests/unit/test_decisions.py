@@ -452,9 +452,10 @@ def test_only_a_workflow_tasks_end_wakes_workflow_resolution() -> None:
 
 async def test_a_message_of_more_dispatches_than_free_slots_starts_only_slots() -> None:
     """A superseded attempt on its way out still holds its slot: a dispatch message may then
-    carry more attempts than are free, and the rest wait unclaimed for a slot."""
+    carry more attempts than are free, and the rest wait unclaimed for a slot — until the
+    outcome holding it is written."""
     store, backend = InMemoryStore(), StubBackend(hold=True)
-    settings = SETTINGS.model_copy(update={"slots": 2, "prefetch": 0})
+    settings = SETTINGS.model_copy(update={"slots": 2, "prefetch": 0, "finish_linger_s": 0})
     node = Node(settings, store, StubBus(), backend, FakeReadyQueue(), asyncio.Event())  # type: ignore[arg-type]
     starter = Starter(node)
     tasks = [await scheduled(store) for _ in range(3)]
@@ -466,18 +467,25 @@ async def test_a_message_of_more_dispatches_than_free_slots_starts_only_slots() 
     backend.release((backend.launched[0].task_id, 1))
     for _ in range(20):
         await asyncio.sleep(0)
+    assert len(backend.launched) == 2  # its outcome is known, not written: the slot is held
+    finisher = asyncio.create_task(Finisher(node).run())
+    for _ in range(40):
+        await asyncio.sleep(0)
     assert len(backend.launched) == 3
     node.inbox.put_nowait(None)
     backend.release((backend.launched[1].task_id, 1))
     backend.release((backend.launched[2].task_id, 1))
     await loop
+    await asyncio.wait(node.runs)
+    node.outcomes.put_nowait(None)
+    await finisher
 
 
 async def test_with_a_backlog_only_slots_run_and_held_ones_start_as_slots_free() -> None:
     """SKED_PREFETCH: dispatches beyond the free slots wait unclaimed (their tasks stay
     Scheduling) and each starts the moment an attempt's outcome frees a slot."""
     store, backend = InMemoryStore(), StubBackend(hold=True)
-    settings = SETTINGS.model_copy(update={"slots": 2, "prefetch": 2})
+    settings = SETTINGS.model_copy(update={"slots": 2, "prefetch": 2, "finish_linger_s": 0})
     node = Node(settings, store, StubBus(), backend, FakeReadyQueue(), asyncio.Event())  # type: ignore[arg-type]
     starter = Starter(node)
     assert node.gated
@@ -485,6 +493,7 @@ async def test_with_a_backlog_only_slots_run_and_held_ones_start_as_slots_free()
     for task in tasks:
         node.inbox.put_nowait(dispatch_of(task))  # type: ignore[arg-type]
     loop = asyncio.create_task(starter.run())
+    finisher = asyncio.create_task(Finisher(node).run())
     for _ in range(20):
         await asyncio.sleep(0)
     assert len(backend.launched) == 2
@@ -493,9 +502,9 @@ async def test_with_a_backlog_only_slots_run_and_held_ones_start_as_slots_free()
     assert states.count(State.SCHEDULING) == 2
     first = backend.launched[0]
     backend.release((first.task_id, first.attempt))
-    for _ in range(20):
+    for _ in range(40):
         await asyncio.sleep(0)
-    assert len(backend.launched) == 3  # one slot freed: one held dispatch started
+    assert len(backend.launched) == 3  # one outcome written: one held dispatch started
     assert node.running == 2
     # stopping hands the dispatch still held back to Ready
     node.inbox.put_nowait(None)
@@ -506,3 +515,5 @@ async def test_with_a_backlog_only_slots_run_and_held_ones_start_as_slots_free()
     for launch in backend.launched[1:]:
         backend.release((launch.task_id, launch.attempt))
     await asyncio.wait(node.runs)
+    node.outcomes.put_nowait(None)
+    await finisher

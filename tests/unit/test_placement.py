@@ -59,6 +59,17 @@ def test_ties_go_to_the_lowest_id() -> None:
     assert choose(Need(), nodes).node.id == "a"  # type: ignore[union-attr]
 
 
+def test_a_tie_goes_to_a_node_heard_from_on_time_over_one_gone_quiet() -> None:
+    """A node frozen or cut off stays live until its TTL, its last load still on its row:
+    between equal scores, one heard from over LATE_S later than another loses."""
+    quiet, beating = node("a", heard_at=1000.0), node("b", heard_at=1007.0)
+    assert choose(Need(), [quiet, beating]).node.id == "b"  # type: ignore[union-attr]
+    on_time = node("a", heard_at=1006.5)  # within LATE_S: the lowest id, as ever
+    assert choose(Need(), [on_time, beating]).node.id == "a"  # type: ignore[union-attr]
+    busy = node("b", heard_at=1007.0, load=0.9)  # a better score still wins
+    assert choose(Need(), [quiet, busy]).node.id == "a"  # type: ignore[union-attr]
+
+
 def test_selector_must_match_every_label() -> None:
     need = Need(selector={"zone": "eu", "disk": "ssd"})
     nodes = [node("a", labels={"zone": "eu"}), node("b", labels={"zone": "eu", "disk": "ssd"})]

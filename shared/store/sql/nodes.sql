@@ -19,10 +19,21 @@ SELECT pg_notify('sked_node', id) FROM up
 
 -- name: node_heartbeat
 -- An executor's heartbeat, which also re-asserts that it is ready (a monitor may have marked
--- it not ready while it was only reconnecting); nothing if another executor took the node over.
-UPDATE nodes SET heartbeat_at = now(), load = $3, ready = true
+-- it not ready while it was only reconnecting) and the backlog it holds now ($4; NULL: as it
+-- is); nothing if another executor took the node over.
+UPDATE nodes SET heartbeat_at = now(), load = $3, ready = true,
+                 prefetch = COALESCE($4::int, prefetch)
 WHERE id = $1 AND boot_id = $2
 RETURNING ready
+
+-- name: set_node_prefetch
+-- The backlog a node holds changed (shared/backlog.py): placement sees it from its next pass,
+-- and the schedulers are told (a node that takes a backlog again has room now).
+WITH up AS (
+    UPDATE nodes SET prefetch = $3 WHERE id = $1 AND boot_id = $2 AND prefetch <> $3
+    RETURNING id
+)
+SELECT pg_notify('sked_node', id) FROM up
 
 -- name: set_node_ready
 -- Mark a node ready or not (draining; no executor connected), and tell the schedulers.

@@ -109,7 +109,10 @@ WITH u AS (
         paused_reason = CASE WHEN u.p ? 'paused_reason' THEN u.p ->> 'paused_reason'
                              ELSE t.paused_reason END,
         paused_at = CASE WHEN u.to_status = 'paused' THEN now() ELSE t.paused_at END,
-        queued_at = CASE WHEN u.to_status = 'ready' THEN now() ELSE t.queued_at END,
+        -- back to Ready unstarted (a node's backlog handed back, a dispatch stuck): in its
+        -- place in line, as its schedule deadline below
+        queued_at = CASE WHEN u.to_status = 'ready' AND u.from_status NOT IN ({{slot_states}})
+                         THEN now() ELSE t.queued_at END,
         schedule_deadline = CASE WHEN u.to_status = 'ready'
                                       AND u.from_status NOT IN ({{slot_states}})
                                  THEN now() + make_interval(secs => t.schedule_timeout_s)

@@ -1,0 +1,69 @@
+"""A node's backlog policy (shared/backlog.py): earned by a full window of short attempts,
+lost to long ones or a hand-back; a fixed backlog is always offered."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shared.backlog import Backlog
+
+
+def test_a_node_starts_without_a_backlog_and_earns_one_by_a_window_of_short_attempts() -> None:
+    b = Backlog(16, hold_s=2.0, window=32)
+    assert b.advertised == 0
+    changed = [b.ran(0.001) for _ in range(32)]
+    assert changed == [False] * 31 + [True]  # only once the window is full
+    assert b.advertised == 16
+    assert not b.ran(0.001)  # no change: nothing to write
+
+
+def test_long_attempts_withdraw_it_and_the_gap_keeps_it_from_flapping() -> None:
+    b = Backlog(4, hold_s=2.0, window=4)
+    for _ in range(4):
+        b.ran(0.1)
+    assert b.on
+    assert not b.ran(1.5)  # mean 0.45 s: above a quarter of hold_s, not above half: still on
+    assert b.ran(3.0)  # mean 1.175 s > 1 s: off
+    assert not b.on
+    assert not any(b.ran(0.6) for _ in range(4))  # mean 0.6 s: between the lines, stays off
+    assert b.ran(0.1)  # mean 0.475 s: under a quarter of hold_s, on again
+    assert b.on
+
+
+def test_a_hand_back_withdraws_it_until_a_new_window_of_short_attempts() -> None:
+    b = Backlog(8, hold_s=1.0, window=8)
+    for _ in range(8):
+        b.ran(0.01)
+    assert b.handed_back()
+    assert b.advertised == 0
+    assert not b.handed_back()  # already off: nothing to write
+    for _ in range(7):
+        assert not b.ran(0.01)  # the old window does not count
+    assert b.ran(0.01)
+    assert b.advertised == 8
+
+
+def test_a_fixed_backlog_is_always_offered() -> None:
+    b = Backlog(4, hold_s=None)
+    assert b.advertised == 4
+    assert not any(b.ran(100.0) for _ in range(100))
+    assert not b.handed_back()
+    assert b.advertised == 4
+
+
+def test_no_backlog_when_the_limit_is_zero() -> None:
+    b = Backlog(0, hold_s=2.0, window=2)
+    assert not any(b.ran(0.0) for _ in range(10))
+    assert b.advertised == 0
+
+
+@given(st.lists(st.floats(min_value=0, max_value=10, allow_nan=False), max_size=200))
+def test_it_advertises_nothing_or_the_limit_and_reports_every_change(runs: list[float]) -> None:
+    b = Backlog(5, hold_s=1.0, window=8)
+    before = b.advertised
+    for r in runs:
+        changed = b.ran(r)
+        assert b.advertised in (0, 5)
+        assert changed == (b.advertised != before)
+        before = b.advertised
