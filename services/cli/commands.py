@@ -290,8 +290,11 @@ async def _nodes(args: argparse.Namespace) -> int:
     for n in nodes:
         state = state_of(n)
         labels = ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())) or "-"
+        # attempts dispatched there count against its slots plus the backlog it offers now
+        backlog = f"+{n.prefetch} backlog" if n.prefetch else ""
         print(
-            f"{n.id:<20} {state:<8} slots {n.used_slots}/{n.slots}  cpu {n.used_cpu:g}/{n.cpu:g}"
+            f"{n.id:<20} {state:<8} slots {n.used_slots}/{n.slots}{backlog}"
+            f"  cpu {n.used_cpu:g}/{n.cpu:g}"
             f"  mem {n.used_memory_mb}/{n.memory_mb}  gpu {n.used_gpu}/{n.gpu}  {labels}"
         )
     return 0
