@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 from typing import Any
 from uuid import uuid4
 
@@ -15,6 +16,7 @@ from services.executor.backends.stub import StubBackend
 from services.executor.finish import Finisher
 from services.executor.node import Attempt, Node
 from services.executor.start import Starter
+from services.executor.watch import Watcher
 from services.heartbeat_monitor.ladder import Ladder
 from services.scheduler.dispatch import Dispatcher
 from services.scheduler.hub import Hub
@@ -448,6 +450,24 @@ def test_only_a_workflow_tasks_end_wakes_workflow_resolution() -> None:
     hub.task_notify(None, 0, "", "*:300:success")  # too many to list: look at all
     assert hub.resolve.is_set()
     assert hub.resolve_all
+
+
+def test_the_executor_suspects_its_attempts_only_on_moves_that_take_them_away() -> None:
+    """An executor hears every transition's NOTIFY; only Paused, Canceled, Lost and RetryWait
+    can take an attempt away, and the rest are skipped unparsed."""
+    node, _, _ = executor_parts(InMemoryStore(), StubBackend())
+    watcher = SimpleNamespace(node=node)  # the handler needs only the node (no lease link)
+    notify = Watcher.on_task_notify
+    mine, other = uuid4(), uuid4()
+    node.active[(mine, 1)] = None  # type: ignore[assignment]
+    for state in ("scheduling", "running", "success", "failed", "timed_out"):
+        notify(watcher, None, 0, "", f"{mine}:3:{state} {other}:2:w:{state}")  # type: ignore[arg-type]
+        assert not node.suspects
+    notify(watcher, None, 0, "", f"{other}:3:running {mine}:4:w:canceled")  # type: ignore[arg-type]
+    assert node.suspects == {mine}
+    node.suspects.clear()
+    notify(watcher, None, 0, "", "*:300:success,lost")  # type: ignore[arg-type]
+    assert node.suspects == {mine}
 
 
 async def test_a_message_of_more_dispatches_than_free_slots_starts_only_slots() -> None:
