@@ -72,6 +72,12 @@ class Warden:
             return False
         request, fds = got
         try:
+            if not self.idle:
+                # a shim says it is idle before it reports its attempt's exit, so a request
+                # sent on that report finds the word already on its link: read it, not fork
+                for key, _ in self.selector.select(timeout=0):
+                    if isinstance(key.data, int):
+                        self._heard(key.data)
             while self.idle:
                 pid = self.idle.pop()
                 try:

@@ -13,6 +13,7 @@ import shutil
 import signal
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 from services.executor.warden.proctree import (
@@ -56,10 +57,12 @@ class Shim:
         self.freeze_max = float(req.get("freeze_max_s", 600.0))
         self.clean = True  # False: some of the tree would not die
 
-    def attend(self, wake: int) -> bool:
+    def attend(self, wake: int, idle: Callable[[], None]) -> bool:
         """Start the attempt and supervise it to its end, then kill and reap what is left of
         its tree. True when this shim may serve another attempt: nothing of the tree is left,
-        and neither the warden nor the executor is going."""
+        and neither the warden nor the executor is going — and then `idle` is called before
+        the exit is reported, with the attempt's other descriptors closed: an executor that
+        has the outcome (at the report's end) finds this shim idle for its next attempt."""
         try:
             if not self._start():
                 self._close()
@@ -68,16 +71,25 @@ class Shim:
         except Terminated:
             self.how = "terminated"
         self.clean = self._kill_tree()
+        reusable = self.clean and self.how not in ("terminated", "orphaned")
+        self._close(but_report=True)
+        if reusable:
+            idle()
         self._say(f"exit {self.status if self.status is not None else -1} {self.how}")
         self._close()
-        return self.clean and self.how not in ("terminated", "orphaned")
+        return reusable
 
-    def _close(self) -> None:
-        """This attempt's pipes to the executor: closed, so that none outlives its attempt."""
-        for fd in (self.ctl, self.report, *self.pipes):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self.pipes = []
+    def _close(self, but_report: bool = False) -> None:
+        """This attempt's pipes to the executor: closed, so that none outlives its attempt
+        (each once: a closed one is -1, its number free for reuse)."""
+        fds = [self.ctl, *self.pipes] if but_report else [self.ctl, self.report, *self.pipes]
+        for fd in fds:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.ctl, self.pipes = -1, []
+        if not but_report:
+            self.report = -1
 
     def _say(self, line: str) -> None:
         with contextlib.suppress(OSError):
@@ -259,12 +271,25 @@ def serve(warden: int, link: socket.socket, request: bytes, fds: list[int]) -> i
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.signal(signal.SIGTERM, on_term)
-    while True:
-        shim = Shim(decode(request), fds)
-        if not shim.attend(wake_r):
-            return 0 if shim.how in ("terminated", "orphaned") and shim.clean else 1
+    said: list[bool] = []  # per attempt: [True] idle said, [False] the warden not told
+
+    def idle() -> None:
         try:
             link.sendall(IDLE)
+            said.append(True)
+        except (Terminated, OSError):  # never in the way of the exit's report
+            said.append(False)
+
+    while True:
+        shim = Shim(decode(request), fds)
+        said.clear()
+        if not shim.attend(wake_r, idle):
+            return 0 if shim.how in ("terminated", "orphaned") and shim.clean else 1
+        if not said:
+            idle()  # the program did not start: its error was reported, nothing ran
+        if not said[0]:
+            return 0  # told to go, or the warden is gone
+        try:
             got = receive(link)
         except (Terminated, OSError):
             return 0  # told to go while idle, or the warden is gone

@@ -56,6 +56,9 @@ UNLEASE_AHEAD_S = 0.5
 # A job's lease may leave the shim's deadline from the worker's previous job standing when
 # that ends at most this much sooner (a tenth of the lease, at most a second): Proc.lease_job.
 JOB_SLACK, JOB_SLACK_S = 0.1, 1.0
+# After its exit line a shim closes the report pipe at once; one wedged before it is waited
+# for no longer than this (Proc._line).
+EXIT_EOF_S = 1.0
 
 
 class Proc:
@@ -71,6 +74,8 @@ class Proc:
         self.frozen = False
         self._expiry: float | None = None  # the lease's end as the shim was told (loop time)
         self._unlease: asyncio.TimerHandle | None = None
+        self._exit: Exit | None = None  # the exit reported, awaiting the report's end
+        self._exit_wait: asyncio.TimerHandle | None = None
         self.started: asyncio.Future[None] = loop.create_future()
         self.ended: asyncio.Future[Exit] = loop.create_future()
         os.set_blocking(report, False)
@@ -152,7 +157,7 @@ class Proc:
         except OSError:
             data = b""
         if not data:
-            self._end(Exit(None, "lost"))
+            self._end(self._exit or Exit(None, "lost"))
             return
         self._buffer += data
         *lines, self._buffer = self._buffer.split(b"\n")
@@ -178,10 +183,17 @@ class Proc:
         elif word == "exit":
             status, _, how = rest.partition(" ")
             raw = int(status)
-            self._end(Exit(None if raw < 0 else os.waitstatus_to_exitcode(raw), how))
+            self._exit = Exit(None if raw < 0 else os.waitstatus_to_exitcode(raw), how)
+            # ended at the report's end, which the shim closes right after this line with the
+            # attempt's other descriptors: the outcome is then known only once they are
+            # closed and the shim has told the warden it is idle for the next attempt
+            loop = asyncio.get_running_loop()
+            self._exit_wait = loop.call_later(EXIT_EOF_S, self._end, self._exit)
 
     def _end(self, result: Exit) -> None:
         self._cancel_unlease()
+        if self._exit_wait is not None:
+            self._exit_wait.cancel()
         loop = asyncio.get_running_loop()
         loop.remove_reader(self._report)
         for fd in (self._report, self._ctl):
