@@ -116,9 +116,15 @@ class Warden:
 
     def _heard(self, pid: int) -> None:
         """A shim's link is readable: it is idle again, or gone."""
-        link = self.links[pid]
+        link = self.links.get(pid)
+        if link is None:
+            return  # unlinked earlier in this round
         try:
-            said = link.recv(64)
+            # not blocking: a request may have read this link already (the round's list of
+            # readable links is older than that read)
+            said = link.recv(64, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
         except OSError:
             said = b""
         if said == IDLE and len(self.idle) < MAX_IDLE:
