@@ -99,7 +99,7 @@ class Serving:
                 offer.gpu,
                 offer.labels,
                 owner,
-                self._advertised(node_id, offer),
+                self._advertised(offer),
             )
             # RabbitMQ hands the next consumer no more than the node may hold
             await self.channel.set_qos(prefetch_count=offer.slots + offer.prefetch)
@@ -118,7 +118,7 @@ class Serving:
         if not ready:
             log.info("node %s is no longer served (gone, cordoned or not ready)", node_id)
 
-    def _advertised(self, node_id: str, offer: NodeOffer) -> int:
+    def _advertised(self, offer: NodeOffer) -> int:
         """The backlog a node's row offers placement: a local node's as its attempts have
         earned (shared/backlog.py), a cluster node's as offered."""
         return self.node.backlog.advertised if self.node.gated else offer.prefetch
@@ -136,7 +136,7 @@ class Serving:
         for node_id, served in list(self.served.items()):
             slots = served.offer.slots
             load = sum(1 for t in node.active.values() if t.task.node == node_id) / slots
-            prefetch = self._advertised(node_id, served.offer)
+            prefetch = self._advertised(served.offer)
             if not await node.store.nodes.heartbeat(node_id, served.owner, load, prefetch):
                 if served.owner == node.boot_id:
                     return False

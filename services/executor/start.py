@@ -69,21 +69,21 @@ class Starter:
                 wait_s = held[0].received_at + hold_s - time.monotonic()
                 if wait_s > 0 and await wait_any(node.slot_freed, node.stopping, timeout=wait_s):
                     continue
-                await self._hand_back_held(time.monotonic() - hold_s)
+                await self._hand_back_held(hold_s)
                 continue
             await self.start_items([held.popleft() for _ in range(min(free, len(held)))])
 
-    async def _hand_back_held(self, before: float) -> None:
-        """Dispatches held since before `before` (monotonic) go back to Ready, in their place
-        in line, for a node with a free slot: the slots here are all taken by attempts longer
-        than a backlog suits, so this node holds none from now until its attempts run short."""
+    async def _hand_back_held(self, hold_s: float) -> None:
+        """Dispatches held `hold_s` or longer go back to Ready, in their place in line, for a
+        node with a free slot: the slots here are all taken by attempts longer than a backlog
+        suits, so this node holds none from now until its attempts run short."""
         node, held = self.node, self.held
+        before = time.monotonic() - hold_s
         late: list[Item] = []
         while held and held[0].received_at <= before:
             late.append(held.popleft())
         if not late:
             return
-        hold_s = node.backlog.hold_s or 0.0
         log.info("%d held dispatches waited %gs for a slot; handed back", len(late), hold_s)
         if node.backlog.handed_back():
             node.backlog_changed.set()

@@ -11,7 +11,7 @@ from shared import lease
 from shared.errors import one_line
 from shared.fsm import State
 from shared.runtime import wait_any
-from shared.store import parse_notify
+from shared.store import may_name, parse_notify
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +72,8 @@ class Watcher:
         return len(renewed)
 
     def on_task_notify(self, _c: object, _p: int, _ch: str, payload: str) -> None:
-        # Most notifications are moves to Scheduling, Running or an end: skip them without
-        # parsing a UUID each. Safe: every TAKEN_AWAY name has letters no task id or number
-        # has, so a payload naming such a state always contains the name.
-        if not any(state in payload for state in TAKEN_AWAY):
-            return
+        if not may_name(payload, TAKEN_AWAY):
+            return  # most are moves to Scheduling, Running or an end: skipped unparsed
         notice = parse_notify(payload)
         if notice.states & TAKEN_AWAY:
             self.node.suspect(None if notice.ids is None else set(notice.ids))

@@ -47,6 +47,9 @@ if TYPE_CHECKING:
         Notice as Notice,
     )
     from shared.store.notify import (
+        may_name as may_name,
+    )
+    from shared.store.notify import (
         parse_notify as parse_notify,
     )
     from shared.store.outbox import (
@@ -75,6 +78,7 @@ _WHERE = {
     "QueuedRow": "tasks",
     "Store": "store",
     "Tx": "store",
+    "may_name": "notify",
     "parse_notify": "notify",
 }
 
@@ -91,6 +95,7 @@ __all__ = [
     "QueuedRow",
     "Store",
     "Tx",
+    "may_name",
     "parse_notify",
 ]
 

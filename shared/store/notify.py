@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from uuid import UUID
 
@@ -31,6 +31,13 @@ class Notice:
     ids: frozenset[UUID] | None
     states: frozenset[str]
     workflow_ids: frozenset[UUID] | None = None
+
+
+def may_name(payload: str, states: Iterable[str]) -> bool:
+    """False only when the payload moves no task to any of `states`, told without parsing it
+    (a UUID per entry): state names have letters no task id, version or count has, so an
+    entry naming one always contains it. True may still be a payload of other states."""
+    return any(state in payload for state in states)
 
 
 def parse_notify(payload: str) -> Notice:

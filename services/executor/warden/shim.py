@@ -271,23 +271,24 @@ def serve(warden: int, link: socket.socket, request: bytes, fds: list[int]) -> i
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.signal(signal.SIGTERM, on_term)
-    said: list[bool] = []  # per attempt: [True] idle said, [False] the warden not told
+    told: bool | None = None  # this attempt: idle said (True), or the warden not told (False)
 
     def idle() -> None:
+        nonlocal told
         try:
             link.sendall(IDLE)
-            said.append(True)
+            told = True
         except (Terminated, OSError):  # never in the way of the exit's report
-            said.append(False)
+            told = False
 
     while True:
         shim = Shim(decode(request), fds)
-        said.clear()
+        told = None
         if not shim.attend(wake_r, idle):
             return 0 if shim.how in ("terminated", "orphaned") and shim.clean else 1
-        if not said:
+        if told is None:
             idle()  # the program did not start: its error was reported, nothing ran
-        if not said[0]:
+        if not told:
             return 0  # told to go, or the warden is gone
         try:
             got = receive(link)
