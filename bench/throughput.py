@@ -128,7 +128,7 @@ async def burst(client: SkedClient, n: int) -> float:
 async def settle(pool: asyncpg.Pool) -> None:
     """Wait until the relay has published the burst's events."""
     for _ in range(1200):
-        if not await pool.fetchval("SELECT count(*) FROM task_events WHERE published_at IS NULL"):
+        if not await pool.fetchval("SELECT count(*) FROM outbox"):
             return
         await asyncio.sleep(0.1)
 

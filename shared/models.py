@@ -155,7 +155,6 @@ class Event(BaseModel):
     attempt: int
     reason: str
     at: datetime
-    published_at: datetime | None = None
 
 
 class EventMessage(BaseModel):

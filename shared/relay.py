@@ -1,5 +1,5 @@
-"""The outbox relayed: unpublished task_events to `sked.events`, in one transaction per pass —
-lock the free shards, read their oldest events, publish them with confirms, mark them, commit.
+"""The outbox relayed to `sked.events`, in one transaction per pass — lock the free shards, read
+their oldest events, publish them with confirms, delete their outbox rows, commit.
 A crash before the commit leaves them unpublished and the shards unlocked: the next pass (of
 any relay, or of recovery) sends them again. At least once; a duplicate only follows a crash.
 """

@@ -1,5 +1,6 @@
-"""The outbox: task_events not yet published. A relay locks the free shards, reads their
-oldest events (rendered as JSON by Postgres), publishes them and marks them, in one
+"""The outbox: the events not yet published, a row each (table outbox, written with the event by
+the statement that made the move). A relay locks the free shards, reads their oldest rows (each
+event's JSON rendered by Postgres when it was written), publishes them and deletes them, in one
 transaction: a crash before the commit leaves them for the next pass."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from shared.store.queries import Q
 
 @dataclass(frozen=True)
 class OutboxRow:
-    id: int
+    id: int  # the outbox row's; the event's own id is in its body
     task_id: UUID
     to_status: State
     body: str  # the event as JSON (models.Event's fields)

@@ -86,9 +86,9 @@ CREATE INDEX tasks_active_uses ON tasks (workflow_id)
 CREATE INDEX tasks_schedule_deadline ON tasks (schedule_deadline)
     WHERE status IN ('ready', 'scheduling') AND schedule_deadline IS NOT NULL;
 
--- The transition history and the outbox at once.
+-- The transition history: one row per state change, written with it, never changed.
 CREATE TABLE task_events (
-    id           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    id           bigint GENERATED ALWAYS AS IDENTITY,  -- in every relayed event; not indexed
     -- no foreign key: each row is written with its task's row, by one statement (0015)
     task_id      uuid NOT NULL,
     from_status  text,
@@ -97,11 +97,19 @@ CREATE TABLE task_events (
     attempt      integer NOT NULL,
     reason       text NOT NULL DEFAULT '',
     at           timestamptz NOT NULL DEFAULT clock_timestamp(),
-    shard        smallint NOT NULL GENERATED ALWAYS AS (get_byte(uuid_send(task_id), 15) % 16) STORED,
-    published_at timestamptz,
-    UNIQUE (task_id, version)
+    UNIQUE (task_id, version)  -- its key: history reads, and no move recorded twice
 );
-CREATE INDEX task_events_unpublished ON task_events (shard, id) WHERE published_at IS NULL;
+
+-- The outbox: the events not yet published, each as its JSON; a relay deletes what the broker
+-- confirmed (0016).
+CREATE TABLE outbox (
+    id        bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    task_id   uuid NOT NULL,
+    shard     smallint NOT NULL GENERATED ALWAYS AS (get_byte(uuid_send(task_id), 15) % 16) STORED,
+    to_status text NOT NULL,
+    at        timestamptz NOT NULL,
+    body      text NOT NULL
+);
 
 -- One row per outbox shard: a relay locks the shards it drains.
 CREATE TABLE outbox_shards (

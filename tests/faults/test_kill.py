@@ -151,11 +151,9 @@ async def test_sigkill_each_service_at_random_moments(
     assert dup == 0
     assert len(runs) == 1000
     await check_all_histories(pool)
-    unpublished = await pool.fetchval("SELECT count(*) FROM task_events WHERE published_at IS NULL")
+    unpublished = await pool.fetchval("SELECT count(*) FROM outbox")
 
     async def outbox_drained() -> bool:
-        return not await pool.fetchval(
-            "SELECT count(*) FROM task_events WHERE published_at IS NULL"
-        )
+        return not await pool.fetchval("SELECT count(*) FROM outbox")
 
     await eventually(outbox_drained, timeout=30, what=f"{unpublished} events to be relayed")

@@ -112,7 +112,7 @@ def check_order(arrivals: list[tuple[UUID, int]], expected: dict[UUID, int]) -> 
 
 
 async def unpublished(pool: asyncpg.Pool) -> int:
-    return await pool.fetchval("SELECT count(*) FROM task_events WHERE published_at IS NULL")
+    return await pool.fetchval("SELECT count(*) FROM outbox")
 
 
 async def test_thousand_transitions_arrive_in_order(

@@ -16,7 +16,20 @@
 
 -- fragment: event_columns
 -- Every column an Event is read from (models.Event).
-id, task_id, from_status, to_status, version, attempt, reason, at, published_at
+id, task_id, from_status, to_status, version, attempt, reason, at
+
+-- fragment: to_outbox(events)
+-- The outbox rows announcing the event rows CTE `events` inserted (its RETURNING
+-- {{event_columns}}), each carrying its event as the JSON of models.Event, rendered here once.
+-- A statement's rows go in version order: a relay sends in id order, so a task's events
+-- (several in one statement when a submission walks Created -> Ready) leave in version order.
+INSERT INTO outbox (task_id, to_status, at, body)
+SELECT task_id, to_status, at,
+       json_build_object('id', id, 'task_id', task_id, 'from_status', from_status,
+                         'to_status', to_status, 'version', version, 'attempt', attempt,
+                         'reason', reason, 'at', at)::text
+FROM {{events}}
+ORDER BY version
 
 -- fragment: locked_in_id_order(where)
 -- The body of a CTE that locks the tasks a statement's CTE `u` names, in id order, and yields

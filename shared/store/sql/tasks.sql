@@ -35,6 +35,8 @@ WITH w AS (
 ), ev AS (
     INSERT INTO task_events (task_id, from_status, to_status, version, attempt, reason)
     SELECT ins.id, w.from_status, w.to_status, w.version, 0, w.reason FROM ins CROSS JOIN w
+    RETURNING {{event_columns}}
+), outbox AS ({{to_outbox(ev)}}
 ), note AS ({{notify(ins)}})
 SELECT ins.*, (SELECT count(*) FROM note) AS _notified FROM ins
 
@@ -142,6 +144,8 @@ WITH u AS (
 ), ev AS (
     INSERT INTO task_events (task_id, from_status, to_status, version, attempt, reason)
     SELECT (task).id, _from, (task).status, (task).version, (task).attempt, _reason FROM moved
+    RETURNING {{event_columns}}
+), outbox AS ({{to_outbox(ev)}}
 ), note AS ({{notify(after)}})
 SELECT * FROM after WHERE (SELECT count(*) FROM note) >= 0;
 END
