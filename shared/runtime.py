@@ -72,22 +72,27 @@ T = TypeVar("T")
 
 
 async def next_batch(
-    inbox: asyncio.Queue[T | None], limit: int = 10_000, linger: float = 0.0
+    inbox: asyncio.Queue[T | None],
+    limit: int = 10_000,
+    linger: float = 0.0,
+    settle: Callable[[float], Awaitable[object]] | None = None,
 ) -> list[T] | None:
     """Wait for one item, then take whatever else is queued (up to `limit`).
 
     This is how sked's loops batch: under load the queue fills while the previous batch is
     written, so batches grow exactly when they help. `linger` (seconds) waits that much longer
     after the first item, for paths where a few milliseconds cost nothing a user sees but a
-    statement per item would cost Postgres. None in the queue means stop: it returns None
-    (leaving the None for the next call) once the items before it are taken.
+    statement per item would cost Postgres; `settle(linger)`, if given, is awaited instead of
+    sleeping (a caller that knows when no more can come ends the wait early). None in the queue
+    means stop: it returns None (leaving the None for the next call) once the items before it
+    are taken.
     """
     first = await inbox.get()
     if first is None:
         inbox.put_nowait(None)
         return None
     if linger > 0 and inbox.qsize() < limit:
-        await asyncio.sleep(linger)
+        await (asyncio.sleep(linger) if settle is None else settle(linger))
     batch = [first]
     while len(batch) < limit and not inbox.empty():
         item = inbox.get_nowait()

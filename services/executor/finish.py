@@ -17,7 +17,7 @@ from shared.fsm import State
 from shared.models import Task
 from shared.outcome import Report, end_move, retries, storable
 from shared.resilience import TRANSIENT, isolate, retrying
-from shared.runtime import next_batch
+from shared.runtime import next_batch, wait_any
 from shared.store.store import Tx
 
 log = logging.getLogger(__name__)
@@ -32,8 +32,20 @@ class Finisher:
 
     async def run(self) -> None:
         linger = self.node.settings.finish_linger_s
-        while (batch := await next_batch(self.node.outcomes, linger=linger)) is not None:
+        outcomes = self.node.outcomes
+        while (batch := await next_batch(outcomes, linger=linger, settle=self._settle)) is not None:
             await self.finish(batch)
+
+    async def _settle(self, linger: float) -> None:
+        """After a first outcome, wait up to `linger` for more to join its batch — unless no
+        attempt here is still running: then none can. Attempts started together (a node's
+        slots refilled at once) end together, and the last of them ends the wait: the batch
+        stays whole without holding every slot the full linger."""
+        node = self.node
+        if node.all_reported():
+            return
+        node.reported.clear()
+        await wait_any(node.reported, node.stopping, timeout=linger)
 
     async def finish(self, batch: list[tuple[Attempt, Outcome]]) -> None:
         """Write a batch of outcomes; retried until Postgres takes it (an outcome is never

@@ -124,6 +124,9 @@ class Node:
         self.backlog_changed = asyncio.Event()
         # outcomes known here but not yet written: a probe gets the real outcome from these
         self.unreported: dict[Key, Outcome] = {}
+        # set when every attempt holding a slot has its outcome known (`all_reported`): the
+        # finisher stops waiting for more to join its batch
+        self.reported = asyncio.Event()
         self.inbox: asyncio.Queue[AbstractIncomingMessage | None] = asyncio.Queue()
         self.acks = Acks()  # every delivery on the consumer channel is recorded here
         self.outcomes: asyncio.Queue[tuple[Attempt, Outcome] | None] = asyncio.Queue()
@@ -136,6 +139,10 @@ class Node:
         """Attempts holding a slot here: their outcome is not written yet (their process
         may still run, or its outcome wait in the finish batch)."""
         return len(self.active)
+
+    def all_reported(self) -> bool:
+        """Every attempt holding a slot here has its outcome known: none can join a batch."""
+        return len(self.unreported) >= len(self.active)
 
     def suspect(self, task_ids: set[UUID] | None = None) -> None:
         """These tasks (None: all here) may have been taken away: the watch loop looks."""

@@ -192,6 +192,8 @@ class Starter:
             node.backlog_changed.set()
         node.unreported[(task.id, task.attempt)] = outcome
         await node.outcomes.put((attempt, outcome))
+        if node.all_reported():
+            node.reported.set()
 
     async def _outcome(self, attempt: Attempt, refused: str | None) -> Outcome:
         node, task = self.node, attempt.task

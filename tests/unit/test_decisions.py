@@ -537,3 +537,39 @@ async def test_with_a_backlog_only_slots_run_and_held_ones_start_as_slots_free()
     await asyncio.wait(node.runs)
     node.outcomes.put_nowait(None)
     await finisher
+
+
+async def test_the_finish_batch_waits_for_running_attempts_and_no_longer() -> None:
+    """An outcome waits up to the finish linger for others to join its batch, but only while an
+    attempt here still runs: the last one to end sends the batch at once, whole."""
+    store, backend = InMemoryStore(), StubBackend(hold=True)
+    settings = SETTINGS.model_copy(update={"slots": 3, "prefetch": 0, "finish_linger_s": 60})
+    node = Node(settings, store, StubBus(), backend, FakeReadyQueue(), asyncio.Event())  # type: ignore[arg-type]
+    batches: list[list[State]] = []
+    transition_many = store.tasks.transition_many
+
+    async def recorded(moves: Any) -> list[Task]:
+        batches.append([m.target for m in moves])
+        return await transition_many(moves)
+
+    tasks = [await scheduled(store) for _ in range(3)]
+    store.tasks.transition_many = recorded  # type: ignore[method-assign]
+    assert await Starter(node).start([dispatch_of(t) for t in tasks]) == 3  # type: ignore[misc]
+    finisher = asyncio.create_task(Finisher(node).run())
+    for _ in range(20):
+        await asyncio.sleep(0)
+    for launch in backend.launched[:2]:
+        backend.release((launch.task_id, launch.attempt))
+    for _ in range(40):
+        await asyncio.sleep(0)
+    assert len(batches) == 1  # the claim only: two outcomes wait for the third attempt
+    assert node.running == 3
+    last = backend.launched[2]
+    backend.release((last.task_id, last.attempt))
+    await asyncio.wait_for(asyncio.wait(node.runs), 5)
+    for _ in range(40):
+        await asyncio.sleep(0)
+    assert batches[1:] == [[State.SUCCESS] * 3]  # at once, not after the 60 s linger
+    assert node.running == 0
+    node.outcomes.put_nowait(None)
+    await asyncio.wait_for(finisher, 5)
