@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from shared.backlog import ROUNDS
 from shared.settings import DEFAULT_DATABASE_URL, PREFIX
 
 
@@ -101,7 +102,7 @@ class Settings(BaseSettings):
     slots: int = Field(default=4, ge=1, le=10_000)
     # Dispatches a node holds beyond its slots, each started the moment a slot frees, so its
     # slots never wait for a round through the scheduler (shared/backlog.py). Unset: up to
-    # as many as its slots, held only while its attempts run short, and one held
+    # twice its slots, held only while its attempts run short, and one held
     # backlog_hold_s handed back to Ready; a number: always that many, each held until a slot
     # frees (for tasks known to be short); 0: none. Local nodes only.
     prefetch: int | None = Field(default=None, ge=0, le=10_000)
@@ -221,8 +222,9 @@ class Settings(BaseSettings):
 
     @property
     def backlog_limit(self) -> int:
-        """The most dispatches a local node holds beyond its slots (SKED_PREFETCH)."""
-        return self.slots if self.prefetch is None else self.prefetch
+        """The most dispatches a local node holds beyond its slots (SKED_PREFETCH; unset:
+        shared.backlog.ROUNDS times its slots)."""
+        return self.slots * ROUNDS if self.prefetch is None else self.prefetch
 
     @property
     def backlog_hold(self) -> float | None:

@@ -36,8 +36,8 @@ async def test_a_backlog_is_earned_by_short_attempts_and_handed_back_behind_long
     assert await backlog() == 0  # none until earned
     short = await client.submit_many([nap(f"short{i}", 0) for i in range(40)])
     await client.wait_all(short, timeout=60)
-    # a full window of short attempts: a backlog as deep as the node's slots
-    await eventually(lambda: _is(backlog, 2), timeout=10, what="the backlog earned")
+    # a full window of short attempts: a backlog twice as deep as the node's slots
+    await eventually(lambda: _is(backlog, 4), timeout=10, what="the backlog earned")
 
     long = await client.submit_many([nap(f"long{i}", 60_000) for i in range(2)])
     await eventually(lambda: _count(pool, long, "running"), timeout=30, what="both slots taken")

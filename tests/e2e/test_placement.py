@@ -25,6 +25,7 @@ from uuid import UUID, uuid4
 import asyncpg
 
 from shared import fsm
+from shared.backlog import ROUNDS
 from shared.client import SkedClient, WaitTimeout
 from shared.errors import NotFound
 from shared.fsm import State
@@ -176,10 +177,10 @@ def peak_usage(holds: Iterable[Hold]) -> dict[str, dict[str, tuple[float, float]
 
 def capacity(row: NodeRow, resource: str, what: str) -> float:
     """A node's capacity for `resource`. Runs: its slots. Reservations also count dispatches
-    held in its backlog, Scheduling, slot-free: up to as many again as its slots (the default
+    held in its backlog, Scheduling, slot-free: up to ROUNDS times its slots (the default
     backlog, shared/backlog.py); cpu, memory and gpu are reserved for them as for any attempt."""
     if resource == "slots" and what == "reservations":
-        return float(row.slots * 2)
+        return float(row.slots * (1 + ROUNDS))
     return float(getattr(row, resource))
 
 

@@ -67,3 +67,24 @@ def test_it_advertises_nothing_or_the_limit_and_reports_every_change(runs: list[
         assert b.advertised in (0, 5)
         assert changed == (b.advertised != before)
         before = b.advertised
+
+
+def test_a_backlog_of_two_rounds_needs_attempts_half_as_long() -> None:
+    """Two rounds deep, its last held dispatch waits about two attempts: the lines (a quarter
+    and a half of hold_s) apply to twice the mean."""
+    b = Backlog(8, hold_s=2.0, window=4, rounds=2)
+    assert not any(b.ran(0.35) for _ in range(4))  # 2 x 0.35 s > 0.5 s: not earned
+    assert not b.ran(0.1)  # mean 0.2875 s, x2 = 0.575 s: not yet (one round would be on)
+    assert b.ran(0.1)  # mean 0.225 s, x2 = 0.45 s <= 0.5 s: on, the whole limit
+    assert b.advertised == 8
+    assert not b.ran(0.9)  # mean 0.3625 s, x2 = 0.725 s: between the lines, still on
+    assert b.ran(1.9)  # mean 0.75 s, x2 = 1.5 s > 1 s: off
+    assert b.advertised == 0
+
+
+def test_the_default_backlog_is_two_rounds_of_slots_and_a_number_is_taken_as_it_is() -> None:
+    from shared.settings import Settings
+
+    assert Settings(slots=16).backlog_limit == 32
+    assert Settings(slots=16, prefetch=5).backlog_limit == 5
+    assert Settings(slots=16, prefetch=0).backlog_limit == 0
