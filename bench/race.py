@@ -361,9 +361,19 @@ async def other_benches(stack: Stack) -> list[str]:
     live = []
     for r in names:
         pid = r["datname"].rsplit("_", 1)[1]
-        if r["datname"] != stack.name and pid.isdigit() and Path(f"/proc/{pid}").exists():
+        if r["datname"] != stack.name and pid.isdigit() and _is_bench(int(pid)):
             live.append(r["datname"])
     return live
+
+
+def _is_bench(pid: int) -> bool:
+    """Whether process `pid` is a bench (a killed bench leaves its database behind, and its
+    pid may since name any other process)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return any(b"bench" in arg for arg in argv[1:3])
 
 
 async def sked_run(args: argparse.Namespace, run: int) -> Result:
