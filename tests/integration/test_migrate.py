@@ -11,11 +11,12 @@ import sys
 from importlib import resources
 from pathlib import Path
 from typing import Any
+from uuid import uuid4
 
 import asyncpg
 
 from shared import fsm
-from shared.models import TaskSpec
+from shared.models import Event, TaskSpec
 from shared.store import Store
 from shared.store import migrate as migrate_module
 from shared.store.queries import Q, load
@@ -189,3 +190,63 @@ def _fragments() -> list[Any]:
             out.extend(b for b in queries._blocks(entry.read_text("utf-8"), entry.name))
     load()
     return [b for b in out if b.kind == "fragment"]
+
+
+async def test_events_not_yet_relayed_move_to_the_outbox_in_order() -> None:
+    """Migration 0016 (the outbox apart from the history): a database migrated to 0015 with
+    events published and not is migrated on; those not yet published are in the outbox, in
+    their order, each with its event's JSON as the relay sends it; the history keeps all."""
+    name = f"{RUN}_outbox_0016"
+    admin = await asyncpg.connect(PG_ADMIN)
+    await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    await admin.execute(f'CREATE DATABASE "{name}"')
+    await admin.close()
+    dsn = f"{PG_BASE}/{name}"
+    try:
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute(Q.create_ledger.sql)
+            for m in migrate_module.available():
+                if m.version < 16:
+                    await conn.execute(m.sql)
+                    await conn.execute(Q.record_migration.sql, m.version, m.name)
+            a, b = uuid4(), uuid4()
+            rows = [  # (task, from, to, version, published)
+                (a, None, "created", 1, True),
+                (a, "created", "pending", 2, True),
+                (b, None, "created", 1, False),
+                (a, "pending", "ready", 3, False),
+                (b, "created", "pending", 2, False),
+            ]
+            for task, src, dst, version, published in rows:
+                await conn.execute(
+                    "INSERT INTO task_events (task_id, from_status, to_status, version, attempt,"
+                    " reason, published_at) VALUES ($1, $2, $3, $4, 0, 'why', "
+                    "CASE WHEN $5 THEN now() END)",
+                    task,
+                    src,
+                    dst,
+                    version,
+                    published,
+                )
+        finally:
+            await conn.close()
+        assert await migrate_module.migrate(dsn) == migrate_module.available()[-1].version
+        conn = await asyncpg.connect(dsn)
+        try:
+            outbox = await conn.fetch("SELECT task_id, to_status, at, body FROM outbox ORDER BY id")
+            assert await conn.fetchval("SELECT count(*) FROM task_events") == 5
+        finally:
+            await conn.close()
+        events = [Event.model_validate_json(r["body"]) for r in outbox]
+        assert [(e.task_id, e.version) for e in events] == [(b, 1), (a, 3), (b, 2)]
+        assert [(r["task_id"], r["to_status"]) for r in outbox] == [
+            (e.task_id, e.to_status.value) for e in events
+        ]
+        assert all(r["at"] == e.at for r, e in zip(outbox, events, strict=True))
+        assert events[1].from_status is fsm.State.PENDING
+        assert events[1].reason == "why"
+    finally:
+        admin = await asyncpg.connect(PG_ADMIN)
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
