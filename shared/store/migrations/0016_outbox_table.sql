@@ -12,6 +12,10 @@
 -- move, after the previous move committed, so id order is version order for every task, as
 -- the event ids were.
 
+-- Upgrading: stop schedulers and relays of an older version before this runs (an old relay
+-- reads published_at; an old scheduler's admissions would write no outbox rows): see
+-- docs/architecture.md, "Migrations".
+
 CREATE TABLE outbox (
     id        bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     task_id   uuid NOT NULL,
