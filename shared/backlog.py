@@ -29,10 +29,13 @@ ROUNDS = 2  # the default backlog: this many times a node's slots
 
 
 class Backlog:
-    def __init__(self, limit: int, hold_s: float | None, window: int = 32, rounds: int = 1) -> None:
+    def __init__(
+        self, limit: int, hold_s: float | None, window: int = 32, slots: int | None = None
+    ) -> None:
         self.limit = limit  # the most it may advertise
         self.hold_s = hold_s  # how long a dispatch may wait held; None: a fixed backlog
-        self.rounds = rounds  # `limit` over the node's slots: rounds of attempts it covers
+        # rounds of attempts the full backlog covers: `limit` over the node's `slots`
+        self.rounds = max(1, -(-limit // slots)) if slots else 1
         self._runs: deque[float] = deque(maxlen=window)
         self.advertised = limit if hold_s is None else 0
 

@@ -16,7 +16,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from aiormq.exceptions import ChannelInvalidStateError
 
 from services.executor.backends import Backend, Key, Outcome
-from shared.backlog import ROUNDS, Backlog
+from shared.backlog import Backlog
 from shared.bus import AmqpBus
 from shared.dispatches import Entry, unpack
 from shared.models import Dispatch, Task
@@ -120,8 +120,7 @@ class Node:
         # the backlog this node holds now (none until its attempts prove short); the nodes
         # loop writes it to the node's row when `backlog_changed` is set
         limit = settings.backlog_limit if self.gated else 0
-        rounds = ROUNDS if settings.prefetch is None else 1
-        self.backlog = Backlog(limit, settings.backlog_hold, rounds=rounds)
+        self.backlog = Backlog(limit, settings.backlog_hold, slots=settings.slots)
         self.backlog_changed = asyncio.Event()
         # outcomes known here but not yet written: a probe gets the real outcome from these
         self.unreported: dict[Key, Outcome] = {}

@@ -72,7 +72,7 @@ def test_it_advertises_nothing_or_the_limit_and_reports_every_change(runs: list[
 def test_a_backlog_of_two_rounds_needs_attempts_half_as_long() -> None:
     """Two rounds deep, its last held dispatch waits about two attempts: the lines (a quarter
     and a half of hold_s) apply to twice the mean."""
-    b = Backlog(8, hold_s=2.0, window=4, rounds=2)
+    b = Backlog(8, hold_s=2.0, window=4, slots=4)
     assert not any(b.ran(0.35) for _ in range(4))  # 2 x 0.35 s > 0.5 s: not earned
     assert not b.ran(0.1)  # mean 0.2875 s, x2 = 0.575 s: not yet (one round would be on)
     assert b.ran(0.1)  # mean 0.225 s, x2 = 0.45 s <= 0.5 s: on, the whole limit
