@@ -10,6 +10,8 @@ always be recordable: NUL and lone surrogates escaped, text cut with a marker.
 from __future__ import annotations
 
 import json
+import re
+from itertools import accumulate
 from typing import Any
 
 MAX_DEPTH = 64  # levels of arrays and objects; a task spec needs a handful
@@ -31,18 +33,63 @@ def parse(body: bytes | str) -> Any:
         text = body.decode("utf-8") if isinstance(body, bytes) else body
     except UnicodeDecodeError as exc:
         raise Unsafe(f"malformed JSON: not UTF-8: {exc}") from None
+    infinite = False
+
+    def finite(number: str) -> float:
+        # a literal past float's range (1e400) parses as inf: only the walk below names it
+        nonlocal infinite
+        value = float(number)
+        if value in _INFINITE:
+            infinite = True
+        return value
+
     try:
-        value = json.loads(text, parse_constant=_refuse_constant)
+        value = json.loads(text, parse_constant=_refuse_constant, parse_float=finite)
     except Unsafe:
         raise
     except RecursionError:
         raise Unsafe(f"nested deeper than {MAX_DEPTH} levels") from None
     except ValueError as exc:  # JSONDecodeError, and integers past Python's digit limit
         raise Unsafe(f"malformed JSON: {exc}") from None
-    why = problem(value)
-    if why is not None:
-        raise Unsafe(why)
+    if infinite or isinstance(body, str) or _may_be_unsafe(body):
+        why = problem(value)
+        if why is not None:
+            raise Unsafe(why)
     return value
+
+
+# What `problem` looks for can only come from a few places in JSON text that decoded from
+# UTF-8 and parsed: a NUL or a lone surrogate only from a \u escape (the decoder refuses raw
+# control characters, and UTF-8 cannot carry a surrogate), an infinite float only from a
+# literal out of range (seen as it is parsed), and nesting only from brackets. A text with
+# none of these, nested at most MAX_DEPTH deep, is safe without walking the value — which
+# cost a batch of submissions ~15 µs a task, most of intake's check (docs/performance.md).
+# Any doubt falls back to the walk, which names the place.
+_INFINITE = (float("inf"), float("-inf"))
+_RISKY_ESCAPE = re.compile(rb"\\u(?:0000|[dD][89a-fA-F])")
+_NOT_STRUCTURE = bytes(c for c in range(256) if c not in b'[]{}"\\')
+_OPENS = frozenset(b"[{")
+
+
+def _may_be_unsafe(body: bytes) -> bool:
+    """False only if `problem` would find nothing in the value parsed from `body` (UTF-8,
+    valid JSON)."""
+    if _RISKY_ESCAPE.search(body):
+        return True
+    if body.count(b"[") + body.count(b"{") <= MAX_DEPTH:
+        return False
+    # The nesting, from the brackets outside strings. Kept: brackets, quotes, backslashes.
+    # Without a backslash quotes alternate open, close; dropping adjacent pairs left to right
+    # then drops every quote only if no string holds a bracket (the first quote can only pair
+    # with the second, so the first string holds none; and so on). Otherwise: the walk.
+    marks = body.translate(None, _NOT_STRUCTURE)
+    if b"\\" in marks:
+        return True
+    brackets = marks.replace(b'""', b"")
+    if b'"' in brackets:
+        return True
+    depths = accumulate(1 if c in _OPENS else -1 for c in brackets)
+    return max(depths, default=0) > MAX_DEPTH
 
 
 def _bad_text(text: str) -> str | None:

@@ -1,0 +1,96 @@
+"""jsonvalue.parse skips walking a value when its text cannot hold what the walk looks for:
+these check that the shortcut never lets through what `problem` refuses (the reasons are
+tests/unit/test_hostile.py's)."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shared.jsonvalue import MAX_DEPTH, Unsafe, parse, problem
+
+TEXT = st.text(alphabet=st.sampled_from(["a", "é", "\x00", "\ud800", "\udfff", "\\", '"', "u"]))
+SCALARS = st.none() | st.booleans() | st.integers() | st.floats() | TEXT
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4),
+    max_leaves=30,
+)
+
+
+def verdict(text: str) -> str | None:
+    try:
+        parse(text.encode("utf-8"))
+    except Unsafe as exc:
+        return str(exc)
+    return None
+
+
+def nested(depth: int, leaf: Any) -> Any:
+    for _ in range(depth):
+        leaf = [leaf]
+    return leaf
+
+
+@given(VALUES, st.booleans())
+def test_parse_refuses_exactly_what_problem_finds(value: Any, ascii_only: bool) -> None:
+    text = json.dumps(value, ensure_ascii=ascii_only)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return  # a raw lone surrogate: such bytes are not UTF-8, refused before parsing
+    nan = any(isinstance(v, float) and math.isnan(v) for v in _leaves(value))  # NaN != NaN
+    refused = verdict(text)
+    assert (refused is not None) == (problem(value) is not None)
+    if refused is None and not nan:
+        assert parse(text.encode()) == value
+
+
+def _leaves(value: Any) -> list[Any]:
+    if isinstance(value, list):
+        return [x for v in value for x in _leaves(v)]
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in _leaves(v)]
+    return [value]
+
+
+@pytest.mark.parametrize("depth", [MAX_DEPTH - 1, MAX_DEPTH, MAX_DEPTH + 1, MAX_DEPTH + 2])
+@pytest.mark.parametrize("leaf", [1, [], {}, "x", "]" * 70, "[{" * 70, {"k]": "\\]"}])
+def test_nesting_at_the_limit_is_judged_as_the_walk_judges_it(depth: int, leaf: Any) -> None:
+    value = nested(depth, leaf)
+    # wide as well as deep: more brackets than MAX_DEPTH, so the count alone cannot decide
+    wide = [value, *([[1]] * MAX_DEPTH)]
+    # closing brackets inside a string ahead of the deep part must not be counted against it
+    behind = ["]}" * 70, value]
+    for v in (value, wide, behind):
+        assert (verdict(json.dumps(v)) is None) == (problem(v) is None)
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting() -> None:
+    text = json.dumps({"s": "[" * 500 + '\\"{' * 100, "t": ["]]]"] * 40})
+    assert verdict(text) is None
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ('{"a": "x\\u0000"}', "a holds a NUL character"),
+        ('{"a": ["\\uDBFF"]}', "a[0] holds a lone surrogate"),
+        ('{"a": 1e400}', "a is inf, not a JSON number"),
+        ('{"a": -2E+308}', "a is -inf, not a JSON number"),
+    ],
+)
+def test_what_only_escapes_and_literals_carry_is_still_found(text: str, reason: str) -> None:
+    found = verdict(text)
+    assert found is not None
+    assert reason in found
+
+
+def test_an_escaped_backslash_before_u0000_is_text_not_a_nul() -> None:
+    assert verdict('{"a": "\\\\u0000"}') is None  # falls back to the walk, which agrees
+    assert parse(b'{"a": "\\ud83d\\ude00"}') == {"a": "\U0001f600"}  # a surrogate pair
