@@ -29,6 +29,13 @@ class Mode(StrEnum):
         return {"normal": 0, "partial": 1, "full": 2}[self.value]
 
 
+def in_force(mode: Mode, remaining_s: float | None) -> Mode:
+    """The mode in force, given the seconds left until its end (None: no end): past it, none."""
+    if remaining_s is not None and remaining_s <= 0:
+        return Mode.NORMAL
+    return mode
+
+
 @dataclass(frozen=True)
 class DegradeState:
     """The row as read, with `remaining_s`: seconds until `until` by Postgres's clock at the
@@ -45,9 +52,7 @@ class DegradeState:
 
     def effective(self) -> Mode:
         """The mode in force: a mode past its `until` is over."""
-        if self.remaining_s is not None and self.remaining_s <= 0:
-            return Mode.NORMAL
-        return self.mode
+        return in_force(self.mode, self.remaining_s)
 
     @property
     def manual(self) -> bool:

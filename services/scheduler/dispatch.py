@@ -84,11 +84,13 @@ class Dispatcher(Part):
         ids: list[UUID] = []
         try:
             async with self.store.transaction() as tx:
-                nodes = [n.state() for n in await tx.nodes.lock_and_read()]
+                rows, mode = await tx.nodes.lock_and_read()
+                nodes = [n.state() for n in rows]
                 free = sum(n.room for n in nodes if n.ready)
                 if free <= 0:
                     return 0
-                mode = (await tx.degrade.read()).effective()
+                if mode is None:
+                    mode = (await tx.degrade.read()).effective()
                 if mode is Mode.FULL:
                     return 0
                 if mode is Mode.PARTIAL:
@@ -152,7 +154,9 @@ class Dispatcher(Part):
         and wakes dispatch); the units are counted under the placement locks, so two passes
         never hand out the same one."""
         if nodes is None:
-            nodes = [n.state() for n in await tx.nodes.lock_and_read()]
+            rows, read_mode = await tx.nodes.lock_and_read()
+            nodes = [n.state() for n in rows]
+            mode = mode or read_mode
         if mode is None:
             mode = (await tx.degrade.read()).effective()
         tasks, held_back = self._degraded(tasks, mode)

@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
+from shared.degrade import Mode, in_force
 from shared.placement import NodeState
 from shared.store.db import Db
 from shared.store.queries import Q
@@ -44,7 +45,7 @@ class NodeRow:
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> NodeRow:
-        values = dict(row)
+        values = {k: v for k, v in row.items() if not k.startswith("degrade_")}
         values["used_cpu"] = float(values["used_cpu"])
         values["used_memory_mb"] = int(values["used_memory_mb"])
         values["used_gpu"] = int(values["used_gpu"])
@@ -119,8 +120,9 @@ class Nodes:
     async def all(self) -> list[NodeRow]:
         return [NodeRow.from_row(r) for r in await self.db.fetch(Q.nodes_with_usage, self.ttl_s)]
 
-    async def lock_and_read(self) -> list[NodeRow]:
-        """Inside a transaction: lock the live nodes, then read every node with its usage.
+    async def lock_and_read(self) -> tuple[list[NodeRow], Mode | None]:
+        """Inside a transaction: lock the live nodes, then read every node with its usage, and
+        the degrade mode in force (None if there is no node row to carry it).
 
         Only the nodes locked here count as live: one that turned live between the lock and
         the read waits for the next pass rather than being placed on unlocked. Cordoned nodes
@@ -129,11 +131,15 @@ class Nodes:
         """
         assert self.db.in_transaction, "placement locks nodes inside a transaction"
         locked = {r["id"] for r in await self.db.fetch(Q.lock_live_nodes, self.ttl_s)}
-        rows = [NodeRow.from_row(r) for r in await self.db.fetch(Q.nodes_with_usage, self.ttl_s)]
+        rows = await self.db.fetch(Q.nodes_with_usage, self.ttl_s)
+        nodes = [NodeRow.from_row(r) for r in rows]
+        mode = None
+        if rows and rows[0]["degrade_mode"] is not None:
+            mode = in_force(Mode(rows[0]["degrade_mode"]), rows[0]["degrade_remaining_s"])
         return [
             r if r.id in locked or r.cordoned_at is not None else replace(r, live=False)
-            for r in rows
-        ]
+            for r in nodes
+        ], mode
 
     async def cordon(self, node_id: str, by: str, reason: str = "") -> bool:
         """Cordon the node (no new work; what runs there runs on); False if unknown. A node

@@ -562,7 +562,7 @@ async def test_a_placement_that_waited_for_the_node_locks_sees_the_reservations_
     async with pool.acquire() as a, pool.acquire() as b:
         async with a.transaction():
             tx_a, tx_b = Tx(Db(a, 0.5), 10.0), Tx(Db(b, 0.5), 10.0)
-            [seen_by_a] = await tx_a.nodes.lock_and_read()
+            [seen_by_a], _ = await tx_a.nodes.lock_and_read()
             assert seen_by_a.used_slots == 0
             [moved] = await tx_a.tasks.transition_many([fsm.plan(task, State.SCHEDULING, node="n")])
             assert moved.node == "n"
@@ -580,7 +580,7 @@ async def test_a_placement_that_waited_for_the_node_locks_sees_the_reservations_
 
             await eventually(b_waits_for_the_locks, timeout=10, what="B to wait for the locks")
         try:
-            [seen_by_b] = await asyncio.wait_for(b_read, timeout=10)
+            [seen_by_b], _ = await asyncio.wait_for(b_read, timeout=10)
         finally:
             await b_tx.rollback()
     fresh = (await node_rows(pool))["n"]

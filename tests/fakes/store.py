@@ -298,8 +298,9 @@ class FakeNodes:
             )
         return out
 
-    async def lock_and_read(self) -> list[NodeRow]:
-        return await self.all()
+    async def lock_and_read(self) -> tuple[list[NodeRow], Mode | None]:
+        nodes = await self.all()
+        return nodes, self.d.degrade.effective() if nodes else None
 
     async def set_ready(self, node_id: str, boot_id: UUID, ready: bool) -> None:
         node = self.d.nodes[node_id]

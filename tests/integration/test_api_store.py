@@ -13,6 +13,7 @@ import pytest
 
 from shared import cordon, fsm
 from shared.auth import Role, digest
+from shared.degrade import Mode
 from shared.errors import InvalidSpec, NotFound
 from shared.fsm import State
 from shared.models import Task
@@ -104,7 +105,9 @@ async def test_a_cordon_outlives_heartbeats_and_re_registration(store: Store) ->
     assert kept.state().cordoned
 
     async with store.transaction() as tx:  # placement's read: n1 is left out, and says why
-        nodes = {n.id: n.state() for n in await tx.nodes.lock_and_read()}
+        rows, mode = await tx.nodes.lock_and_read()
+        nodes = {n.id: n.state() for n in rows}
+    assert mode is Mode.NORMAL
     assert (nodes["n1"].ready, nodes["n1"].cordoned) == (False, True)
     assert (nodes["n2"].ready, nodes["n2"].cordoned) == (True, False)
 

@@ -72,6 +72,24 @@ async def test_the_row_changes_by_cas_and_ends_by_postgres_time(store: Store) ->
     assert (over.mode, over.effective()) == (Mode.FULL, Mode.NORMAL)  # by Postgres's clock
 
 
+async def test_placement_reads_the_mode_in_force_with_the_nodes(store: Store) -> None:
+    """A placement pass reads the mode in the statement that reads the nodes' usage: the
+    row's mode while it lasts, normal once its `until` has passed by Postgres's clock."""
+
+    async def placement_mode() -> Mode | None:
+        async with store.transaction() as tx:
+            return (await tx.nodes.lock_and_read())[1]
+
+    assert await placement_mode() is None  # no node: nothing to carry it, nothing placed
+    await store.nodes.register("n", 1, 1.0, 1024, 0, {}, uuid4())
+    assert await placement_mode() is Mode.NORMAL
+    first = await store.degrade.read()
+    assert await store.degrade.set(Mode.PARTIAL, "busy", "ann", 0.5, first.version) is not None
+    assert await placement_mode() is Mode.PARTIAL
+    await asyncio.sleep(0.6)
+    assert await placement_mode() is Mode.NORMAL
+
+
 async def test_each_trigger_enters_its_mode_for_its_time_and_leaves_at_until(
     store: Store, pool: asyncpg.Pool, settings: Settings, queue: ReadyQueue
 ) -> None:

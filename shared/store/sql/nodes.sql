@@ -45,13 +45,17 @@ SELECT pg_notify('sked_node', id) FROM up
 
 -- name: nodes_with_usage
 -- Every node with its usage: the attempts that hold it (Scheduling or Running there) and what
--- they asked for; `live`: it heartbeat within $1 seconds.
+-- they asked for; `live`: it heartbeat within $1 seconds. Each row also carries the degrade
+-- mode and the seconds left until its end (Postgres's clock): placement reads it with the
+-- usage, at the same snapshot, rather than by another round trip.
 SELECT n.id, n.slots, n.prefetch, n.cpu, n.memory_mb, n.gpu, n.labels, n.ready, n.load, n.boot_id,
        n.registered_at, n.heartbeat_at, n.cordoned_at, n.cordoned_by, n.cordon_reason,
        n.heartbeat_at > now() - make_interval(secs => $1) AS live,
        COALESCE(u.used_slots, 0) AS used_slots, COALESCE(u.used_cpu, 0) AS used_cpu,
-       COALESCE(u.used_memory_mb, 0) AS used_memory_mb, COALESCE(u.used_gpu, 0) AS used_gpu
+       COALESCE(u.used_memory_mb, 0) AS used_memory_mb, COALESCE(u.used_gpu, 0) AS used_gpu,
+       d.mode AS degrade_mode, EXTRACT(EPOCH FROM d.until - now())::float8 AS degrade_remaining_s
 FROM nodes n
+LEFT JOIN degrade d ON true
 LEFT JOIN (
     SELECT node, count(*) AS used_slots, sum(cpu) AS used_cpu,
            sum(memory_mb) AS used_memory_mb, sum(gpu) AS used_gpu
