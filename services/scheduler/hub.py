@@ -80,7 +80,7 @@ class Hub:
         self.resolve_all = True
         # retries: a task entered RetryWait
         self.retry = asyncio.Event()
-        # schedule timeouts: a task entered Ready, so the earliest deadline may be earlier
+        # schedule timeouts: a task with a deadline entered Ready, so the earliest may be earlier
         self.deadlines = asyncio.Event()
         # degrade: the mode row changed (NOTIFY sked_degrade); dispatch obeys `degrade`
         self.degrade = DegradeView()
@@ -110,7 +110,9 @@ class Hub:
             self.dispatch.set()
         if State.RETRY_WAIT.value in states:
             self.retry.set()
-        if State.READY.value in states:
+        if State.READY.value in states and (notice.deadline_ids is None or notice.deadline_ids):
+            # only a task with a schedule deadline can bring the earliest one closer: the
+            # others (most) cost the timeout loop no look at the index
             self.deadlines.set()
 
     def degrade_notify(self, *_: object) -> None:

@@ -15,10 +15,10 @@ import asyncpg
 log = logging.getLogger(__name__)
 
 # One notification per statement that moves tasks (sql/fragments.sql, `notify`): every
-# notifying commit serialises on Postgres's notification queue. Payload: "<id>:<version>:<state>"
-# for each task moved ("<id>:<version>:w:<state>" for a workflow's task), space-separated, up to
-# NOTIFY_LIST_MAX tasks (about 5 KB, under the 8 KB limit); a bigger batch sends only
-# "*:<count>:<state,state...>".
+# notifying commit serialises on Postgres's notification queue. Payload:
+# "<id>:<version>:[d:][w:]<state>" for each task moved (`d:` one with a schedule deadline, `w:`
+# a workflow's task), space-separated, up to NOTIFY_LIST_MAX tasks (about 5 KB, under the 8 KB
+# limit); a bigger batch sends only "*:<count>:<state,state...>".
 TASK_CHANNEL = "sked_task"
 NOTIFY_LIST_MAX = 100
 
@@ -26,11 +26,13 @@ NOTIFY_LIST_MAX = 100
 @dataclass(frozen=True)
 class Notice:
     """A parsed state-change notification: which tasks (None: too many to list), which states,
-    and which of the tasks belong to a workflow (None: not listed)."""
+    which of the tasks belong to a workflow and which have a schedule deadline (None: not
+    listed, so any may)."""
 
     ids: frozenset[UUID] | None
     states: frozenset[str]
     workflow_ids: frozenset[UUID] | None = None
+    deadline_ids: frozenset[UUID] | None = None
 
 
 def may_name(payload: str, states: Iterable[str]) -> bool:
@@ -44,10 +46,10 @@ def parse_notify(payload: str) -> Notice:
     """Read a payload; entries that are not sked's (anyone may NOTIFY) are skipped."""
     if payload.startswith("*:"):
         return Notice(None, frozenset(payload.rsplit(":", 1)[-1].split(",")))
-    ids, states, in_workflows = set(), set(), set()
+    ids, states, in_workflows, with_deadlines = set(), set(), set(), set()
     for entry in payload.split():
         task_id, _, rest = entry.partition(":")
-        rest, _, state = rest.rpartition(":")
+        rest, _, state = rest.rpartition(":")  # rest: "<version>[:d][:w]"
         try:
             uuid = UUID(task_id)
         except ValueError:
@@ -56,7 +58,12 @@ def parse_notify(payload: str) -> Notice:
         states.add(state)
         if rest.endswith(":w"):
             in_workflows.add(uuid)
-    return Notice(frozenset(ids), frozenset(states), frozenset(in_workflows))
+            rest = rest[:-2]
+        if rest.endswith(":d"):
+            with_deadlines.add(uuid)
+    return Notice(
+        frozenset(ids), frozenset(states), frozenset(in_workflows), frozenset(with_deadlines)
+    )
 
 
 Handler = Callable[[object, int, str, str], None]

@@ -286,15 +286,17 @@ async def test_admission_walks_the_fsm_in_one_statement(store: Store, pool: asyn
 
 
 def test_notify_payloads_parse() -> None:
-    a, b = UUID(int=1), UUID(int=2)
-    notice = parse_notify(f"{a}:3:ready {b}:7:w:success")
-    assert notice.ids == {a, b}
-    assert notice.states == {"ready", "success"}
-    assert notice.workflow_ids == {b}  # marked: a workflow's task
+    a, b, c, d = (UUID(int=i) for i in range(1, 5))
+    notice = parse_notify(f"{a}:3:ready {b}:7:w:success {c}:2:d:w:ready {d}:4:d:scheduling")
+    assert notice.ids == {a, b, c, d}
+    assert notice.states == {"ready", "success", "scheduling"}
+    assert notice.workflow_ids == {b, c}  # marked: a workflow's task
+    assert notice.deadline_ids == {c, d}  # marked: a task with a schedule deadline
     big = parse_notify("*:500:success,failed")
     assert big.ids is None
     assert big.states == {"success", "failed"}
     assert big.workflow_ids is None  # not listed: any of them may be a workflow's
+    assert big.deadline_ids is None
 
 
 async def _blocked_on(pool: asyncpg.Pool, pid: int) -> bool:

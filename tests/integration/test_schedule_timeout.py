@@ -15,7 +15,7 @@ from shared.dag import WorkflowSpec
 from shared.fsm import State
 from shared.models import Task
 from shared.outcome import not_started
-from shared.store import Store
+from shared.store import TASK_CHANNEL, Store, parse_notify
 from shared.store.queries import Q
 from shared.views import is_done
 from tests.helpers import spec
@@ -74,6 +74,27 @@ async def test_the_deadline_is_set_on_entering_ready_and_kept_by_a_bounce(store:
     assert task.schedule_deadline is not None
     assert (task.schedule_deadline - task.queued_at).total_seconds() == 2.0
     assert task.schedule_deadline > first
+
+
+async def test_the_notification_marks_the_tasks_that_have_a_deadline(
+    store: Store, dsn: str
+) -> None:
+    """The timeout loop looks at its index only when a task with a deadline entered Ready:
+    the NOTIFY of admission and of every CAS marks such tasks (`d:`)."""
+    heard: asyncio.Queue[str] = asyncio.Queue()
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.add_listener(TASK_CHANNEL, lambda *args: heard.put_nowait(args[-1]))
+        plain = await ready(store, "plain")
+        timed = await ready(store, schedule_timeout_s=2)
+        await fsm.apply(store.tasks, timed, State.SCHEDULING, node="n1")
+        payloads = [await asyncio.wait_for(heard.get(), 5) for _ in range(3)]
+    finally:
+        await conn.close()
+    notices = [parse_notify(p) for p in payloads]
+    assert [n.ids for n in notices] == [{plain.id}, {timed.id}, {timed.id}]
+    assert [n.deadline_ids for n in notices] == [set(), {timed.id}, {timed.id}]
+    assert payloads[1] == f"{timed.id}:{timed.version}:d:ready"
 
 
 async def test_a_resume_starts_a_new_clock(store: Store) -> None:

@@ -168,9 +168,18 @@ async def test_a_started_attempt_is_not_failed() -> None:
     assert (await store.tasks.get(task.id)).status is State.RUNNING
 
 
-async def test_a_ready_notification_wakes_the_loop() -> None:
+async def test_a_ready_notification_of_a_task_with_a_deadline_wakes_the_loop() -> None:
     hub = Hub()
-    hub.task_notify(None, 0, "", "00000000-0000-0000-0000-000000000001:3:ready")
+    one = "00000000-0000-0000-0000-000000000001"
+    hub.task_notify(None, 0, "", f"{one}:3:ready")  # no deadline: it cannot be the earliest
+    assert not hub.deadlines.is_set()
+    hub.task_notify(None, 0, "", f"{one}:3:d:ready")
+    assert hub.deadlines.is_set()
+    hub.deadlines.clear()
+    hub.task_notify(None, 0, "", f"{one}:3:d:w:ready")  # a workflow's task
+    assert hub.deadlines.is_set()
+    hub.deadlines.clear()
+    hub.task_notify(None, 0, "", "*:500:ready")  # not listed: any may have one
     assert hub.deadlines.is_set()
     hub.deadlines.clear()
     hub.task_notify(None, 0, "", "*:500:running,success")

@@ -48,13 +48,15 @@ ORDER BY t.id FOR UPDATE OF t SKIP LOCKED
 
 -- fragment: notify(moved)
 -- The one NOTIFY of a statement that moved the rows of CTE `moved`, on channel sked_task
--- (repo.TASK_CHANNEL): "<id>:<version>:<state>" per task ("<id>:<version>:w:<state>" for a
--- workflow's task: only those wake the scheduler's workflow resolution), space-separated, up to
--- 100 tasks; beyond that "*:<count>:<state,state...>". One per transaction: every notifying
--- commit serialises on Postgres's notification queue.
+-- (repo.TASK_CHANNEL): "<id>:<version>:[d:][w:]<state>" per task, space-separated, up to 100
+-- tasks; beyond that "*:<count>:<state,state...>". `d:` marks a task with a schedule deadline
+-- (only those wake the scheduler's schedule-timeout loop), `w:` a workflow's task (only those
+-- wake its workflow resolution); `w:` comes last, where readers before `d:` look for it. One
+-- per transaction: every notifying commit serialises on Postgres's notification queue.
 SELECT pg_notify('sked_task',
                  CASE WHEN count(*) <= 100
                       THEN string_agg(id::text || ':' || version || ':'
+                                      || CASE WHEN schedule_deadline IS NULL THEN '' ELSE 'd:' END
                                       || CASE WHEN workflow_id IS NULL THEN '' ELSE 'w:' END
                                       || status, ' ')
                       ELSE '*:' || count(*) || ':' || string_agg(DISTINCT status, ',') END)
