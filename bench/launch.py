@@ -3,7 +3,9 @@
 Runs `true` commands (and, with --handler, no-op handlers) through LocalBackend.run — the
 warden's fork of a shim, the shim's fork and exec, the log file, the running record, the
 outcome — with no scheduler, Postgres or RabbitMQ, `--concurrency` at a time, and prints the
-attempts per second and where one attempt's time goes:
+attempts per second, the CPU one attempt costs (this process: what an executor spends; its
+process tree: the warden, the shims, the handler workers and the programs), and where one
+attempt's time goes:
   spawn   executor asks the warden -> the shim reports the program's pid (fork, fork, exec)
   run     pid reported -> the shim reports its exit (`true` itself, the shim's reaping)
   total   run() called -> returned (the rest: the log tail, the running record, files)
@@ -14,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from uuid import uuid4
 
+from bench.profile import children, cpu_seconds
 from services.executor.backends import Launch
 from services.executor.backends.local import LocalBackend
 from services.executor.backends.local import process as local_process
@@ -75,6 +79,11 @@ async def attempts(
     return n / (time.perf_counter() - start)
 
 
+def cpu_now() -> tuple[float, float]:
+    """CPU seconds so far: this process's, and its descendants' (with what they reaped)."""
+    return time.process_time(), sum(cpu_seconds(p) for p in children(os.getpid()))
+
+
 async def main(args: argparse.Namespace) -> None:
     clock = Clock()
     clock.install()
@@ -82,7 +91,7 @@ async def main(args: argparse.Namespace) -> None:
     if args.handler:
         jobs.append(("no-op handler", HandlerJob(handler="bench.jobs:noop")))
     for name, job in jobs:
-        rates = []
+        rates, own_us, tree_us = [], [], []
         for _ in range(args.runs):
             with tempfile.TemporaryDirectory(prefix="sked-launch-") as state:
                 backend = LocalBackend(
@@ -97,14 +106,20 @@ async def main(args: argparse.Namespace) -> None:
                     await attempts(backend, job, min(200, args.attempts), args.concurrency, total)
                     for p in PHASES:
                         clock.phases[p].clear()
+                    own, tree = cpu_now()
                     rates.append(
                         await attempts(backend, job, args.attempts, args.concurrency, total)
                     )
+                    own_after, tree_after = cpu_now()
+                    own_us.append((own_after - own) / args.attempts * 1e6)
+                    tree_us.append((tree_after - tree) / args.attempts * 1e6)
                 finally:
                     await backend.close()
         print(
             f"{name}: {statistics.median(rates):,.0f} attempts/s (median of {args.runs}, "
-            f"{args.concurrency} at a time, the backend alone)"
+            f"{args.concurrency} at a time, the backend alone); CPU an attempt: "
+            f"{statistics.median(own_us):,.0f} µs here (the executor's side), "
+            f"{statistics.median(tree_us):,.0f} µs in its process tree"
         )
         for p, values in clock.phases.items():
             if values:
