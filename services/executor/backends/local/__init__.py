@@ -225,39 +225,47 @@ class LocalBackend(OneNode):
 
     async def _attempt(self, run: _Run, launch: Launch) -> Outcome:
         key = (launch.task_id, launch.attempt)
-        log_path = self._logs / f"{key[0]}-{key[1]}.log"
-        inputs_path = self._io / f"{key[0]}-{key[1]}.inputs.json"
-        output_path = self._io / f"{key[0]}-{key[1]}.output.json"
+        stem = f"{key[0]}-{key[1]}"
+        job = launch.job
+        # Paths only for the files this attempt has: a no-op handler's round trip is short
+        # enough that building five Path objects was a tenth of the executor's part of it.
+        inputs_path = None if launch.inputs is None else self._io / f"{stem}.inputs.json"
+        output_path = self._io / f"{stem}.output.json" if isinstance(job, CommandJob) else None
         try:
-            job = launch.job
             io_env = {}
-            if launch.inputs is not None:
+            if inputs_path is not None:
                 inputs_path.write_text(json.dumps(launch.inputs))
                 io_env["SKED_INPUTS"] = str(inputs_path)
-            if isinstance(job, CommandJob):
+            if output_path is not None:
                 output_path.unlink(missing_ok=True)
                 io_env["SKED_OUTPUT"] = str(output_path)
+            if io_env:
                 launch = replace(launch, env={**launch.env, **io_env})
-                outcome = await self._command(run, launch, job, log_path)
+            if isinstance(job, CommandJob):
+                assert output_path is not None
+                outcome = await self._command(run, launch, job, self._log_path(stem))
                 return _with_output(outcome, output_path)
-            launch = replace(launch, env={**launch.env, **io_env})
-            return await self._handler(run, launch, job, log_path)
+            return await self._handler(run, launch, job, stem)
         except Exception as exc:
             log.exception(
                 "attempt %s/%s: backend failure",
                 *key,
                 extra={"task_id": key[0], "attempt": key[1]},
             )
-            return Outcome.failed(f"executor error: {describe(exc)}", self._tail(log_path))
+            tail = self._tail(self._log_path(stem))
+            return Outcome.failed(f"executor error: {describe(exc)}", tail)
         finally:
             del self._runs[key]
-            if launch.inputs is not None:
+            if inputs_path is not None:
                 inputs_path.unlink(missing_ok=True)
-            if isinstance(launch.job, CommandJob):  # a handler's attempt never has one
+            if output_path is not None:  # a handler's attempt never has one
                 output_path.unlink(missing_ok=True)
 
+    def _log_path(self, stem: str) -> Path:
+        return self._logs / f"{stem}.log"
+
     async def log_tail(self, key: Key, limit: int) -> str | None:
-        path = self._logs / f"{key[0]}-{key[1]}.log"
+        path = self._log_path(f"{key[0]}-{key[1]}")
         return _tail(path, limit) if path.exists() else None
 
     def _tail(self, log_path: Path) -> str:
@@ -310,7 +318,7 @@ class LocalBackend(OneNode):
             "(its node was cut off or frozen), then killed"
         )
 
-    async def _handler(self, run: _Run, launch: Launch, job: HandlerJob, log_path: Path) -> Outcome:
+    async def _handler(self, run: _Run, launch: Launch, job: HandlerJob, stem: str) -> Outcome:
         try:
             worker = await self._pool.take(run.stop)
         except Stopped:
@@ -352,7 +360,7 @@ class LocalBackend(OneNode):
                 await worker.kill()
             else:
                 worker.proc.unlease_soon()
-            tail = await self._keep_output(worker, log_path)
+            tail = await self._keep_output(worker, stem)
         finally:
             self._records.remove(key)
             if answer is not None:
@@ -373,13 +381,14 @@ class LocalBackend(OneNode):
         log.warning("attempt %s/%s: %s", *key, error, extra={"task_id": key[0], "attempt": key[1]})
         return Outcome.failed(error, tail)
 
-    async def _keep_output(self, worker: Worker, log_path: Path) -> str:
+    async def _keep_output(self, worker: Worker, stem: str) -> str:
         """Copy what the job printed to the attempt's log; return its tail ("" if nothing)."""
         try:
-            size = worker.out.stat().st_size
+            size = os.stat(worker.out_name).st_size
         except OSError:
             return ""
         if size == 0:
             return ""
+        log_path = self._log_path(stem)
         await asyncio.to_thread(shutil.copyfile, worker.out, log_path)
         return _tail(log_path, self.log_tail_bytes)

@@ -38,10 +38,12 @@ class Records:
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self._root = str(root)
         self.boot_id = _boot_id()
 
-    def _path(self, key: Key) -> Path:
-        return self.root / f"{key[0]}-{key[1]}.json"
+    def _path(self, key: Key) -> str:
+        # a string, not a Path: linked and removed around every handler job
+        return f"{self._root}/{key[0]}-{key[1]}.json"
 
     def _write(self, path: Path, pid: int, start_time: int | None) -> None:
         record = {
@@ -55,7 +57,7 @@ class Records:
         os.replace(tmp, path)  # a crash mid-write leaves a stray .tmp, never a torn record
 
     def add(self, key: Key, pid: int, start_time: int | None) -> None:
-        self._write(self._path(key), pid, start_time)
+        self._write(Path(self._path(key)), pid, start_time)
 
     def add_worker(self, name: str, pid: int, start_time: int | None) -> Path:
         path = self.root / f"{name}.worker"
@@ -72,13 +74,14 @@ class Records:
         try:
             os.link(worker_record, path)
         except FileExistsError:
-            path.unlink()
+            os.unlink(path)
             os.link(worker_record, path)
         except OSError:  # a file system without hard links
             shutil.copyfile(worker_record, path)
 
     def remove(self, key: Key) -> None:
-        self._path(key).unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path(key))
 
     def reap(self) -> list[Key]:
         """Kill what the attempts recorded by a dead executor left running; drop the records."""

@@ -45,6 +45,7 @@ class Worker:
         self.jobs = jobs
         self.replies = replies
         self.out = out
+        self.out_name = str(out)  # stat()ed after every job: no Path to render each time
         self.record: Path | None = None
         self.exited: asyncio.Future[Any] = proc.ended
 
