@@ -123,4 +123,6 @@ def storable(report: Report) -> Report:
     except (ValueError, RecursionError) as exc:
         why = clip(clean_text(f"result cannot be stored: {exc}"), MAX_ERROR_CHARS)
         return Report(ok=False, error=why, timed_out=report.timed_out, log_tail=log_tail)
+    if result is report.result and error == report.error and log_tail == report.log_tail:
+        return report  # already storable, as most are: no copy of the model
     return report.model_copy(update={"result": result, "error": error, "log_tail": log_tail})
