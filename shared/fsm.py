@@ -60,6 +60,10 @@ RETRYABLE = frozenset(_RETRYABLE)
 HOLDS_SLOT = frozenset({S.SCHEDULING, S.RUNNING})
 # A task waits for its attempt to start in these states: its schedule timeout counts here.
 AWAITS_START = frozenset({S.READY, S.SCHEDULING})
+# A move into one of these, made by someone else, takes a running attempt away from its node
+# (an operator's pause or cancel, a loss declared and retried): its executor must stop it.
+# Such moves are also told on a channel of their own (store.TAKEN_CHANNEL).
+TAKES_AWAY = frozenset({S.PAUSED, S.CANCELED, S.LOST, S.RETRY_WAIT})
 
 
 @dataclass(frozen=True)

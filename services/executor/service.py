@@ -43,7 +43,7 @@ from shared.resilience import TRANSIENT
 from shared.runtime import wait_any
 from shared.service import Loop, Service
 from shared.settings import Settings
-from shared.store import TASK_CHANNEL, Handler, Store
+from shared.store import TAKEN_CHANNEL, Handler, Store
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class Executor(Service):
         return [self.node.backend.watch]
 
     def channels(self) -> Sequence[tuple[str, Handler]]:
-        return [(TASK_CHANNEL, self.watcher.on_task_notify)]
+        return [(TAKEN_CHANNEL, self.watcher.on_task_notify)]
 
     def missed(self) -> None:
         self.node.suspect()

@@ -7,7 +7,7 @@ import logging
 import time
 
 from services.executor.node import Node
-from shared import lease
+from shared import fsm, lease
 from shared.errors import one_line
 from shared.fsm import State
 from shared.runtime import wait_any
@@ -16,7 +16,7 @@ from shared.store import may_name, parse_notify
 log = logging.getLogger(__name__)
 
 # A move into one of these, made by someone else, takes a running attempt away from this node.
-TAKEN_AWAY = {s.value for s in (State.PAUSED, State.CANCELED, State.LOST, State.RETRY_WAIT)}
+TAKEN_AWAY = {s.value for s in fsm.TAKES_AWAY}
 
 
 class Watcher:

@@ -26,7 +26,7 @@ from shared.relay import OutboxRelay
 from shared.runtime import wait_any
 from shared.service import Service
 from shared.settings import Settings
-from shared.store import TASK_CHANNEL, Handler, Store, parse_notify
+from shared.store import TAKEN_CHANNEL, Handler, Store, parse_notify
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class Recovery(Service):
         self.alerter = alerter or Alerter(None, None)
 
     def channels(self) -> Sequence[tuple[str, Handler]]:
-        return [(TASK_CHANNEL, self._on_notify)]
+        return [(TAKEN_CHANNEL, self._on_notify)]
 
     def announce(self) -> str:
         return f"recovery running every {self.settings.recovery_period_s:g} s"

@@ -38,6 +38,9 @@ if TYPE_CHECKING:
         NodeRow as NodeRow,
     )
     from shared.store.notify import (
+        TAKEN_CHANNEL as TAKEN_CHANNEL,
+    )
+    from shared.store.notify import (
         TASK_CHANNEL as TASK_CHANNEL,
     )
     from shared.store.notify import (
@@ -68,6 +71,7 @@ if TYPE_CHECKING:
 _WHERE = {
     "DEGRADE_CHANNEL": "degrade",
     "NODE_CHANNEL": "nodes",
+    "TAKEN_CHANNEL": "notify",
     "TASK_CHANNEL": "notify",
     "ClusterCounts": "gauges",
     "ClusterGauges": "gauges",
@@ -85,6 +89,7 @@ _WHERE = {
 __all__ = [
     "DEGRADE_CHANNEL",
     "NODE_CHANNEL",
+    "TAKEN_CHANNEL",
     "TASK_CHANNEL",
     "ClusterCounts",
     "ClusterGauges",

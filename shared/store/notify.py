@@ -20,6 +20,10 @@ log = logging.getLogger(__name__)
 # a workflow's task), space-separated, up to NOTIFY_LIST_MAX tasks (about 5 KB, under the 8 KB
 # limit); a bigger batch sends only "*:<count>:<state,state...>".
 TASK_CHANNEL = "sked_task"
+# The moves that take a running attempt away from its node (fsm.TAKES_AWAY), in the same
+# payload, told again on a channel of their own (sql/fragments.sql, `notify_taken`): what the
+# executors and recovery act on, without being woken by every other move.
+TAKEN_CHANNEL = "sked_taken"
 NOTIFY_LIST_MAX = 100
 
 

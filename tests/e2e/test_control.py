@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -106,8 +107,12 @@ async def test_cancel_queued_and_running_tasks(
     tmp_path: Path,
     pool: asyncpg.Pool,
 ) -> None:
-    await deployment.start("scheduler")
-    await deployment.executor("one-slot", 1)
+    # Lease renewals far apart (every 7.5 s: a quarter of the 30 s heartbeat timeout), so the
+    # stop below can only come as soon as it does from the cancel's notification (the
+    # executor listens on sked_taken), not from a renewal Postgres refuses.
+    slow = {"SKED_NODE_HEARTBEAT_S": "20", "SKED_NODE_TTL_S": "60"}
+    await deployment.start("scheduler", env=slow)
+    await deployment.executor("one-slot", 1, env=slow)
     running_pids = tmp_path / "running"
     running = await client.submit(sleeper("running", running_pids, first_attempt_sleeps=False))
     pid = await eventually(
@@ -121,7 +126,9 @@ async def test_cancel_queued_and_running_tasks(
     assert out.returncode == 0, out.stderr
     out = sked(service_env, "cancel", str(running))
     assert out.returncode == 0, out.stderr
+    canceled_at = time.monotonic()
     await eventually(lambda: _not_alive(pid), timeout=15, what="the canceled process to stop")
+    assert time.monotonic() - canceled_at < 5.0, "stopped by a renewal, not the notification"
     await eventually(lambda: usage_is_zero(pool), timeout=15, what="the reservation release")
     for task_id in (queued, running):
         task = await client.get(task_id)

@@ -176,6 +176,7 @@ def test_the_state_lists_in_sql_are_the_fsm_s() -> None:
     assert _states(fragments["retryable_states"]) == {s.value for s in fsm.RETRYABLE}
     assert _states(fragments["slot_states"]) == {s.value for s in fsm.HOLDS_SLOT}
     assert _states(fragments["awaits_start_states"]) == {s.value for s in fsm.AWAITS_START}
+    assert _states(fragments["taken_away_states"]) == {s.value for s in fsm.TAKES_AWAY}
     # the fields a move may patch are exactly the ones the CAS statement reads from its patch
     read = set(re.findall(r"u\.p (?:\?|->>?) '(\w+)'", Q.define_transition.sql))
     assert read == set(fsm.PATCHABLE)

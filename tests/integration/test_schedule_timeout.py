@@ -15,7 +15,7 @@ from shared.dag import WorkflowSpec
 from shared.fsm import State
 from shared.models import Task
 from shared.outcome import not_started
-from shared.store import TASK_CHANNEL, Store, parse_notify
+from shared.store import TAKEN_CHANNEL, TASK_CHANNEL, Store, parse_notify
 from shared.store.queries import Q
 from shared.views import is_done
 from tests.helpers import spec
@@ -95,6 +95,38 @@ async def test_the_notification_marks_the_tasks_that_have_a_deadline(
     assert [n.ids for n in notices] == [{plain.id}, {timed.id}, {timed.id}]
     assert [n.deadline_ids for n in notices] == [set(), {timed.id}, {timed.id}]
     assert payloads[1] == f"{timed.id}:{timed.version}:d:ready"
+
+
+async def test_moves_that_take_an_attempt_away_are_told_on_their_own_channel(
+    store: Store, dsn: str
+) -> None:
+    """The executors and recovery listen on sked_taken: only the moves into a state that
+    takes a running attempt away reach them, in the payload sked_task carries."""
+    taken: asyncio.Queue[str] = asyncio.Queue()
+    everything: asyncio.Queue[str] = asyncio.Queue()
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.add_listener(TAKEN_CHANNEL, lambda *args: taken.put_nowait(args[-1]))
+        await conn.add_listener(TASK_CHANNEL, lambda *args: everything.put_nowait(args[-1]))
+        task = await placed(store)
+        task = await fsm.apply(store.tasks, task, State.RUNNING, lease_owner=str(uuid4()))
+        other = await placed(store, "other")
+        async with store.transaction() as tx:  # one statement moving both, one taken away
+            moved = await tx.tasks.transition_many(
+                [
+                    fsm.plan(task, State.CANCELED, "canceled by an operator"),
+                    fsm.plan(other, State.READY, "dispatch not confirmed"),
+                ]
+            )
+        assert len(moved) == 2
+        heard = [await asyncio.wait_for(everything.get(), 5) for _ in range(6)]
+        told = await asyncio.wait_for(taken.get(), 5)
+    finally:
+        await conn.close()
+    assert taken.empty()  # the admissions, placements and start told nothing here
+    canceled = next(t for t in moved if t.id == task.id)
+    assert told == f"{task.id}:{canceled.version}:canceled"
+    assert parse_notify(heard[-1]).ids == {task.id, other.id}
 
 
 async def test_a_resume_starts_a_new_clock(store: Store) -> None:

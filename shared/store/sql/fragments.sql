@@ -63,6 +63,24 @@ SELECT pg_notify('sked_task',
 FROM {{moved}}
 HAVING count(*) > 0
 
+-- fragment: notify_taken(moved)
+-- The NOTIFY, on channel sked_taken (repo.TAKEN_CHANNEL), of the rows of `moved` that went
+-- into a state that takes a running attempt away from its node (fsm.TAKES_AWAY), in the
+-- payload of `notify`; none when there are none, as for most statements. The executors
+-- listen here rather than on sked_task, so the notifications of the moves they ignore (most)
+-- do not wake their processes; recovery too (it acts on Lost).
+SELECT pg_notify('sked_taken',
+                 CASE WHEN count(*) <= 100
+                      THEN string_agg(id::text || ':' || version || ':' || status, ' ')
+                      ELSE '*:' || count(*) || ':' || string_agg(DISTINCT status, ',') END)
+FROM {{moved}}
+WHERE status IN ({{taken_away_states}})
+HAVING count(*) > 0
+
+-- fragment: taken_away_states
+-- The states a move into takes a running attempt away from its node (fsm.TAKES_AWAY).
+'paused', 'canceled', 'lost', 'retry_wait'
+
 -- fragment: slot_states
 -- The states in which an attempt holds its node's slot and resources (fsm.HOLDS_SLOT).
 'scheduling', 'running'

@@ -146,8 +146,10 @@ WITH u AS (
     SELECT (task).id, _from, (task).status, (task).version, (task).attempt, _reason FROM moved
     RETURNING {{event_columns}}
 ), outbox AS ({{to_outbox(ev)}}
-), note AS ({{notify(after)}})
-SELECT * FROM after WHERE (SELECT count(*) FROM note) >= 0;
+), note AS ({{notify(after)}}
+), note_taken AS ({{notify_taken(after)}})
+SELECT * FROM after
+WHERE (SELECT count(*) FROM note) >= 0 AND (SELECT count(*) FROM note_taken) >= 0;
 END
 $fn$
 
