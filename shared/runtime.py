@@ -130,9 +130,9 @@ def settle_memory() -> None:
     """Collect once, then move every object left (the modules, the settings, the clients and
     their pools: what a service builds to start and keeps) out of the cyclic collector's
     generations for good (gc.freeze). A full collection otherwise walked them all, ~65,000
-    objects, each time: 60-160 ms during which the service served nothing, a few times a
-    minute under load (docs/performance.md). Only objects made after this are collected as
-    before; a service process calls it once, when it is ready."""
+    objects, each time: 60-160 ms during which the service served nothing, two to five times
+    in a burst of 10,000 tasks (docs/performance.md). Only objects made after this are
+    collected as before; a service process calls it once, when it is ready."""
     gc.collect()
     gc.freeze()
 
