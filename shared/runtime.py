@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 
 
 class Service(Protocol):
+    ready: asyncio.Event  # set once it serves (shared.service.Service)
+
     async def run(self) -> None: ...
     def stop(self) -> None: ...
 
@@ -120,10 +122,8 @@ async def serve(service: Service) -> None:
 
 
 async def _settle_when_ready(service: Service) -> None:
-    ready = getattr(service, "ready", None)
-    if isinstance(ready, asyncio.Event):
-        await ready.wait()
-        settle_memory()
+    await service.ready.wait()
+    settle_memory()
 
 
 def settle_memory() -> None:

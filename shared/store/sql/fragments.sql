@@ -48,34 +48,35 @@ ORDER BY t.id FOR UPDATE OF t SKIP LOCKED
 
 -- fragment: notify(moved)
 -- The one NOTIFY of a statement that moved the rows of CTE `moved`, on channel sked_task
--- (repo.TASK_CHANNEL): "<id>:<version>:[d:][w:]<state>" per task, space-separated, up to 100
--- tasks; beyond that "*:<count>:<state,state...>". `d:` marks a task with a schedule deadline
--- (only those wake the scheduler's schedule-timeout loop), `w:` a workflow's task (only those
--- wake its workflow resolution); `w:` comes last, where readers before `d:` look for it. One
--- per transaction: every notifying commit serialises on Postgres's notification queue.
-SELECT pg_notify('sked_task',
-                 CASE WHEN count(*) <= 100
-                      THEN string_agg(id::text || ':' || version || ':'
-                                      || CASE WHEN schedule_deadline IS NULL THEN '' ELSE 'd:' END
-                                      || CASE WHEN workflow_id IS NULL THEN '' ELSE 'w:' END
-                                      || status, ' ')
-                      ELSE '*:' || count(*) || ':' || string_agg(DISTINCT status, ',') END)
+-- (repo.TASK_CHANNEL), with the payload `task_payload`. One per transaction: every notifying
+-- commit serialises on Postgres's notification queue.
+SELECT pg_notify('sked_task', {{task_payload}})
 FROM {{moved}}
 HAVING count(*) > 0
 
 -- fragment: notify_taken(moved)
 -- The NOTIFY, on channel sked_taken (repo.TAKEN_CHANNEL), of the rows of `moved` that went
--- into a state that takes a running attempt away from its node (fsm.TAKES_AWAY), in the
--- payload of `notify`; none when there are none, as for most statements. The executors
+-- into a state that takes a running attempt away from its node (fsm.TAKES_AWAY), with the
+-- payload `task_payload`; none when there are none, as for most statements. The executors
 -- listen here rather than on sked_task, so the notifications of the moves they ignore (most)
 -- do not wake their processes; recovery too (it acts on Lost).
-SELECT pg_notify('sked_taken',
-                 CASE WHEN count(*) <= 100
-                      THEN string_agg(id::text || ':' || version || ':' || status, ' ')
-                      ELSE '*:' || count(*) || ':' || string_agg(DISTINCT status, ',') END)
+SELECT pg_notify('sked_taken', {{task_payload}})
 FROM {{moved}}
 WHERE status IN ({{taken_away_states}})
 HAVING count(*) > 0
+
+-- fragment: task_payload
+-- A notification's payload over the rows aggregated: "<id>:<version>:[d:][w:]<state>" per
+-- task, space-separated, up to 100 tasks; beyond that "*:<count>:<state,state...>". `d:`
+-- marks a task with a schedule deadline (only those wake the scheduler's schedule-timeout
+-- loop), `w:` a workflow's task (only those wake its workflow resolution); `w:` comes last,
+-- where readers before `d:` look for it (shared/store/notify.parse_notify reads it).
+CASE WHEN count(*) <= 100
+     THEN string_agg(id::text || ':' || version || ':'
+                     || CASE WHEN schedule_deadline IS NULL THEN '' ELSE 'd:' END
+                     || CASE WHEN workflow_id IS NULL THEN '' ELSE 'w:' END
+                     || status, ' ')
+     ELSE '*:' || count(*) || ':' || string_agg(DISTINCT status, ',') END
 
 -- fragment: taken_away_states
 -- The states a move into takes a running attempt away from its node (fsm.TAKES_AWAY).
