@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from uuid import UUID
 
 from services.executor.backends import Outcome
 from services.executor.node import Attempt, Node, report_of
+from services.executor.start import Received, Starter
 from shared.errors import one_line
 from shared.fsm import State
 from shared.models import Task
@@ -26,8 +28,11 @@ Written = list[tuple[Attempt, Report]]
 
 
 class Finisher:
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, starter: Starter | None = None) -> None:
         self.node = node
+        # held dispatches are claimed in the statement that writes the outcomes freeing their
+        # slots (Starter.claimable); without a starter, its loop claims them after the write
+        self.starter = starter
         self.readied: list[Task] = []  # launch failures written, for the ready queue
 
     async def run(self) -> None:
@@ -65,11 +70,28 @@ class Finisher:
             if newest[a.task.id] is not a
         ]
         late: list[tuple[Task, Report]] = []
+        claims = await self._claims(current, superseded)
+        tries, sent_at = 0, time.monotonic()
 
         async def write() -> None:
+            nonlocal claims, tries
+            if claims:
+                tries += 1
+                try:
+                    moved = await self._end_and_claim(current, claims)
+                except TRANSIENT:
+                    raise
+                except Exception:
+                    log.exception("outcomes and claims not written together; outcomes alone")
+                    self._unclaimed(claims)
+                    claims = []
+                else:
+                    late[:] = await self._ended_and_claimed(current, claims, moved, tries, sent_at)
+                    return
             late[:] = await self._write_isolating(current, superseded)
 
         if not await retrying("finish", write, node.stopping):
+            self._unclaimed(claims)
             return  # shutting down with Postgres away: the heartbeat-monitor will find them
         if self.readied:
             # attempts that never started are Ready again; the scheduler's reconcile pass
@@ -90,6 +112,47 @@ class Finisher:
             node.unreported.pop((attempt.task.id, attempt.task.attempt), None)
         node.slot_freed.set()  # their ends are written: a held dispatch may take a slot
         await node.acks.ack([attempt.message for attempt, _ in batch])
+
+    async def _claims(self, current: Written, superseded: Written) -> list[Received]:
+        """Held dispatches to claim with these outcomes: only beside successes alone (the
+        common case, one statement without a transaction); failures and retries go their
+        own way, and the starter's loop claims after them."""
+        if self.starter is None or superseded or not all(r.ok for _, r in current):
+            return []
+        return await self.starter.claimable(len(current), {a.task.id for a, _ in current})
+
+    def _unclaimed(self, claims: list[Received]) -> None:
+        if claims and self.starter is not None:
+            self.starter.unclaimed(claims)
+
+    async def _end_and_claim(self, current: Written, claims: list[Received]) -> list[Task]:
+        """One statement: Running -> Success for these attempts, Scheduling -> Running for the
+        held dispatches that take their slots. Returns the tasks that moved."""
+        assert self.starter is not None
+        node = self.node
+        ends = [end_move(a.task, r, f"ended on {a.task.node}", node.boot_id) for a, r in current]
+        return await node.store.tasks.transition_many(ends + self.starter.claim_moves(claims))
+
+    async def _ended_and_claimed(
+        self,
+        current: Written,
+        claims: list[Received],
+        moved: list[Task],
+        tries: int,
+        sent_at: float,
+    ) -> list[tuple[Task, Report]]:
+        """After `_end_and_claim`: ends that lost their CAS set aside as late results, the
+        claims won started (`Starter.settle`). Returns the late ones."""
+        assert self.starter is not None
+        won = {t.id: t for t in moved}
+        lost = [(a.task, r) for a, r in current if a.task.id not in won]
+        late: list[tuple[Task, Report]] = []
+        if lost:
+            async with self.node.store.transaction() as tx:
+                late = await self._set_aside(tx, lost, [])
+        claimed = [won[d.task_id] for d, _ in claims if d.task_id in won]
+        await self.starter.settle(claims, claimed, tries, sent_at)
+        return late
 
     async def _write_isolating(
         self, current: Written, superseded: Written

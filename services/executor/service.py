@@ -59,7 +59,7 @@ class Executor(Service):
         self.settings = settings
         self.node = Node(settings, store, bus, backend, queue, self.stopping)
         self.starter = Starter(self.node)
-        self.finisher = Finisher(self.node)
+        self.finisher = Finisher(self.node, self.starter)
         self.watcher = Watcher(self.node)
         self._channel: AbstractChannel | None = None
         self.serving: Serving | None = None

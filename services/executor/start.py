@@ -33,6 +33,13 @@ class Starter:
     def __init__(self, node: Node) -> None:
         self.node = node
         self.held: deque[Item] = deque()  # the backlog, when gated
+        # dispatches whose claim statement is in flight (the finisher's too): they hold slots
+        self.claiming = 0
+
+    def free_slots(self, freeing: int = 0) -> int:
+        """Slots no attempt holds or is being claimed for, once `freeing` outcomes are written."""
+        node = self.node
+        return node.settings.slots - node.running + freeing - self.claiming
 
     async def run(self) -> None:
         if self.node.gated:
@@ -59,7 +66,7 @@ class Starter:
                     node.inbox.put_nowait(None)
                     return
                 held.extend(items_of(message))
-            free = node.settings.slots - node.running
+            free = self.free_slots()
             if free <= 0:
                 node.slot_freed.clear()
                 hold_s = node.backlog.hold_s
@@ -96,6 +103,11 @@ class Starter:
 
     async def start_items(self, items: list[Item]) -> int:
         """Claim and start these dispatches; returns how many attempts started here."""
+        return await self._claim_isolating(await self._checked(items))
+
+    async def _checked(self, items: list[Item]) -> list[Received]:
+        """The dispatches among `items` to claim: one per task, for this node, not running
+        here already. The rest are dead-lettered (unreadable, another node's) or settled."""
         node = self.node
         fresh: dict[UUID, Received] = {}
         for item in items:
@@ -120,7 +132,42 @@ class Starter:
                 fresh[dispatch.task_id] = keep
                 continue
             fresh[dispatch.task_id] = (dispatch, item)
-        return await self._claim_isolating(list(fresh.values()))
+        return list(fresh.values())
+
+    async def claimable(self, freeing: int, ending: set[UUID]) -> list[Received]:
+        """Held dispatches for the slots that `freeing` outcomes about to be written free (and
+        any free now), to be claimed in the statement that writes those outcomes: a slot
+        changes hands in one commit, not two round trips apart. A dispatch for a task among
+        `ending` stays held (one statement moves a task once). Until `settle` or `unclaimed`
+        they count as being claimed."""
+        node = self.node
+        if not node.gated or node.stopping.is_set() or not self.held:
+            return []
+        take = min(self.free_slots(freeing), len(self.held))
+        if take <= 0:
+            return []
+        items = [self.held.popleft() for _ in range(take)]
+        clash = [i for i in items if i.dispatch is not None and i.dispatch.task_id in ending]
+        self.held.extendleft(reversed(clash))
+        items = [i for i in items if i not in clash]
+        self.claiming += len(items)  # counted before the checks' awaits: the slots are taken
+        claims = await self._checked(items)
+        self.claiming -= len(items) - len(claims)
+        return claims
+
+    def unclaimed(self, claims: Sequence[Received]) -> None:
+        """Claims that were not written go back to the front of the backlog."""
+        self.claiming -= len(claims)
+        self.held.extendleft(reversed([item for _, item in claims]))
+        self.node.slot_freed.set()  # the starter's loop looks at them again
+
+    def claim_moves(self, dispatches: Sequence[Received]) -> list[fsm.Move]:
+        """Scheduling -> Running for each, taking the attempt's lease for this incarnation."""
+        owner = str(self.node.boot_id)
+        return [
+            fsm.plan(d, State.RUNNING, f"started on {d.node}", lease_owner=owner)
+            for d, _ in dispatches
+        ]
 
     async def _claim_isolating(self, dispatches: list[Received]) -> int:
         """Claim the dispatches; the one whose claim fails alone is dead-lettered."""
@@ -136,11 +183,7 @@ class Starter:
 
     async def _claim(self, dispatches: Sequence[Received]) -> int:
         node = self.node
-        owner = str(node.boot_id)
-        moves = [
-            fsm.plan(d, State.RUNNING, f"started on {d.node}", lease_owner=owner)
-            for d, _ in dispatches
-        ]
+        moves = self.claim_moves(dispatches)
         claimed: list[Task] = []
         tries = 0
         sent_at = time.monotonic()  # before the first try: its COMMIT may be the one that held
@@ -150,8 +193,24 @@ class Starter:
             tries += 1
             claimed[:] = await node.store.tasks.transition_many(moves)
 
-        if not await retrying("start", claim, node.stopping):
-            return 0  # shutting down with Postgres away: the dispatches are redelivered
+        self.claiming += len(dispatches)  # until `settle` counts them off
+        try:
+            written = await retrying("start", claim, node.stopping)
+        except BaseException:
+            self.claiming -= len(dispatches)
+            raise
+        if not written:  # shutting down with Postgres away: the dispatches are redelivered
+            self.claiming -= len(dispatches)
+            return 0
+        return await self.settle(dispatches, claimed, tries, sent_at)
+
+    async def settle(
+        self, dispatches: Sequence[Received], claimed: list[Task], tries: int, sent_at: float
+    ) -> int:
+        """After the claim statement (`tries` sent, the first at monotonic `sent_at`): start
+        the attempts it won, drop the dispatches whose task moved on. Returns how many started."""
+        node = self.node
+        self.claiming -= len(dispatches)
         won = {t.id: t for t in claimed}
         lost = [d for d, _ in dispatches if d.task_id not in won]
         if lost and tries > 1:

@@ -14,7 +14,7 @@ import pytest
 
 from services.executor.backends.stub import StubBackend
 from services.executor.finish import Finisher
-from services.executor.node import Attempt, Node
+from services.executor.node import Attempt, Node, items_of
 from services.executor.start import Starter
 from services.executor.watch import Watcher
 from services.heartbeat_monitor.ladder import Ladder
@@ -537,6 +537,107 @@ async def test_with_a_backlog_only_slots_run_and_held_ones_start_as_slots_free()
     await asyncio.wait(node.runs)
     node.outcomes.put_nowait(None)
     await finisher
+
+
+def backlogged(slots: int, prefetch: int) -> tuple[InMemoryStore, StubBackend, Node]:
+    store, backend = InMemoryStore(), StubBackend(hold=True)
+    settings = SETTINGS.model_copy(
+        update={"slots": slots, "prefetch": prefetch, "finish_linger_s": 0}
+    )
+    node = Node(settings, store, StubBus(), backend, FakeReadyQueue(), asyncio.Event())  # type: ignore[arg-type]
+    return store, backend, node
+
+
+def record_batches(store: InMemoryStore, fail_first: int = 0) -> list[list[State]]:
+    """Each transition_many call's targets, in order; the first `fail_first` calls that mix
+    ends and claims fail with a (non-transient) error."""
+    batches: list[list[State]] = []
+    transition_many = store.tasks.transition_many
+
+    async def recorded(moves: Any) -> list[Task]:
+        targets = [m.target for m in moves]
+        batches.append(targets)
+        nonlocal fail_first
+        if fail_first and State.SUCCESS in targets and State.RUNNING in targets:
+            fail_first -= 1
+            raise ValueError("refused by the database")
+        return await transition_many(moves)
+
+    store.tasks.transition_many = recorded  # type: ignore[method-assign]
+    return batches
+
+
+async def settled(node: Node, launched: int, backend: StubBackend) -> None:
+    for _ in range(200):
+        if len(backend.launched) >= launched and not node.unreported:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"{len(backend.launched)} launched, {len(node.unreported)} unwritten")
+
+
+@pytest.mark.parametrize("refused", [0, 1])
+async def test_a_held_dispatch_is_claimed_by_the_statement_that_frees_its_slot(
+    refused: int,
+) -> None:
+    """An outcome's write and the claim of the held dispatch taking its slot are one
+    statement (one commit), and the node never holds more than its slots. If that statement
+    is refused, the outcome is written alone and the starter claims the dispatch after."""
+    store, backend, node = backlogged(slots=2, prefetch=2)
+    starter = Starter(node)
+    tasks = [await scheduled(store) for _ in range(4)]
+    for task in tasks:
+        node.inbox.put_nowait(dispatch_of(task))  # type: ignore[arg-type]
+    batches = record_batches(store, fail_first=refused)
+    loop = asyncio.create_task(starter.run())
+    finisher = asyncio.create_task(Finisher(node, starter).run())
+    await settled(node, 2, backend)
+    assert batches == [[State.RUNNING, State.RUNNING]]  # two claimed, two held
+    first = backend.launched[0]
+    backend.release((first.task_id, first.attempt))
+    await settled(node, 3, backend)
+    if refused:
+        assert batches[1:] == [[State.SUCCESS, State.RUNNING], [State.SUCCESS], [State.RUNNING]]
+    else:
+        assert batches[1:] == [[State.SUCCESS, State.RUNNING]]
+    assert node.running == 2
+    assert len(starter.held) == 1
+    assert starter.claiming == 0
+    assert (await store.tasks.get(first.task_id)).status is State.SUCCESS
+    states = [(await store.tasks.get(t.id)).status for t in tasks]
+    assert states.count(State.RUNNING) == 2
+    assert states.count(State.SCHEDULING) == 1
+    for launch in backend.launched[1:]:
+        backend.release((launch.task_id, launch.attempt))
+    await settled(node, 4, backend)
+    backend.release((backend.launched[3].task_id, backend.launched[3].attempt))
+    node.inbox.put_nowait(None)
+    await asyncio.wait_for(loop, 5)
+    if node.runs:
+        await asyncio.wait_for(asyncio.wait(node.runs), 5)
+    node.outcomes.put_nowait(None)
+    await asyncio.wait_for(finisher, 5)
+    assert {(await store.tasks.get(t.id)).status for t in tasks} == {State.SUCCESS}
+    assert len(backend.launched) == 4  # each attempt started once
+
+
+async def test_a_held_dispatch_of_a_task_ending_in_the_batch_stays_held() -> None:
+    """One statement moves a task once: a held newer attempt of a task whose older attempt's
+    outcome is being written is not claimed with it (the starter claims it after)."""
+    store, _backend, node = backlogged(slots=1, prefetch=1)
+    starter = Starter(node)
+    task = await scheduled(store)
+    item = dispatch_of(task)
+    starter.held.extend(items_of(item))  # type: ignore[arg-type]
+    ending = {task.id}
+    assert await starter.claimable(1, ending) == []
+    assert len(starter.held) == 1
+    assert starter.claiming == 0
+    claims = await starter.claimable(1, set())
+    assert [d.task_id for d, _ in claims] == [task.id]
+    assert starter.claiming == 1
+    starter.unclaimed(claims)
+    assert len(starter.held) == 1
+    assert starter.claiming == 0
 
 
 async def test_the_finish_batch_waits_for_running_attempts_and_no_longer() -> None:
