@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aio_pika
+import aiormq.exceptions
 from aio_pika.abc import (
     AbstractChannel,
     AbstractExchange,
@@ -161,7 +162,13 @@ class AmqpBus:
             )
             for m in messages
         ]
-        await asyncio.gather(*confirms)
+        # RabbitMQ hands a mandatory message no queue is bound for back, then confirms it
+        # (publisher_confirms without on_return_raises): the confirm alone does not mean it
+        # was queued. A dispatch for a node whose queue is gone (or not yet declared) must
+        # raise, so the scheduler takes its attempt back rather than leave it to the sweep.
+        for sent in await asyncio.gather(*confirms):
+            if isinstance(getattr(sent, "delivery", None), Basic.Return):
+                raise aiormq.exceptions.PublishError(sent, sent.delivery)  # type: ignore[union-attr, arg-type]
 
     async def request(
         self, exchange: str, routing_key: str, body: bytes, timeout: float

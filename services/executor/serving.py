@@ -91,6 +91,9 @@ class Serving:
             if node_id in self.served:
                 continue
             owner = self.owner(node_id)
+            # the queue first: registering wakes the schedulers (NOTIFY sked_node), and a
+            # dispatch published before the queue is bound would come back unroutable
+            queue = await node.bus.declare_node_queue(self.channel, node_id)
             await store.nodes.register(
                 offer.id,
                 offer.slots,
@@ -103,7 +106,6 @@ class Serving:
             )
             # RabbitMQ hands the next consumer no more than the node may hold
             await self.channel.set_qos(prefetch_count=offer.slots + offer.prefetch)
-            queue = await node.bus.declare_node_queue(self.channel, node_id)
             tag = await queue.consume(node.receive)
             self.served[node_id] = Served(offer, owner, queue, tag)
             node.serves.add(node_id)

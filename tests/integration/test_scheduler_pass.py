@@ -6,11 +6,13 @@ from __future__ import annotations
 from typing import Any
 from uuid import uuid4
 
+import aiormq.exceptions
 import asyncpg
 import pytest
 
 from services.scheduler.service import Scheduler
 from shared.fsm import State
+from shared.resilience import is_transient
 from shared.settings import Settings
 from shared.wiring import backends
 from tests.helpers import spec
@@ -46,6 +48,7 @@ async def test_a_pass_fills_a_full_nodes_backlog(settings: Settings) -> None:
     through the scheduler again.)"""
     async with backends(settings) as b:
         scheduler = Scheduler(settings, b.store, b.bus, b.ready_queue)
+        await b.bus.declare_node_queue(await b.bus.consumer_channel(1), "n1")
         await b.store.nodes.register("n1", 2, 0.0, 0, 0, {}, uuid4(), prefetch=3)
         ready = await b.store.tasks.create_many(
             [spec(f"t{i}") for i in range(7)], walk=(State.PENDING, State.READY)
@@ -56,3 +59,20 @@ async def test_a_pass_fills_a_full_nodes_backlog(settings: Settings) -> None:
         statuses = [t.status for t in await b.store.tasks.list_tasks()]
         assert statuses.count(State.SCHEDULING) == 5
         assert statuses.count(State.READY) == 2
+
+
+async def test_a_dispatch_no_queue_takes_goes_back_to_ready_at_once(settings: Settings) -> None:
+    """A node's row but no queue bound for it (its executor registered and has not declared
+    it yet, or it expired): RabbitMQ returns the dispatch. The pass raises (transient) and the
+    attempt is back in Ready and in line, not left in Scheduling for the stuck sweep."""
+    async with backends(settings) as b:
+        scheduler = Scheduler(settings, b.store, b.bus, b.ready_queue)
+        await b.store.nodes.register("n1", 2, 0.0, 0, 0, {}, uuid4())
+        [task] = await b.store.tasks.create_many([spec("t")], walk=(State.PENDING, State.READY))
+        await scheduler.queue.push([task])
+        with pytest.raises(aiormq.exceptions.PublishError) as raised:
+            await scheduler.dispatch.dispatch_once()
+        assert is_transient(raised.value)
+        back = await b.store.tasks.get(task.id)
+        assert (back.status, back.status_reason) == (State.READY, "dispatch not confirmed")
+        assert await scheduler.queue.absent([task.id]) == []  # in line again
