@@ -93,6 +93,8 @@ class Finisher:
         if not await retrying("finish", write, node.stopping):
             self._unclaimed(claims)
             return  # shutting down with Postgres away: the heartbeat-monitor will find them
+        if claims and self.starter is not None:
+            self.starter.claimed(claims)
         if self.readied:
             # attempts that never started are Ready again; the scheduler's reconcile pass
             # would find them too, but a push now saves it the wait

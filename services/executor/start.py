@@ -139,7 +139,7 @@ class Starter:
         any free now), to be claimed in the statement that writes those outcomes: a slot
         changes hands in one commit, not two round trips apart. A dispatch for a task among
         `ending` stays held (one statement moves a task once). Until `settle` or `unclaimed`
-        they count as being claimed."""
+        they count as being claimed (`claimed` or `unclaimed` counts them off)."""
         node = self.node
         if not node.gated or node.stopping.is_set() or not self.held:
             return []
@@ -154,6 +154,10 @@ class Starter:
         claims = await self._checked(items)
         self.claiming -= len(items) - len(claims)
         return claims
+
+    def claimed(self, claims: Sequence[Received]) -> None:
+        """Claims from `claimable` that were written and settled."""
+        self.claiming -= len(claims)
 
     def unclaimed(self, claims: Sequence[Received]) -> None:
         """Claims that were not written go back to the front of the backlog."""
@@ -193,24 +197,21 @@ class Starter:
             tries += 1
             claimed[:] = await node.store.tasks.transition_many(moves)
 
-        self.claiming += len(dispatches)  # until `settle` counts them off
+        self.claiming += len(dispatches)
         try:
-            written = await retrying("start", claim, node.stopping)
-        except BaseException:
-            self.claiming -= len(dispatches)
-            raise
-        if not written:  # shutting down with Postgres away: the dispatches are redelivered
-            self.claiming -= len(dispatches)
-            return 0
-        return await self.settle(dispatches, claimed, tries, sent_at)
+            if not await retrying("start", claim, node.stopping):
+                return 0  # shutting down with Postgres away: the dispatches are redelivered
+            return await self.settle(dispatches, claimed, tries, sent_at)
+        finally:
+            self.claiming -= len(dispatches)  # settled: those won are in node.active now
 
     async def settle(
         self, dispatches: Sequence[Received], claimed: list[Task], tries: int, sent_at: float
     ) -> int:
         """After the claim statement (`tries` sent, the first at monotonic `sent_at`): start
-        the attempts it won, drop the dispatches whose task moved on. Returns how many started."""
+        the attempts it won, drop the dispatches whose task moved on. Returns how many started.
+        (The caller counts them off `claiming`: a settle that fails is retried with its claim.)"""
         node = self.node
-        self.claiming -= len(dispatches)
         won = {t.id: t for t in claimed}
         lost = [d for d, _ in dispatches if d.task_id not in won]
         if lost and tries > 1:

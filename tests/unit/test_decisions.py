@@ -648,6 +648,50 @@ async def test_a_held_dispatch_is_claimed_by_the_statement_that_frees_its_slot(
     assert len(backend.launched) == 4  # each attempt started once
 
 
+async def test_an_outcome_and_claim_retried_twice_start_the_attempt_once() -> None:
+    """The joint statement's COMMIT went through but its reply was lost, and the look at the
+    claim's task that follows failed too: each retry loses both CAS to the first try; the end
+    is not late, the claim is recognised as this node's, its attempt starts once, and the
+    slots it counted while being claimed are counted off once."""
+    store, backend, node = backlogged(slots=1, prefetch=1)
+    starter = Starter(node)
+    first, second = await scheduled(store), await scheduled(store)
+    assert await starter.start([dispatch_of(first)]) == 1  # type: ignore[list-item]
+    await settled(node, 1, backend)
+    backend.release((first.id, 1))
+    await asyncio.wait_for(asyncio.wait(node.runs), 5)
+    ended = node.outcomes.get_nowait()
+    assert ended is not None
+    starter.held.extend(items_of(dispatch_of(second)))  # type: ignore[arg-type]
+    transition_many, get_many = store.tasks.transition_many, store.tasks.get_many
+    calls = {"moves": 0, "reads": 0}
+
+    async def reply_lost(moves: Any) -> list[Task]:
+        calls["moves"] += 1
+        moved = await transition_many(moves)
+        if calls["moves"] == 1:
+            raise ConnectionResetError("the COMMIT went through; its reply did not")
+        return moved
+
+    async def read_fails_once(ids: Any) -> list[Task]:
+        calls["reads"] += 1
+        if calls["reads"] == 1:
+            raise ConnectionResetError("Postgres went away")
+        return await get_many(ids)
+
+    store.tasks.transition_many = reply_lost  # type: ignore[method-assign]
+    store.tasks.get_many = read_fails_once  # type: ignore[method-assign]
+    await asyncio.wait_for(Finisher(node, starter).finish([ended]), 10)
+    assert calls == {"moves": 3, "reads": 2}
+    assert (await store.tasks.get(first.id)).status is State.SUCCESS
+    assert store.data.late == []  # its own end, applied by the first try: not a late result
+    assert list(node.active) == [(second.id, 1)]
+    assert starter.claiming == 0
+    assert not starter.held
+    await asyncio.sleep(0)
+    assert [lc.task_id for lc in backend.launched] == [first.id, second.id]  # each once
+
+
 async def test_a_held_dispatch_of_a_task_ending_in_the_batch_stays_held() -> None:
     """One statement moves a task once: a held newer attempt of a task whose older attempt's
     outcome is being written is not claimed with it (the starter claims it after)."""
