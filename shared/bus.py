@@ -77,6 +77,12 @@ class Unroutable:
 UNROUTABLE = Unroutable()
 
 
+def _returned(sent: object) -> bool:
+    """Whether a publish's confirmation is RabbitMQ handing a mandatory message back (no queue
+    was bound for it): aiormq resolves it with the returned message, then the broker's ack."""
+    return isinstance(getattr(sent, "delivery", None), Basic.Return)
+
+
 class AmqpBus:
     """One robust connection and one confirming channel; declares the topology it uses."""
 
@@ -167,7 +173,7 @@ class AmqpBus:
         # was queued. A dispatch for a node whose queue is gone (or not yet declared) must
         # raise, so the scheduler takes its attempt back rather than leave it to the sweep.
         for sent in await asyncio.gather(*confirms):
-            if isinstance(getattr(sent, "delivery", None), Basic.Return):
+            if _returned(sent):
                 raise aiormq.exceptions.PublishError(sent, sent.delivery)  # type: ignore[union-attr, arg-type]
 
     async def request(
@@ -193,7 +199,7 @@ class AmqpBus:
                 routing_key=routing_key,
                 mandatory=True,
             )
-            if isinstance(getattr(sent, "delivery", None), Basic.Return):
+            if _returned(sent):
                 return UNROUTABLE
             return await asyncio.wait_for(answer, timeout)
         except (TimeoutError, aio_pika.exceptions.AMQPError) as exc:

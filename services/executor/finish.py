@@ -8,14 +8,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from uuid import UUID
 
 from services.executor.backends import Outcome
 from services.executor.node import Attempt, Node, report_of
 from services.executor.start import Received, Starter
 from shared.errors import one_line
-from shared.fsm import State
+from shared.fsm import Move, State
 from shared.models import Task
 from shared.outcome import Report, end_move, retries, storable
 from shared.resilience import TRANSIENT, isolate, retrying
@@ -119,9 +119,9 @@ class Finisher:
         """Held dispatches to claim with these outcomes: only beside successes alone (the
         common case, one statement without a transaction); failures and retries go their
         own way, and the starter's loop claims after them."""
-        if self.starter is None or superseded or not all(r.ok for _, r in current):
+        if self.starter is None or not _successes_alone(current, superseded):
             return []
-        return await self.starter.claimable(len(current), {a.task.id for a, _ in current})
+        return await self.starter.claimable(len(current), (a.task.id for a, _ in current))
 
     def _unclaimed(self, claims: list[Received]) -> None:
         if claims and self.starter is not None:
@@ -131,9 +131,8 @@ class Finisher:
         """One statement: Running -> Success for these attempts, Scheduling -> Running for the
         held dispatches that take their slots. Returns the tasks that moved."""
         assert self.starter is not None
-        node = self.node
-        ends = [end_move(a.task, r, f"ended on {a.task.node}", node.boot_id) for a, r in current]
-        return await node.store.tasks.transition_many(ends + self.starter.claim_moves(claims))
+        moves = self._end_moves(current) + self.starter.claim_moves(claims)
+        return await self.node.store.tasks.transition_many(moves)
 
     async def _ended_and_claimed(
         self,
@@ -147,11 +146,7 @@ class Finisher:
         claims won started (`Starter.settle`). Returns the late ones."""
         assert self.starter is not None
         won = {t.id: t for t in moved}
-        lost = [(a.task, r) for a, r in current if a.task.id not in won]
-        late: list[tuple[Task, Report]] = []
-        if lost:
-            async with self.node.store.transaction() as tx:
-                late = await self._set_aside(tx, lost, [])
+        late = await self._set_aside_lost(current, won)
         claimed = [won[d.task_id] for d, _ in claims if d.task_id in won]
         await self.starter.settle(claims, claimed, tries, sent_at)
         return late
@@ -186,14 +181,10 @@ class Finisher:
         transaction of its own. Otherwise one transaction holds it all: a failure and its
         retry commit together."""
         node = self.node
-        ends = [end_move(a.task, r, f"ended on {a.task.node}", node.boot_id) for a, r in current]
-        if not superseded and all(r.ok for _, r in current):
+        ends = self._end_moves(current)
+        if _successes_alone(current, superseded):
             won = {t.id for t in await node.store.tasks.transition_many(ends)}
-            lost = [(a.task, r) for a, r in current if a.task.id not in won]
-            if not lost:
-                return []
-            async with node.store.transaction() as tx:
-                return await self._set_aside(tx, lost, [])
+            return await self._set_aside_lost(current, won)
         async with node.store.transaction() as tx:
             ended = await tx.tasks.transition_many(ends)
             await tx.tasks.transition_many(retries(ended))
@@ -202,6 +193,21 @@ class Finisher:
             late = await self._set_aside(tx, lost, [(a.task, r) for a, r in superseded])
         self.readied += [t for t in ended if t.status is State.READY]
         return late
+
+    def _end_moves(self, current: Written) -> list[Move]:
+        boot_id = self.node.boot_id
+        return [end_move(a.task, r, f"ended on {a.task.node}", boot_id) for a, r in current]
+
+    async def _set_aside_lost(
+        self, current: Written, won: Container[UUID]
+    ) -> list[tuple[Task, Report]]:
+        """The ends among `current` that lost their CAS (not in `won`), set aside as late in a
+        transaction of their own. Returns them."""
+        lost = [(a.task, r) for a, r in current if a.task.id not in won]
+        if not lost:
+            return []
+        async with self.node.store.transaction() as tx:
+            return await self._set_aside(tx, lost, [])
 
     async def _set_aside(
         self, tx: Tx, lost: list[tuple[Task, Report]], superseded: list[tuple[Task, Report]]
@@ -225,3 +231,9 @@ class Finisher:
         # their processes are gone: a next attempt need not wait for their leases to lapse
         await tx.leases.release(node.boot_id, [(t.id, t.attempt) for t, _ in late])
         return late
+
+
+def _successes_alone(current: Written, superseded: Written) -> bool:
+    """Only current attempts' successes: their ends need no transaction beyond one statement
+    (nothing is retried), and the claims of the slots they free may ride along."""
+    return not superseded and all(r.ok for _, r in current)

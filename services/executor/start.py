@@ -10,7 +10,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from uuid import UUID
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -134,7 +134,7 @@ class Starter:
             fresh[dispatch.task_id] = (dispatch, item)
         return list(fresh.values())
 
-    async def claimable(self, freeing: int, ending: set[UUID]) -> list[Received]:
+    async def claimable(self, freeing: int, ending: Iterable[UUID]) -> list[Received]:
         """Held dispatches for the slots that `freeing` outcomes about to be written free (and
         any free now), to be claimed in the statement that writes those outcomes: a slot
         changes hands in one commit, not two round trips apart. A dispatch for a task among
@@ -147,6 +147,7 @@ class Starter:
         if take <= 0:
             return []
         items = [self.held.popleft() for _ in range(take)]
+        ending = set(ending)
         clash = [i for i in items if i.dispatch is not None and i.dispatch.task_id in ending]
         self.held.extendleft(reversed(clash))
         items = [i for i in items if i not in clash]
