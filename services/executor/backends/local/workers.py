@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import sys
+from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,12 +35,86 @@ class Undelivered(Exception):
     """The worker was gone before it could take the job: safe to retry on a fresh one."""
 
 
+class Replies(asyncio.Protocol):
+    """A worker's reply pipe: its lines, each taken by the call waiting for it.
+
+    Not an asyncio.StreamReader: its readline wants a task of its own per job, and
+    asyncio.wait around that task, the worker's death and a stop — together about a tenth
+    of the executor's side of a no-op handler's round trip (docs/performance.md)."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._lines: deque[bytes] = deque()
+        self.ended = False  # end of file: the worker died, or closed its end
+        self.broken = False  # a line longer than MAX_REPLY_BYTES: no reply can be trusted
+        self._waiter: asyncio.Future[None] | None = None
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        end = data.find(b"\n")
+        buffer += data
+        if end >= 0:
+            end += len(buffer) - len(data)
+            while end >= 0:
+                self._lines.append(bytes(buffer[: end + 1]))
+                del buffer[: end + 1]
+                end = buffer.find(b"\n")
+            self._wake()
+        if len(buffer) > MAX_REPLY_BYTES + 1024:
+            self.broken = True
+            buffer.clear()
+            self._wake()
+
+    def eof_received(self) -> None:
+        self.ended = True
+        self._wake()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.ended = True
+        self._wake()
+
+    def _wake(self, _: object = None) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def answered(self) -> bool:
+        """A line is in, or none will come."""
+        return bool(self._lines) or self.ended or self.broken
+
+    def take(self) -> bytes | None:
+        """The next whole line; None if there is none (and, with `answered()`, none will be)."""
+        if self.broken or not self._lines:
+            return None
+        return self._lines.popleft()
+
+    def forget(self) -> None:
+        """Drop lines nobody asked for (a worker writes one reply a job: there are none)."""
+        self._lines.clear()
+
+    async def wait(self, *also: asyncio.Future[Any], timeout: float | None) -> None:
+        """Until `answered()`, one of `also` is done, or `timeout` seconds pass."""
+        if self.answered() or any(f.done() for f in also):
+            return
+        loop = asyncio.get_running_loop()
+        self._waiter = loop.create_future()
+        for future in also:
+            future.add_done_callback(self._wake)
+        timer = None if timeout is None else loop.call_later(timeout, self._wake)
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+            for future in also:
+                future.remove_done_callback(self._wake)
+            if timer is not None:
+                timer.cancel()
+
+
 class Worker:
     """One handler worker process, its job pipe and its reply pipe."""
 
-    def __init__(
-        self, proc: Proc, jobs: asyncio.StreamWriter, replies: asyncio.StreamReader, out: Path
-    ) -> None:
+    def __init__(self, proc: Proc, jobs: asyncio.StreamWriter, replies: Replies, out: Path) -> None:
         self.proc = proc
         self.pid = proc.pid
         self.jobs = jobs
@@ -74,19 +149,16 @@ class Worker:
             os.close(reply_r)
             raise
         loop = asyncio.get_running_loop()
-        replies = asyncio.StreamReader(limit=MAX_REPLY_BYTES + 1024)
-        await loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(replies), os.fdopen(reply_r, "rb", 0)
-        )
+        replies = Replies()
+        await loop.connect_read_pipe(lambda: replies, os.fdopen(reply_r, "rb", 0))
         transport, protocol = await loop.connect_write_pipe(
             asyncio.streams.FlowControlMixin, os.fdopen(job_w, "wb", 0)
         )
         jobs = asyncio.StreamWriter(transport, protocol, None, loop)
         worker = cls(proc, jobs, replies, out)
         try:
-            async with asyncio.timeout(WORKER_START_TIMEOUT_S):
-                line = await replies.readline()
-            if line != READY:
+            await replies.wait(worker.exited, timeout=WORKER_START_TIMEOUT_S)
+            if replies.take() != READY:
                 await asyncio.wait({worker.exited}, timeout=STOP_GRACE_S)
                 code = worker.exited.result().code if worker.exited.done() else None
                 raise RuntimeError(f"handler worker did not start: {exit_text(code)}")
@@ -106,6 +178,8 @@ class Worker:
         """
         if self.exited.done():
             raise Undelivered
+        replies = self.replies
+        replies.forget()
         try:
             self.jobs.write(message)
             # A failed write (EPIPE) only closes the transport; drain() may not raise in time.
@@ -114,18 +188,13 @@ class Worker:
             await self.jobs.drain()
         except ConnectionError:
             raise Undelivered from None
-        reply = asyncio.ensure_future(self.replies.readline())
-        try:
-            waits: set[asyncio.Future[Any]] = {reply, self.exited, stop}
-            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            if self.exited.done() and not reply.done():
-                await asyncio.wait({reply}, timeout=STOP_GRACE_S)  # what it wrote before it went
-            if not reply.done():
-                return None, self.exited.done()
-            answer = _parse_reply(reply)
-            return answer, answer is None
-        finally:
-            reply.cancel()
+        await replies.wait(self.exited, stop, timeout=timeout)
+        if self.exited.done() and not replies.answered():
+            await replies.wait(timeout=STOP_GRACE_S)  # what it wrote before it went
+        if not replies.answered():
+            return None, self.exited.done()
+        answer = _parse_reply(replies.take())
+        return answer, answer is None
 
     async def kill(self) -> None:
         self.jobs.close()
@@ -145,12 +214,9 @@ class Worker:
             self.record.unlink(missing_ok=True)
 
 
-def _parse_reply(reply: asyncio.Future[bytes]) -> dict[str, Any] | None:
-    if reply.cancelled() or reply.exception() is not None:
-        return None  # e.g. a line past the reader's limit
-    line = reply.result()
-    if not line.endswith(b"\n"):
-        return None  # end of file: the worker died mid-job
+def _parse_reply(line: bytes | None) -> dict[str, Any] | None:
+    if line is None:
+        return None  # end of file (the worker died mid-job), or a line past the limit
     try:
         answer = json.loads(line)
     except ValueError:
