@@ -93,8 +93,9 @@ class Change:
     automatic: bool
 
 
-def triggered(snapshot: Snapshot, rules: Rules) -> Change | None:
-    """The strongest automatic trigger that holds, or None."""
+def triggered(snapshot: Snapshot, rules: Rules, backlog: bool = True) -> Change | None:
+    """The strongest automatic trigger that holds, or None (`backlog`: whether the backlog's
+    trigger may fire; see `backlog_rests`)."""
     s = snapshot
     if s.nodes_total and s.nodes_healthy < rules.healthy_ratio * s.nodes_total:
         why = (
@@ -104,17 +105,36 @@ def triggered(snapshot: Snapshot, rules: Rules) -> Change | None:
     if s.gpu_total and s.gpu_used > rules.gpu_ratio * s.gpu_total:
         why = f"{s.gpu_used} of {s.gpu_total} GPUs allocated (over {rules.gpu_ratio:.0%})"
         return Change(Mode.PARTIAL, why, rules.gpu_for_s, True)
-    if s.waiting > rules.waiting:
+    if backlog and s.waiting > rules.waiting:
         why = f"{s.waiting} tasks waiting (over {rules.waiting})"
         return Change(Mode.PARTIAL, why, rules.waiting_for_s, True)
     return None
+
+
+def backlog_rests(state: DegradeState, snapshot: Snapshot, rules: Rules) -> bool:
+    """Whether the backlog's trigger rests: for `waiting_for_s` after any mode ended (at its
+    `until`, or lifted by an operator), by Postgres's clock.
+
+    A mode dispatches none of the tasks below its threshold (partial) or none at all (full),
+    so the backlog it leaves is at least the one it found. Were the backlog's trigger to fire
+    again at once, those tasks would never be dispatched, however long they waited — and
+    every accepted task must reach a terminal state (brief §9.1). In the rest they are
+    dispatched as usual; then the trigger judges the backlog again. The other triggers judge
+    what dispatching does not change (GPUs held, nodes healthy) and never rest."""
+    if state.mode is not Mode.NORMAL:
+        left_s = state.remaining_s
+        # past its until, not yet written as ended: it ended -left_s seconds ago
+        return left_s is not None and left_s <= 0 and -left_s < rules.waiting_for_s
+    if state.version <= 1 or snapshot.at is None:
+        return False  # never degraded (the row as its migration left it), or no clock
+    return (snapshot.at - state.since).total_seconds() < rules.waiting_for_s
 
 
 def decide(state: DegradeState, snapshot: Snapshot, rules: Rules) -> Change | None:
     """The automatic evaluator's move, if any: enter or strengthen an automatic mode when a
     trigger holds; end a mode whose `until` has passed (its leaving is an event too)."""
     current = state.effective()
-    trigger = triggered(snapshot, rules)
+    trigger = triggered(snapshot, rules, backlog=not backlog_rests(state, snapshot, rules))
     expired = state.mode is not Mode.NORMAL and current is Mode.NORMAL
     if trigger is not None and not state.manual and trigger.mode.rank > current.rank:
         return trigger

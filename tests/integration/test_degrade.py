@@ -136,6 +136,31 @@ async def test_each_trigger_enters_its_mode_for_its_time_and_leaves_at_until(
     assert "1 of 4 nodes healthy" in sick.reason
 
 
+async def test_a_backlog_rests_after_its_mode_so_that_it_drains(
+    store: Store, settings: Settings, queue: ReadyQueue
+) -> None:
+    """Partial mode dispatches none of a backlog below its threshold, so the backlog is still
+    there when the mode ends: the evaluator leaves it normal for as long as the mode lasted
+    (by Postgres's clock), in which the backlog is dispatched, and only then judges again.
+    Were it to enter partial again at once, those tasks would wait for ever."""
+    degrade = evaluator(settings, store, queue)
+    await ready(store, 3)
+    await degrade.evaluate()
+    busy = await store.degrade.read()
+    assert (busy.mode, busy.automatic) == (Mode.PARTIAL, True)
+    await asyncio.sleep(1.1)
+    await degrade.evaluate()
+    left = await store.degrade.read()
+    assert (left.mode, left.automatic) == (Mode.NORMAL, True)  # the backlog is still there
+    await degrade.evaluate()
+    assert (await store.degrade.read()).version == left.version  # resting: nothing written
+    await asyncio.sleep(1.1)
+    await degrade.evaluate()
+    again = await store.degrade.read()
+    assert (again.mode, again.automatic) == (Mode.PARTIAL, True)
+    assert (again.since - left.since).total_seconds() >= 1.0
+
+
 async def test_a_manual_mode_is_not_weakened_by_a_trigger(
     store: Store, settings: Settings, queue: ReadyQueue
 ) -> None:

@@ -3,6 +3,7 @@ change raises, and the mode in force as a scheduler's copy sees it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -71,10 +72,53 @@ def test_the_evaluator_enters_strengthens_and_ends_automatic_modes() -> None:
     ended = decide(state(Mode.PARTIAL, True, -1), snap(), RULES)
     assert ended is not None
     assert ended.mode is Mode.NORMAL
-    again = decide(state(Mode.PARTIAL, True, -1), snap(waiting=20_000), RULES)
+    again = decide(state(Mode.PARTIAL, True, -1), snap(gpu_used=8), RULES)
     assert again is not None
     assert again.mode is Mode.PARTIAL
     assert decide(state(), snap(), RULES) is None
+
+
+def test_a_backlog_rests_after_a_mode_ends_so_that_it_drains() -> None:
+    """A mode dispatches nothing below its threshold, so the backlog that set it off is still
+    there when it ends: were the trigger to fire again at once, those tasks would never run.
+    After any mode ends the backlog trigger rests for as long as its mode lasts; the others
+    (GPUs, nodes) judge what dispatching does not change, and fire again at once."""
+    busy = snap(waiting=20_000)
+    for mode, automatic in ((Mode.PARTIAL, True), (Mode.FULL, False)):
+        # its end seen before anyone wrote it: the evaluator writes normal, not partial again
+        ended = decide(state(mode, automatic, -1), busy, RULES)
+        assert ended is not None
+        assert (ended.mode, ended.automatic) == (Mode.NORMAL, True)
+        assert decide(state(mode, automatic, -(RULES.waiting_for_s - 1)), busy, RULES) == ended
+        # a rest as long as the mode lasted is over: the backlog sets it off again
+        late = decide(state(mode, automatic, -(RULES.waiting_for_s + 1)), busy, RULES)
+        assert late is not None
+        assert late.mode is Mode.PARTIAL
+    # the end written (the row normal since then, by the evaluator or an operator's lift)
+    for after_s in (0.0, RULES.waiting_for_s - 1):
+        assert decide(LEFT, at(after_s, waiting=20_000), RULES) is None
+    again = decide(LEFT, at(RULES.waiting_for_s + 1, waiting=20_000), RULES)
+    assert again is not None
+    assert again.mode is Mode.PARTIAL
+    # the row as the migration left it (never degraded), or no clock to judge by: no rest
+    assert decide(replace(LEFT, version=1), at(0.0, waiting=20_000), RULES) is not None
+    assert decide(LEFT, busy, RULES) is not None
+    # the other triggers do not rest
+    gpu = decide(LEFT, at(0.0, waiting=20_000, gpu_used=8), RULES)
+    assert gpu is not None
+    assert "GPUs" in gpu.reason
+    sick = decide(LEFT, at(0.0, nodes_healthy=1), RULES)
+    assert sick is not None
+    assert sick.mode is Mode.FULL
+
+
+# normal again since T0: a mode ended then
+LEFT = DegradeState(Mode.NORMAL, True, "partial mode ended at its until", "", T0, None, 4, None)
+
+
+def at(seconds_after: float, **kw: int) -> Snapshot:
+    """A snapshot read `seconds_after` T0 (Postgres's clock)."""
+    return replace(snap(**kw), at=T0 + timedelta(seconds=seconds_after))
 
 
 @pytest.mark.parametrize("manual", [Mode.PARTIAL, Mode.FULL])
