@@ -115,6 +115,9 @@ class Settings(BaseSettings):
     state_dir: Path | None = None  # default: <tmp>/sked/<node_id>
     # handler workers started with the executor (the rest start on their slot's first handler)
     warm_workers: int = Field(default=2, ge=0, le=10_000)
+    # a handler worker is replaced after this many jobs (0: never): each job's environment
+    # costs a worker ~220 bytes it never frees (glibc's setenv), and handlers may leak too
+    worker_max_jobs: int = Field(default=10_000, ge=0)
     shutdown_grace_s: float = Field(default=10.0, ge=0)
     # An attempt whose lease could not be renewed is frozen (SIGSTOP); frozen this long, it
     # is killed. Longer rides out longer Postgres outages; shorter frees its resources sooner.

@@ -77,6 +77,7 @@ def local_backend(settings: Settings) -> LocalBackend:
         warm_workers=settings.warm_workers,
         env_pass=settings.task_env_pass,
         freeze_max_s=settings.freeze_max_s,
+        worker_max_jobs=settings.worker_max_jobs,
     )
 
 

@@ -350,6 +350,22 @@ async def test_pool_keeps_its_workers(backend: LocalBackend, tmp_path: Path) -> 
     assert all(o.stopped for o in await both)
 
 
+async def test_a_worker_is_retired_after_max_jobs(tmp_path: Path) -> None:
+    """Each job's environment costs a worker memory glibc never frees (setenv keeps every
+    value it was given), so a worker that has taken max_jobs jobs is replaced by a fresh one
+    off the job's path; every job is answered."""
+    b = LocalBackend(1, tmp_path / "state", warm_workers=1, worker_max_jobs=3)
+    await b.start()
+    try:
+        pids = [(await run(b, handler("pid"))).result for _ in range(7)]
+    finally:
+        await b.close()
+    assert pids[0] == pids[1] == pids[2]
+    assert pids[3] == pids[4] == pids[5]
+    assert len({pids[0], pids[3], pids[6]}) == 3
+    await until(lambda: gone(pids[0]) and gone(pids[3]), "the retired workers to exit")
+
+
 async def test_close_stops_everything(tmp_path: Path) -> None:
     b = LocalBackend(1, tmp_path / "state")
     await b.start()

@@ -120,6 +120,7 @@ class LocalBackend(OneNode):
         warm_workers: int = 2,
         env_pass: Iterable[str] = (),
         freeze_max_s: float = 600.0,
+        worker_max_jobs: int = 0,
     ) -> None:
         self.slots = slots
         # Handler workers started with the executor; the other slots start theirs on their
@@ -137,9 +138,8 @@ class LocalBackend(OneNode):
         self._records = Records(self.state_dir / "running")
         self._runs: dict[Key, _Run] = {}
         self._warden = Warden()
-        self._pool = WorkerPool(
-            slots, self._warden, self._records, self._worker_out, self.base_env, freeze_max_s
-        )
+        where = (self._warden, self._records, self._worker_out, self.base_env)
+        self._pool = WorkerPool(slots, *where, freeze_max_s, worker_max_jobs)
         self._lock: int | None = None
         self._started = False
         self._closed = False

@@ -123,6 +123,7 @@ class Worker:
         self.out_name = str(out)  # stat()ed after every job: no Path to render each time
         self.record: Path | None = None
         self.exited: asyncio.Future[Any] = proc.ended
+        self.jobs_taken = 0  # jobs delivered to it (WorkerPool retires it after max_jobs)
 
     @classmethod
     async def spawn(
@@ -188,6 +189,7 @@ class Worker:
             await self.jobs.drain()
         except ConnectionError:
             raise Undelivered from None
+        self.jobs_taken += 1
         await replies.wait(self.exited, stop, timeout=timeout)
         if self.exited.done() and not replies.answered():
             await replies.wait(timeout=STOP_GRACE_S)  # what it wrote before it went
@@ -229,7 +231,12 @@ class Stopped(Exception):
 
 
 class WorkerPool:
-    """One item per slot: its live worker, or None until one is started for it."""
+    """One item per slot: its live worker, or None until one is started for it.
+
+    A worker that has taken `max_jobs` jobs (0: no bound) is retired, and a fresh one started
+    for its slot off the caller's path. Every job's SKED_TASK_ID and SKED_HEARTBEAT_TOKEN are
+    new values, and glibc's setenv keeps every value it was ever given (~220 bytes a job:
+    ~220 MB a million jobs, per worker); a handler's own leaks are bounded the same way."""
 
     def __init__(
         self,
@@ -239,7 +246,9 @@ class WorkerPool:
         out_dir: Path,
         env: Mapping[str, str],
         freeze_max_s: float,
+        max_jobs: int = 0,
     ) -> None:
+        self._max_jobs = max_jobs
         self._warden = warden
         self._records = records
         self._out_dir = out_dir
@@ -282,6 +291,11 @@ class WorkerPool:
         raise Stopped
 
     def give_back(self, worker: Worker | None) -> None:
+        """A slot's worker after a job it answered: kept, or retired at max_jobs."""
+        if worker is not None and 0 < self._max_jobs <= worker.jobs_taken:
+            log.info("handler worker %d retired after %d jobs", worker.pid, worker.jobs_taken)
+            self.refill(worker)
+            return
         self._idle.put_nowait(worker)
 
     def refill(self, worker: Worker | None) -> None:
