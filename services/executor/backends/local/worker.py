@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any, BinaryIO
 
 READY = b'{"ready": true}\n'
@@ -27,6 +27,35 @@ def describe(exc: BaseException) -> str:
     """`ValueError: bad`, on one line."""
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class JobEnv:
+    """The variables of the job at hand in a worker's environment (`os.environ`)."""
+
+    def __init__(self, environ: MutableMapping[str, str]) -> None:
+        self.environ = environ
+        self.job: dict[str, str] = {}  # the variables the current (or last) job set
+        self.before: dict[str, str | None] = {}  # their values before any job set them
+
+    def use(self, env: dict[str, str]) -> None:
+        """Set this job's variables, and put back as they were before any job those of the
+        last job that this one does not set. A variable already at its value is not set again:
+        glibc's setenv keeps a copy of every value it is given, for the process's life, and
+        most of a job's variables (its heartbeat URL, attempt 1) are the last job's."""
+        environ = self.environ
+        for key in self.job.keys() - env.keys():
+            value = self.before.pop(key)
+            if value is None:
+                environ.pop(key, None)
+            else:
+                environ[key] = value
+        for key, value in env.items():
+            current = environ.get(key)
+            if key not in self.before:
+                self.before[key] = current
+            if current != value:
+                environ[key] = value
+        self.job = env
 
 
 class Worker:
@@ -49,6 +78,7 @@ class Worker:
         for stream in (sys.stdout, sys.stderr):
             stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
         self.handlers: dict[str, Callable[..., Any]] = {}
+        self.env = JobEnv(os.environ)
 
     def serve(self) -> None:
         self.replies.write(READY)
@@ -70,9 +100,7 @@ class Worker:
     def run(self, job: dict[str, Any]) -> bytes:
         """Run one job with its output going to the out file; return the reply line."""
         os.ftruncate(self.out, 0)  # O_APPEND: the next write lands at the start again
-        env: dict[str, str] = job.get("env") or {}
-        saved = {key: os.environ.get(key) for key in env}
-        os.environ.update(env)
+        self.env.use(job.get("env") or {})
         os.dup2(self.out, 1)
         os.dup2(self.out, 2)
         try:
@@ -84,11 +112,6 @@ class Worker:
             sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
             os.dup2(self.quiet, 1)
             os.dup2(self.stderr, 2)
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
 
     def _call(self, path: str, args: Any, inputs: Any = None) -> bytes:
         try:
