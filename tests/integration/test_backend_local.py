@@ -350,6 +350,18 @@ async def test_pool_keeps_its_workers(backend: LocalBackend, tmp_path: Path) -> 
     assert all(o.stopped for o in await both)
 
 
+async def test_the_worker_that_answered_last_takes_the_next_job(tmp_path: Path) -> None:
+    """Jobs one at a time go to one worker, not round all the slots' workers in turn: its
+    memory is still in the CPU's caches."""
+    b = LocalBackend(4, tmp_path / "state", warm_workers=4)
+    await b.start()
+    try:
+        one_at_a_time = {(await run(b, handler("pid"))).result for _ in range(6)}
+    finally:
+        await b.close()
+    assert len(one_at_a_time) == 1
+
+
 async def test_a_worker_is_retired_after_max_jobs(tmp_path: Path) -> None:
     """Each job's environment costs a worker memory glibc never frees (setenv keeps every
     value it was given), so a worker that has taken max_jobs jobs is replaced by a fresh one

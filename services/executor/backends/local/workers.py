@@ -254,7 +254,10 @@ class WorkerPool:
         self._out_dir = out_dir
         self._env = env
         self._freeze_max_s = freeze_max_s
-        self._idle: asyncio.Queue[Worker | None] = asyncio.Queue()
+        # Last in, first out: the worker that answered last takes the next job. Its memory is
+        # still in the CPU's caches; handing jobs round all the slots' workers in turn made
+        # a no-op job cost its worker 93 µs of CPU, not 50, one job at a time (16 slots).
+        self._idle: asyncio.Queue[Worker | None] = asyncio.LifoQueue()
         for _ in range(slots):
             self._idle.put_nowait(None)
         self._refills: set[asyncio.Task[None]] = set()
