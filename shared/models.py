@@ -91,6 +91,11 @@ class TaskSpec(_Input):
     heartbeat_timeout_s: float = Field(default=30.0, ge=1.0, le=86_400)
     resources: Resources = Field(default_factory=Resources)
     selector: dict[str, str] = Field(default_factory=dict)
+    affinity: dict[str, str] = Field(
+        default_factory=dict,
+        description="node labels the task prefers, not requires: of the nodes that fit, one "
+        "carrying more of them scores higher (placement's affinity term)",
+    )
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
 
     @classmethod

@@ -115,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", type=int, default=0, help="memory in MB")
     p.add_argument("--gpu", type=int, default=0)
     p.add_argument("--selector", action="append", default=[], metavar="K=V")
+    p.add_argument(
+        "--affinity",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="a node label preferred, not required",
+    )
     p.add_argument("--idempotency-key")
     p.add_argument("--wait", action="store_true", help="wait for a terminal state")
     p.add_argument("--wait-timeout", type=float, help="with --wait: give up after SECONDS")

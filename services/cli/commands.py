@@ -112,6 +112,7 @@ def spec_from_args(args: argparse.Namespace) -> TaskSpec:
         "heartbeat_timeout_s": args.heartbeat_timeout,
         "resources": {"cpu": args.cpu, "memory_mb": args.memory, "gpu": args.gpu},
         "selector": parse_labels(",".join(args.selector)) if args.selector else {},
+        "affinity": parse_labels(",".join(args.affinity)) if args.affinity else {},
     }
     if args.timeout is not None:
         data["timeout_s"] = args.timeout

@@ -32,6 +32,7 @@ def need_of(task: Task) -> Need:
         memory_mb=spec.resources.memory_mb,
         gpu=spec.resources.gpu,
         selector=spec.selector,
+        affinity=spec.affinity,
     )
 
 

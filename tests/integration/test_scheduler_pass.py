@@ -76,3 +76,23 @@ async def test_a_dispatch_no_queue_takes_goes_back_to_ready_at_once(settings: Se
         back = await b.store.tasks.get(task.id)
         assert (back.status, back.status_reason) == (State.READY, "dispatch not confirmed")
         assert await scheduler.queue.absent([task.id]) == []  # in line again
+
+
+async def test_a_pass_places_a_task_on_the_node_its_affinity_prefers(settings: Settings) -> None:
+    """Affinity is a preference, not a filter (brief §4's score): of two equal nodes a task
+    goes to the one carrying its preferred labels, and to the other when that one is full."""
+    async with backends(settings) as b:
+        scheduler = Scheduler(settings, b.store, b.bus, b.ready_queue)
+        channel = await b.bus.consumer_channel(1)
+        for node, disk in (("a-hdd", "hdd"), ("b-ssd", "ssd")):
+            await b.bus.declare_node_queue(channel, node)
+            await b.store.nodes.register(node, 1, 0.0, 0, 0, {"disk": disk}, uuid4(), prefetch=0)
+        for name in ("first", "second"):
+            ready = await b.store.tasks.create_many(
+                [spec(name, affinity={"disk": "ssd"})], walk=(State.PENDING, State.READY)
+            )
+            await scheduler.queue.push(ready)
+            assert await scheduler.dispatch.dispatch_once() == 1
+        placed = {t.name: t.node for t in await b.store.tasks.list_tasks()}
+        # by id alone "a-hdd" would win the tie; "b-ssd" is full for the second
+        assert placed == {"first": "b-ssd", "second": "a-hdd"}
