@@ -7,7 +7,9 @@ Filter: ready, a free slot, free cpu / memory / gpu, every selector label. Score
   + 0.2 * affinity (share of the task's preferred labels the node carries)
 
 so work spreads to the emptiest, least loaded node, nudged by preferences; ties go to the
-lowest node id, so two schedulers with the same view decide the same way. When nothing fits,
+lowest node id, so two schedulers with the same view decide the same way. A task placed again
+(a retry, or a dispatch handed back) goes to another node than its last whenever one fits:
+the node it was lost on, or that handed it back, comes last, whatever its score. When nothing fits,
 `reason` names the first requirement no node can meet at all (`no node has gpu >= 2`), or says
 that nodes which could take the task are all full.
 """
@@ -33,6 +35,7 @@ class Need:
     gpu: int = 0
     selector: Mapping[str, str] = field(default_factory=dict)
     affinity: Mapping[str, str] = field(default_factory=dict)
+    avoid: str | None = None  # the node of the task's last attempt: chosen only if alone
 
 
 @dataclass(frozen=True)
@@ -194,7 +197,10 @@ def choose(need: Need, nodes: Sequence[NodeState]) -> Choice:
         return Choice(None, why_not(need, nodes), waits_for_room(need, nodes))
     last = max(n.heard_at for n in candidates)
     return Choice(
-        min(candidates, key=lambda n: (-score(n, need), n.heard_at < last - LATE_S, n.id))
+        min(
+            candidates,
+            key=lambda n: (n.id == need.avoid, -score(n, need), n.heard_at < last - LATE_S, n.id),
+        )
     )
 
 

@@ -33,6 +33,7 @@ def need_of(task: Task) -> Need:
         gpu=spec.resources.gpu,
         selector=spec.selector,
         affinity=spec.affinity,
+        avoid=task.node,  # its last attempt's (None before the first placement)
     )
 
 

@@ -11,6 +11,7 @@ import asyncpg
 import pytest
 
 from services.scheduler.service import Scheduler
+from shared import fsm
 from shared.fsm import State
 from shared.resilience import is_transient
 from shared.settings import Settings
@@ -96,3 +97,24 @@ async def test_a_pass_places_a_task_on_the_node_its_affinity_prefers(settings: S
         placed = {t.name: t.node for t in await b.store.tasks.list_tasks()}
         # by id alone "a-hdd" would win the tie; "b-ssd" is full for the second
         assert placed == {"first": "b-ssd", "second": "a-hdd"}
+
+
+async def test_a_task_placed_again_goes_to_another_node(settings: Settings) -> None:
+    """A dispatch handed back (or a retry) is placed on another node than its last when one
+    fits: the lower id, which wins ties, is where it was."""
+    async with backends(settings) as b:
+        scheduler = Scheduler(settings, b.store, b.bus, b.ready_queue)
+        channel = await b.bus.consumer_channel(1)
+        for node in ("a", "b"):
+            await b.bus.declare_node_queue(channel, node)
+            await b.store.nodes.register(node, 1, 0.0, 0, 0, {}, uuid4(), prefetch=0)
+        ready = await b.store.tasks.create_many([spec("t")], walk=(State.PENDING, State.READY))
+        await scheduler.queue.push(ready)
+        assert await scheduler.dispatch.dispatch_once() == 1
+        (placed,) = await b.store.tasks.list_tasks()
+        assert placed.node == "a"
+        back = await fsm.apply(b.store.tasks, placed, State.READY, reason="handed back")
+        await scheduler.queue.push([back])
+        assert await scheduler.dispatch.dispatch_once() == 1
+        (again,) = await b.store.tasks.list_tasks()
+        assert (again.status, again.node) == (State.SCHEDULING, "b")

@@ -54,6 +54,18 @@ def test_affinity_breaks_even_scores() -> None:
     assert choose(need, nodes).node.id == "b"  # type: ignore[union-attr]
 
 
+def test_a_task_placed_again_goes_to_another_node_when_one_fits() -> None:
+    """A retry (after its attempt was lost, say) or a dispatch handed back avoids the node of
+    its last attempt, however well that node scores; alone, it takes it."""
+    best, worse = node("a", labels={"disk": "ssd"}), node("b", load=0.9, used_slots=3)
+    need = Need(affinity={"disk": "ssd"}, avoid="a")
+    assert choose(need, [best, worse]).node.id == "b"  # type: ignore[union-attr]
+    assert choose(need, [best]).node.id == "a"  # type: ignore[union-attr]
+    full = node("b", used_slots=4)
+    assert choose(need, [best, full]).node.id == "a"  # type: ignore[union-attr]
+    assert choose(Need(affinity={"disk": "ssd"}), [best, worse]).node.id == "a"  # type: ignore[union-attr]
+
+
 def test_ties_go_to_the_lowest_id() -> None:
     nodes = [node("c"), node("a"), node("b")]
     assert choose(Need(), nodes).node.id == "a"  # type: ignore[union-attr]
