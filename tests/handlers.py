@@ -89,3 +89,25 @@ def sees_inputs(inputs: Any = None) -> Any:
 def whole_environ() -> dict[str, str]:
     """Everything in the handler's environment (the secrets test reads it)."""
     return dict(os.environ)
+
+
+def reply_later(after_s: float, line: str) -> str:
+    """Returns at once, leaving a thread that writes `line` to every pipe the worker process
+    holds open for writing `after_s` later: the reply channel among them, in the next job."""
+    import fcntl
+    import threading
+
+    def forge() -> None:
+        time.sleep(after_s)
+        for name in os.listdir("/proc/self/fd"):
+            fd = int(name)
+            try:
+                pipe = os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:")
+                writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_WRONLY
+                if pipe and writable and fd > 2:
+                    os.write(fd, line.encode() + b"\n")
+            except OSError:
+                pass
+
+    threading.Thread(target=forge, daemon=True).start()
+    return "mine"

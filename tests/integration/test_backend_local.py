@@ -350,6 +350,26 @@ async def test_pool_keeps_its_workers(backend: LocalBackend, tmp_path: Path) -> 
     assert all(o.stopped for o in await both)
 
 
+async def test_a_line_left_behind_by_a_job_is_not_the_next_jobs_reply(tmp_path: Path) -> None:
+    """A handler that leaves a thread behind, which writes a reply-like line to the worker's
+    reply pipe during the next job: that job's outcome is not that line. Each reply names its
+    job; the worker that wrote another is killed, and the job fails saying so."""
+    b = LocalBackend(1, tmp_path / "state", warm_workers=1)
+    await b.start()
+    forged = json.dumps({"ok": True, "result": "forged"})
+    try:
+        first = await run(b, handler("reply_later", [0.3, forged]))
+        second = await run(b, handler("sleep", [1.0]))
+        third = await run(b, handler("add", [1, 2]))
+    finally:
+        await b.close()
+    assert (first.ok, first.result) == (True, "mine")
+    assert second.result != "forged"
+    assert not second.ok
+    assert "not this job's reply" in (second.error or "")
+    assert (third.ok, third.result) == (True, 3)  # a fresh worker
+
+
 async def test_the_worker_that_answered_last_takes_the_next_job(tmp_path: Path) -> None:
     """Jobs one at a time go to one worker, not round all the slots' workers in turn: its
     memory is still in the CPU's caches."""

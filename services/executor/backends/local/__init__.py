@@ -324,7 +324,9 @@ class LocalBackend(OneNode):
         except Stopped:
             return Outcome.halted()
         key = (launch.task_id, launch.attempt)
+        job_id = f"{launch.task_id}:{launch.attempt}"
         message = {
+            "job": job_id,
             "handler": job.handler,
             "args": job.args,
             "env": {**launch.env, **_task_env(launch)},
@@ -346,7 +348,7 @@ class LocalBackend(OneNode):
                 if run.lease_s is not None:
                     worker.proc.lease_job(run.lease_s)
                 try:
-                    answer, gone = await worker.call(line, run.stop, launch.timeout_s)
+                    answer, gone = await worker.call(line, job_id, run.stop, launch.timeout_s)
                 except Undelivered:
                     await worker.kill()
                     worker.discard()
@@ -378,6 +380,8 @@ class LocalBackend(OneNode):
         if ended is not None and ended.how == "frozen too long":
             return Outcome.failed(self._lapsed(), tail)
         error = f"handler worker died: {exit_text(ended.code if ended else None)}"
+        if worker.broke:
+            error = "handler worker wrote a line that is not this job's reply; it was killed"
         log.warning("attempt %s/%s: %s", *key, error, extra={"task_id": key[0], "attempt": key[1]})
         return Outcome.failed(error, tail)
 

@@ -1,7 +1,8 @@
 """A handler worker (`python -m services.executor.worker OUT_FILE`): runs one job at a time.
 
-Reads one JSON job per line on stdin, {"handler", "args", "env"}, and answers each with one JSON
-line on stdout, {"ok": true, "result": ...} or {"ok": false, "error": ..., "traceback": ...}.
+Reads one JSON job per line on stdin, {"job", "handler", "args", "env"}, and answers each with
+one JSON line on stdout naming the job, {"job": ..., "ok": true, "result": ...} or {"job": ...,
+"ok": false, "error": ..., "traceback": ...}.
 """
 
 from __future__ import annotations
@@ -104,7 +105,9 @@ class Worker:
         os.dup2(self.out, 1)
         os.dup2(self.out, 2)
         try:
-            return self._call(job["handler"], job.get("args"), job.get("inputs"))
+            reply = self._call(job["handler"], job.get("args"), job.get("inputs"))
+            # the job's id first: a line naming another job is not this job's reply
+            return b'{"job":' + json.dumps(job.get("job")).encode() + b"," + reply[1:]
         finally:
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(OSError, ValueError):  # the handler closed it

@@ -124,6 +124,7 @@ class Worker:
         self.record: Path | None = None
         self.exited: asyncio.Future[Any] = proc.ended
         self.jobs_taken = 0  # jobs delivered to it (WorkerPool retires it after max_jobs)
+        self.broke = False  # it wrote a line that was not the reply to the job at hand
 
     @classmethod
     async def spawn(
@@ -170,12 +171,14 @@ class Worker:
         return worker
 
     async def call(
-        self, message: bytes, stop: asyncio.Future[None], timeout: float | None
+        self, message: bytes, job: str, stop: asyncio.Future[None], timeout: float | None
     ) -> tuple[dict[str, Any] | None, bool]:
-        """Send a job and wait for its reply, the worker's death, a stop or the timeout.
+        """Send a job (`message`, whose id is `job`) and wait for its reply, the worker's death,
+        a stop or the timeout.
 
         Returns the reply (None if there is none), and whether the worker is gone (died, or broke
-        the protocol). Raises Undelivered if the worker was gone before it took the job.
+        the protocol: a reply that names another job is one). Raises Undelivered if the worker
+        was gone before it took the job.
         """
         if self.exited.done():
             raise Undelivered
@@ -195,7 +198,10 @@ class Worker:
             await replies.wait(timeout=STOP_GRACE_S)  # what it wrote before it went
         if not replies.answered():
             return None, self.exited.done()
-        answer = _parse_reply(replies.take())
+        line = replies.take()
+        answer = _parse_reply(line, job)
+        if answer is None and line is not None:
+            self.broke = True
         return answer, answer is None
 
     async def kill(self) -> None:
@@ -216,14 +222,18 @@ class Worker:
             self.record.unlink(missing_ok=True)
 
 
-def _parse_reply(line: bytes | None) -> dict[str, Any] | None:
+def _parse_reply(line: bytes | None, job: str) -> dict[str, Any] | None:
+    """The reply to job `job`; None for anything else: a line naming another job (written by
+    what a handler left running, say) must not become this job's outcome."""
     if line is None:
         return None  # end of file (the worker died mid-job), or a line past the limit
     try:
         answer = json.loads(line)
     except ValueError:
         return None
-    return answer if isinstance(answer, dict) and "ok" in answer else None
+    if not isinstance(answer, dict) or "ok" not in answer or answer.get("job") != job:
+        return None
+    return answer
 
 
 class Stopped(Exception):
