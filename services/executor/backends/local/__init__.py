@@ -324,9 +324,8 @@ class LocalBackend(OneNode):
         except Stopped:
             return Outcome.halted()
         key = (launch.task_id, launch.attempt)
-        job_id = f"{launch.task_id}:{launch.attempt}"
         message = {
-            "job": job_id,
+            "job": stem,  # the attempt's name: its reply must carry it
             "handler": job.handler,
             "args": job.args,
             "env": {**launch.env, **_task_env(launch)},
@@ -348,7 +347,7 @@ class LocalBackend(OneNode):
                 if run.lease_s is not None:
                     worker.proc.lease_job(run.lease_s)
                 try:
-                    answer, gone = await worker.call(line, job_id, run.stop, launch.timeout_s)
+                    answer, gone = await worker.call(line, stem, run.stop, launch.timeout_s)
                 except Undelivered:
                     await worker.kill()
                     worker.discard()
