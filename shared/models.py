@@ -91,10 +91,14 @@ class TaskSpec(_Input):
     heartbeat_timeout_s: float = Field(default=30.0, ge=1.0, le=86_400)
     resources: Resources = Field(default_factory=Resources)
     selector: dict[str, str] = Field(default_factory=dict)
-    affinity: dict[str, str] = Field(
+    # read by placement for every node, on every pass that tries the task: bounded
+    affinity: dict[
+        Annotated[str, Field(min_length=1, max_length=253)], Annotated[str, Field(max_length=253)]
+    ] = Field(
         default_factory=dict,
+        max_length=64,
         description="node labels the task prefers, not requires: of the nodes that fit, one "
-        "carrying more of them scores higher (placement's affinity term)",
+        "carrying more of them scores higher (placement's affinity term); at most 64",
     )
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
 

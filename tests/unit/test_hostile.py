@@ -46,6 +46,11 @@ POISON = [
     (b"", "malformed JSON"),
     (b"null", "must be a JSON object"),
     (b'{"name": "n", "job": {"kind": "command", "argv": ["true"]}, "priority": 1e400}', "priority"),
+    (
+        json.dumps({**GOOD, "affinity": {f"k{i}": "v" for i in range(65)}}).encode(),
+        "affinity",
+    ),
+    (json.dumps({**GOOD, "affinity": {"k": "v" * 254}}).encode(), "affinity"),
 ]
 
 
