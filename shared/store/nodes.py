@@ -45,7 +45,7 @@ class NodeRow:
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> NodeRow:
-        values = {k: v for k, v in row.items() if not k.startswith("degrade_")}
+        values = {k: v for k, v in row.items() if k != "locked" and not k.startswith("degrade_")}
         values["used_cpu"] = float(values["used_cpu"])
         values["used_memory_mb"] = int(values["used_memory_mb"])
         values["used_gpu"] = int(values["used_gpu"])
@@ -122,7 +122,8 @@ class Nodes:
 
     async def lock_and_read(self) -> tuple[list[NodeRow], Mode | None]:
         """Inside a transaction: lock the live nodes, then read every node with its usage, and
-        the degrade mode in force (None if there is no node row to carry it).
+        the degrade mode in force (None if there is no node row to carry it) — one round trip
+        (sked_nodes, sql/nodes.sql, says why the read is a statement of its own).
 
         Only the nodes locked here count as live: one that turned live between the lock and
         the read waits for the next pass rather than being placed on unlocked. Cordoned nodes
@@ -130,15 +131,14 @@ class Nodes:
         a task no other node can take says so.
         """
         assert self.db.in_transaction, "placement locks nodes inside a transaction"
-        locked = {r["id"] for r in await self.db.fetch(Q.lock_live_nodes, self.ttl_s)}
-        rows = await self.db.fetch(Q.nodes_with_usage, self.ttl_s)
+        rows = await self.db.fetch(Q.lock_and_read_nodes, self.ttl_s)
         nodes = [NodeRow.from_row(r) for r in rows]
         mode = None
         if rows and rows[0]["degrade_mode"] is not None:
             mode = in_force(Mode(rows[0]["degrade_mode"]), rows[0]["degrade_remaining_s"])
         return [
-            r if r.id in locked or r.cordoned_at is not None else replace(r, live=False)
-            for r in nodes
+            n if r["locked"] or n.cordoned_at is not None else replace(n, live=False)
+            for n, r in zip(nodes, rows, strict=True)
         ], mode
 
     async def cordon(self, node_id: str, by: str, reason: str = "") -> bool:

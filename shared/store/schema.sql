@@ -1,8 +1,9 @@
 -- The schema as it stands after every migration: what shared/store/migrations builds, step by
 -- step, written out whole for a reader (tests/integration/test_migrate.py checks that the two
 -- yield the same catalogue). Change the schema with a new migration, then here.
--- Not here: the functions statements call (sked_transition, the CAS), which `sked migrate`
--- defines anew from their text in sql/*.sql after the migration files.
+-- Not here: the functions statements call (sked_transition, the CAS; sked_nodes, the nodes
+-- with their usage), which `sked migrate` defines anew from their text in sql/*.sql after
+-- the migration files.
 
 -- Workflows: a DAG of tasks submitted together, and one row per edge.
 CREATE TABLE workflows (
