@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from uuid import UUID
 
 from shared.degrade import DegradeState, Mode
@@ -13,6 +14,7 @@ from shared.fsm import State
 from shared.queues import ReadyQueue
 from shared.settings import Settings
 from shared.store import Store, parse_notify
+from shared.store.notify import NOTIFY_LIST_MAX
 
 # A NOTIFY naming one of these states may have freed capacity on a node (or made a task Ready).
 FREES_CAPACITY = {
@@ -28,6 +30,9 @@ FREES_CAPACITY = {
         State.READY,
     )
 }
+
+READY_ONLY = frozenset({State.READY.value})
+ADMITTED_MAX = 10_000  # ids kept in `Hub.admitted` at most (~1 MB)
 
 # A NOTIFY naming one of these may decide workflow tasks downstream.
 DECIDES_DOWNSTREAM = {
@@ -74,6 +79,12 @@ class Hub:
         self.unpark_resources = asyncio.Event()
         self.ends = 0
         self.parked_resource_waiters = False
+        # tasks this scheduler's intake admitted, by id, with the version their admission
+        # gives them, until that Ready is heard: intake placed each or queued it and woke
+        # dispatch itself, so the notification asks for nothing (at low rates it cost a pass,
+        # a Redis round trip, per submission). The version keeps a later Ready of the same
+        # task (an attempt coming back) from ever passing for it.
+        self.admitted: dict[UUID, int] = {}
         # workflows: tasks that finished (or were resumed) lately, or all of them
         self.resolve = asyncio.Event()
         self.finished: set[UUID] = set()
@@ -104,7 +115,7 @@ class Hub:
             else:
                 self.finished.update(notice.workflow_ids)
             self.resolve.set()
-        if states & FREES_CAPACITY:
+        if states & FREES_CAPACITY and not self._own_admission(notice.ids, states, payload):
             self.ends += 1
             self.unpark_resources.set()
             self.dispatch.set()
@@ -114,6 +125,36 @@ class Hub:
             # only a task with a schedule deadline can bring the earliest one closer: the
             # others (most) cost the timeout loop no look at the index
             self.deadlines.set()
+
+    def admitting(self, versions: Mapping[UUID, int]) -> None:
+        """Intake is about to commit the admission of these tasks, at these versions (see
+        `admitted`). A batch too big for its notification to list is not kept: that
+        notification asks for a pass."""
+        if len(versions) > NOTIFY_LIST_MAX:
+            return
+        if len(self.admitted) > ADMITTED_MAX:  # notifications missed (LISTEN dropped)
+            self.admitted.clear()  # a pass more for the rest, nothing missed
+        self.admitted.update(versions)
+
+    def _own_admission(
+        self, ids: frozenset[UUID] | None, states: frozenset[str], payload: str
+    ) -> bool:
+        """Whether a notification is only the Ready of tasks this scheduler admitted, each at
+        its admission's version (then forgotten)."""
+        admitted = self.admitted
+        if ids is None or states != READY_ONLY or not ids <= admitted.keys():
+            return False
+        for entry in payload.split():
+            named, _, rest = entry.partition(":")
+            version = rest.partition(":")[0]
+            try:
+                if admitted.get(UUID(named)) != int(version):
+                    return False
+            except ValueError:  # not sked's entry (anyone may NOTIFY): not only our Ready
+                return False
+        for task_id in ids:
+            del admitted[task_id]
+        return True
 
     def degrade_notify(self, *_: object) -> None:
         self.degrade_changed.set()

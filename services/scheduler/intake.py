@@ -278,6 +278,7 @@ class Intake(Part):
                 existing = {t.id: t for t, new in admitted if not new}
                 moved: list[Task] = []
                 waiting = {t.id: Choice(None, fits_later=True) for t in ready}
+                self.hub.admitting({t.id: t.version for t in ready})
                 if ready and not await queued:
                     moved, waiting = await self.dispatcher.place(tx, ready)
         finally:

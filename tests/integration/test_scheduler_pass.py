@@ -3,6 +3,7 @@ that fails after popping puts what it popped back in line at once."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 from uuid import uuid4
 
@@ -15,6 +16,7 @@ from shared import fsm
 from shared.fsm import State
 from shared.resilience import is_transient
 from shared.settings import Settings
+from shared.store.notify import TASK_CHANNEL
 from shared.wiring import backends
 from tests.helpers import spec
 
@@ -118,3 +120,35 @@ async def test_a_task_placed_again_goes_to_another_node(settings: Settings) -> N
         assert await scheduler.dispatch.dispatch_once() == 1
         (again,) = await b.store.tasks.list_tasks()
         assert (again.status, again.node) == (State.SCHEDULING, "b")
+
+
+async def test_an_admission_placed_at_once_asks_its_scheduler_for_no_pass(
+    settings: Settings,
+) -> None:
+    """The notifications a real admission sends (its tasks Ready, then Scheduling on their
+    node), heard by the scheduler that admitted them, wake no dispatch pass: intake placed
+    them itself. (At low rates that pass was a Redis round trip per submission.)"""
+    async with backends(settings) as b:
+        scheduler = Scheduler(settings, b.store, b.bus, b.ready_queue)
+        await b.bus.declare_node_queue(await b.bus.consumer_channel(1), "n1")
+        await b.store.nodes.register("n1", 4, 0.0, 0, 0, {}, uuid4())
+        heard: asyncio.Queue[str] = asyncio.Queue()
+        listener = await asyncpg.connect(settings.database_url)
+        try:
+            await listener.add_listener(TASK_CHANNEL, lambda *a: heard.put_nowait(a[3]))
+            ready, _ = await scheduler.intake.admit([spec("t1"), spec("t2")], [uuid4(), uuid4()])
+            payloads = [await asyncio.wait_for(heard.get(), 10) for _ in range(2)]
+        finally:
+            await listener.close()
+        assert {t.status for t in await b.store.tasks.list_tasks()} == {State.SCHEDULING}
+        hub = scheduler.hub
+        hub.dispatch.clear()
+        for payload in payloads:
+            hub.task_notify(None, 0, TASK_CHANNEL, payload)
+        assert not hub.dispatch.is_set(), payloads
+        assert hub.admitted == {}
+        # the same notifications heard by another scheduler do wake it: it cannot know
+        other = Scheduler(settings, b.store, b.bus, b.ready_queue).hub
+        other.task_notify(None, 0, TASK_CHANNEL, payloads[0])
+        assert other.dispatch.is_set()
+        assert len(ready) == 2

@@ -480,6 +480,46 @@ def test_only_a_workflow_tasks_end_wakes_workflow_resolution() -> None:
     assert hub.resolve_all
 
 
+def test_the_ready_of_a_task_this_scheduler_admitted_wakes_no_dispatch() -> None:
+    """Intake places what it admits or queues it and wakes dispatch itself: the Ready its own
+    admission announces asks for nothing — at its admission's version only."""
+    hub = Hub()
+    mine, other = uuid4(), uuid4()
+    hub.admitting({mine: 3})
+    hub.task_notify(None, 0, "", f"{mine}:3:ready")
+    assert not hub.dispatch.is_set()
+    assert hub.ends == 0
+    assert hub.admitted == {}  # heard: forgotten
+    hub.task_notify(None, 0, "", f"{mine}:5:ready")  # later, its attempt came back to Ready
+    assert hub.dispatch.is_set()
+    assert hub.ends == 1
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        "{other}:3:ready",  # another scheduler's admission, or a retry
+        "{mine}:4:ready",  # not the version its admission gave it
+        "{mine}:3:ready {other}:7:success",  # a slot freed beside it
+        "{mine}:3:ready not-a-task:1:ready",  # an entry that is not sked's
+        "*:300:ready",  # too many to list
+    ],
+)
+def test_any_other_ready_or_end_still_wakes_dispatch(payload: str) -> None:
+    hub = Hub()
+    mine, other = uuid4(), uuid4()
+    hub.admitting({mine: 3})
+    hub.task_notify(None, 0, "", payload.format(mine=mine, other=other))
+    assert hub.dispatch.is_set()
+    assert hub.ends == 1
+
+
+def test_an_admission_too_big_for_its_notification_to_list_is_not_kept() -> None:
+    hub = Hub()
+    hub.admitting({uuid4(): 3 for _ in range(101)})
+    assert hub.admitted == {}
+
+
 def test_the_executor_suspects_its_attempts_only_on_moves_that_take_them_away() -> None:
     """An executor hears every transition's NOTIFY; only Paused, Canceled, Lost and RetryWait
     can take an attempt away, and the rest are skipped unparsed."""
