@@ -484,7 +484,7 @@ def test_the_ready_of_a_task_this_scheduler_admitted_wakes_no_dispatch() -> None
     """Intake places what it admits or queues it and wakes dispatch itself: the Ready its own
     admission announces asks for nothing — at its admission's version only."""
     hub = Hub()
-    mine, other = uuid4(), uuid4()
+    mine = uuid4()
     hub.admitting({mine: 3})
     hub.task_notify(None, 0, "", f"{mine}:3:ready")
     assert not hub.dispatch.is_set()
