@@ -146,12 +146,13 @@ async def _print_stages(pool: asyncpg.Pool, name: str) -> None:
     at: dict[object, dict[str, float]] = {}
     for r in rows:
         at.setdefault(r["task_id"], {})[r["to_status"]] = r["at"].timestamp()
-    print(f"time between transitions, ms (p50 / p90), {len(at)} tasks, {len(rows)} events:")
+    print(f"time between transitions, ms (p50 / p90 / p99), {len(at)} tasks, {len(rows)} events:")
     for a, b in itertools.pairwise(STAGES):
         gaps = sorted((t[b] - t[a]) * 1000 for t in at.values() if a in t and b in t)
         if gaps:
             p50, p90 = gaps[len(gaps) // 2], gaps[int(len(gaps) * 0.9)]
-            print(f"  {a:>10} -> {b:<10} {p50:8.1f} / {p90:8.1f}")
+            p99 = gaps[int(len(gaps) * 0.99)]
+            print(f"  {a:>10} -> {b:<10} {p50:8.1f} / {p90:8.1f} / {p99:8.1f}")
 
 
 async def _statements_on(pool: asyncpg.Pool) -> bool:
