@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, m
 
 from shared.errors import InvalidSpec
 from shared.fsm import State
-from shared.models import TaskSpec, describe
+from shared.models import NEW, TaskSpec, describe
 
 
 class Condition(StrEnum):
@@ -82,7 +82,8 @@ class WorkflowTask(BaseModel):
             else {"kind": "handler", "handler": self.handler, "args": self.args}
         )
         try:
-            return TaskSpec.model_validate({"name": self.name, "job": job, **self.options})
+            spec = {"name": self.name, "job": job, **self.options}
+            return TaskSpec.model_validate(spec, context=NEW)
         except ValidationError as exc:
             raise InvalidSpec(f"task {self.name!r}: {describe(exc)}") from None
 

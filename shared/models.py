@@ -11,7 +11,15 @@ from datetime import datetime
 from typing import Annotated, Literal
 from uuid import NAMESPACE_URL, UUID, uuid4, uuid5
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from shared.errors import InvalidSpec
 from shared.fsm import State
@@ -21,6 +29,13 @@ SCHEMA_VERSION: Literal[1] = 1
 
 # module.path:function or module.path.function
 _HANDLER = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*([:.][A-Za-z_]\w*)$")
+
+
+# Validation context of a spec submitted now (TaskSpec.parse, a workflow's tasks): bounds
+# added after specs were first stored apply to new specs only, never to reading a stored one.
+NEW = {"new": True}
+LABELS_MAX = 64  # labels a spec's selector or affinity may hold
+LABEL_MAX = 253  # characters of a label's key or value there
 
 
 class _Input(BaseModel):
@@ -90,25 +105,46 @@ class TaskSpec(_Input):
     # also the attempt's lease: the node's watchdog freezes an attempt not renewed this long
     heartbeat_timeout_s: float = Field(default=30.0, ge=1.0, le=86_400)
     resources: Resources = Field(default_factory=Resources)
+    # required node labels; bounded like affinity for new specs (`_selector_bounded`)
     selector: dict[str, str] = Field(default_factory=dict)
     # read by placement for every node, on every pass that tries the task: bounded
     affinity: dict[
-        Annotated[str, Field(min_length=1, max_length=253)], Annotated[str, Field(max_length=253)]
+        Annotated[str, Field(min_length=1, max_length=LABEL_MAX)],
+        Annotated[str, Field(max_length=LABEL_MAX)],
     ] = Field(
         default_factory=dict,
-        max_length=64,
+        max_length=LABELS_MAX,
         description="node labels the task prefers, not requires: of the nodes that fit, one "
         "carrying more of them scores higher (placement's affinity term); at most 64",
     )
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
 
+    @field_validator("selector")
+    @classmethod
+    def _selector_bounded(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        """A new spec's selector holds at most 64 labels, keys of 1-253 characters and values
+        of at most 253, as affinity does: placement reads it for every node on every pass that
+        tries the task. Checked on input only (`NEW`): a spec stored before the bound must
+        still read back, or the task it belongs to could never be placed nor ended."""
+        if not (info.context or {}).get("new"):
+            return value
+        if len(value) > LABELS_MAX or any(
+            not 0 < len(k) <= LABEL_MAX or len(v) > LABEL_MAX for k, v in value.items()
+        ):
+            raise ValueError(
+                f"at most {LABELS_MAX} labels, keys of 1-{LABEL_MAX} characters and values of "
+                f"at most {LABEL_MAX}"
+            )
+        return value
+
     @classmethod
     def parse(cls, data: object) -> TaskSpec:
-        """Validate a dict or a JSON string; raise InvalidSpec naming each bad field."""
+        """Validate a dict or a JSON string as a new spec; raise InvalidSpec naming each bad
+        field."""
         try:
             if isinstance(data, str | bytes):
-                return cls.model_validate_json(data)
-            return cls.model_validate(data)
+                return cls.model_validate_json(data, context=NEW)
+            return cls.model_validate(data, context=NEW)
         except ValidationError as exc:
             raise InvalidSpec(describe(exc)) from None
 

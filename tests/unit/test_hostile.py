@@ -13,6 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shared import jsonvalue, lease
+from shared.dag import WorkflowSpec
+from shared.errors import InvalidSpec
 from shared.intake import Accepted, Rejected, judge, same_spec, traceparent
 from shared.models import CommandJob, HandlerJob, TaskSpec
 from shared.outcome import MAX_RESULT_BYTES, Report, storable
@@ -51,7 +53,30 @@ POISON = [
         "affinity",
     ),
     (json.dumps({**GOOD, "affinity": {"k": "v" * 254}}).encode(), "affinity"),
+    (
+        json.dumps({**GOOD, "selector": {f"k{i}": "v" for i in range(65)}}).encode(),
+        "selector",
+    ),
+    (json.dumps({**GOOD, "selector": {"k": "v" * 254}}).encode(), "selector"),
+    (json.dumps({**GOOD, "selector": {"": "v"}}).encode(), "selector"),
 ]
+
+
+def test_a_stored_spec_from_before_the_selector_bound_still_reads_back() -> None:
+    """The selector's bound refuses new specs only: a task stored with a wider selector must
+    still be read (placed, ended, shown), not turn into an unreadable row."""
+    wide = json.dumps({**GOOD, "selector": {f"k{i}": "v" for i in range(65)}})
+    assert len(TaskSpec.model_validate_json(wide).selector) == 65  # how a stored spec is read
+    with pytest.raises(InvalidSpec, match="selector"):
+        TaskSpec.parse(wide)
+
+
+def test_a_workflow_task_s_selector_is_bounded_too() -> None:
+    many = {f"k{i}": "v" for i in range(65)}
+    with pytest.raises(InvalidSpec, match=r"task 't': .*selector"):
+        WorkflowSpec.parse(
+            {"name": "w", "tasks": [{"name": "t", "command": ["true"], "selector": many}]}
+        )
 
 
 @pytest.mark.parametrize(("raw", "reason"), POISON)
