@@ -14,7 +14,7 @@ from shared.fsm import State
 from shared.queues import ReadyQueue
 from shared.settings import Settings
 from shared.store import Store, parse_notify
-from shared.store.notify import NOTIFY_LIST_MAX
+from shared.store.notify import NOTIFY_LIST_MAX, versions_of
 
 # A NOTIFY naming one of these states may have freed capacity on a node (or made a task Ready).
 FREES_CAPACITY = {
@@ -144,14 +144,9 @@ class Hub:
         admitted = self.admitted
         if ids is None or states != READY_ONLY or not ids <= admitted.keys():
             return False
-        for entry in payload.split():
-            named, _, rest = entry.partition(":")
-            version = rest.partition(":")[0]
-            try:
-                if admitted.get(UUID(named)) != int(version):
-                    return False
-            except ValueError:  # not sked's entry (anyone may NOTIFY): not only our Ready
-                return False
+        versions = versions_of(payload)  # None: an entry that is not sked's (anyone may NOTIFY)
+        if versions is None or any(admitted[i] != v for i, v in versions.items()):
+            return False
         for task_id in ids:
             del admitted[task_id]
         return True

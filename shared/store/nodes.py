@@ -6,7 +6,7 @@ attempts that hold it (Scheduling or Running on it), released by the very CAS th
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 from uuid import UUID
@@ -45,7 +45,7 @@ class NodeRow:
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> NodeRow:
-        values = {k: v for k, v in row.items() if k != "locked" and not k.startswith("degrade_")}
+        values = {k: v for k, v in row.items() if not k.startswith("degrade_")}
         values["used_cpu"] = float(values["used_cpu"])
         values["used_memory_mb"] = int(values["used_memory_mb"])
         values["used_gpu"] = int(values["used_gpu"])
@@ -132,14 +132,10 @@ class Nodes:
         """
         assert self.db.in_transaction, "placement locks nodes inside a transaction"
         rows = await self.db.fetch(Q.lock_and_read_nodes, self.ttl_s)
-        nodes = [NodeRow.from_row(r) for r in rows]
         mode = None
         if rows and rows[0]["degrade_mode"] is not None:
             mode = in_force(Mode(rows[0]["degrade_mode"]), rows[0]["degrade_remaining_s"])
-        return [
-            n if r["locked"] or n.cordoned_at is not None else replace(n, live=False)
-            for n, r in zip(nodes, rows, strict=True)
-        ], mode
+        return [NodeRow.from_row(r) for r in rows], mode
 
     async def cordon(self, node_id: str, by: str, reason: str = "") -> bool:
         """Cordon the node (no new work; what runs there runs on); False if unknown. A node

@@ -70,6 +70,19 @@ def parse_notify(payload: str) -> Notice:
     )
 
 
+def versions_of(payload: str) -> dict[UUID, int] | None:
+    """Each listed task's version in a payload (see the format above); None if the payload
+    does not list its tasks, or holds an entry that is not sked's."""
+    versions = {}
+    for entry in payload.split():
+        task_id, _, rest = entry.partition(":")
+        try:
+            versions[UUID(task_id)] = int(rest.partition(":")[0])
+        except ValueError:
+            return None
+    return versions
+
+
 Handler = Callable[[object, int, str, str], None]
 
 

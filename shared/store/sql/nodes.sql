@@ -58,9 +58,11 @@ SELECT * FROM sked_nodes($1::float8, true)
 -- they asked for; `live`: it heartbeat within ttl_s seconds. Each row also carries the degrade
 -- mode and the seconds left until its end (Postgres's clock): placement reads it with the
 -- usage, at the same snapshot, rather than by another round trip. With `lock`, the live
--- nodes' rows are locked first, in id order, and `locked` says which: placement runs with
--- them locked, so two schedulers placing at once serialise here and each sees the other's
--- reservations. The usage is read after the locks are granted, by a statement of its own: at
+-- nodes' rows are locked first, in id order: placement runs with them locked, so two
+-- schedulers placing at once serialise here and each sees the other's reservations; and
+-- only the nodes locked count as live (one that turned live between the lock and the read
+-- waits for the next pass rather than being placed on unlocked). A cordoned node keeps
+-- `live` as read, so that a task only it could take says why it waits. The usage is read after the locks are granted, by a statement of its own: at
 -- READ COMMITTED a statement reads as of its own start, so usage read by the statement that
 -- waited for a lock would miss what the previous holder committed. In a PL/pgSQL function
 -- (volatile) each statement takes a snapshot of its own, so both run in one call: one round
@@ -73,7 +75,7 @@ RETURNS TABLE (
     ready boolean, load float8, boot_id uuid, registered_at timestamptz,
     heartbeat_at timestamptz, cordoned_at timestamptz, cordoned_by text, cordon_reason text,
     live boolean, used_slots bigint, used_cpu float8, used_memory_mb numeric, used_gpu bigint,
-    degrade_mode text, degrade_remaining_s float8, locked boolean
+    degrade_mode text, degrade_remaining_s float8
 )
 LANGUAGE plpgsql
 AS $fn$
@@ -94,11 +96,11 @@ BEGIN
     SELECT n.id, n.slots, n.prefetch, n.cpu, n.memory_mb, n.gpu, n.labels, n.ready, n.load,
            n.boot_id, n.registered_at, n.heartbeat_at, n.cordoned_at, n.cordoned_by,
            n.cordon_reason,
-           n.heartbeat_at > now() - make_interval(secs => ttl_s),
+           n.heartbeat_at > now() - make_interval(secs => ttl_s)
+               AND (NOT lock OR n.id = ANY(held) OR n.cordoned_at IS NOT NULL),
            COALESCE(u.used_slots, 0), COALESCE(u.used_cpu, 0),
            COALESCE(u.used_memory_mb, 0), COALESCE(u.used_gpu, 0),
-           d.mode, EXTRACT(EPOCH FROM d.until - now())::float8,
-           n.id = ANY(held)
+           d.mode, EXTRACT(EPOCH FROM d.until - now())::float8
     FROM nodes n
     LEFT JOIN degrade d ON true
     LEFT JOIN (
