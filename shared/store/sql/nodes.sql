@@ -69,6 +69,16 @@ SELECT * FROM sked_nodes($1::float8, true)
 -- trip, not two (~0.2 ms fewer a placement here, docs/performance.md). A cordoned node is not
 -- placed on, so not locked: a cordon waits for a pass holding the row and the row, re-checked
 -- once its lock is granted, drops out of every pass after it.
+-- How it is planned (measured here, docs/performance.md, the eleventh session): one generic
+-- plan per session, as sked_transition, since planning the usage read afresh each call cost
+-- more than running it (0.92 -> 0.38 ms a locked call); no bitmap scans, since the usage is
+-- read through tasks_active_by_node, a partial index every attempt enters and leaves, and a
+-- bitmap scan cannot mark the entries of tasks that moved on as dead: it visited their heap
+-- pages again on every call until a vacuum (1,053 pages, ~1 ms a placement after 5,500
+-- tasks), where a plain index scan marks them and later scans step over them; no sequential
+-- scan, so that the plan made on a young table still fits a large one; and no JIT, which a
+-- plan costed past jit_above_cost (a disabled scan type is costed so: the degrade table has
+-- no index) would spend ~200 ms a call on.
 CREATE OR REPLACE FUNCTION sked_nodes(ttl_s float8, lock boolean)
 RETURNS TABLE (
     id text, slots int, prefetch int, cpu float8, memory_mb bigint, gpu int, labels jsonb,
@@ -78,6 +88,10 @@ RETURNS TABLE (
     degrade_mode text, degrade_remaining_s float8
 )
 LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan
+SET enable_bitmapscan = off
+SET enable_seqscan = off
+SET jit = off
 AS $fn$
 #variable_conflict use_column
 DECLARE
