@@ -63,7 +63,15 @@ import asyncpg
 from bench.celery_app import NOOP as CELERY_NOOP
 from bench.celery_app import QUEUE, make_app
 from bench.celery_app import TRUE as CELERY_TRUE
-from bench.profile import Snapshot, children, groups_of, pids_named, snapshot, used
+from bench.profile import (
+    Snapshot,
+    children,
+    groups_of,
+    machine_busy_seconds,
+    pids_named,
+    snapshot,
+    used,
+)
 from bench.throughput import ADMIN, NOOP, Stack, pct, settle
 from shared.client import SkedClient
 from shared.store.db import create_pool
@@ -93,9 +101,26 @@ class Result:
     cpu: dict[str, float] = field(default_factory=dict)  # µs/task by process group
     commands: float | None = None  # tasks/s, the `true` burst
     failed: int = 0
+    # the machine's busy fraction when the latency run and the burst began (quiet())
+    quiet: list[float] = field(default_factory=list)
 
 
 # --- CPU, per process, from /proc ---
+
+
+def quiet(window: float = 0.5, busy: float = 0.15, timeout: float = 30.0) -> float:
+    """Wait until the machine has been nearly idle (under `busy` of its CPUs over `window`
+    seconds), at most `timeout`; returns the busy fraction last seen. Each measurement starts
+    from a quiet machine rather than inside the previous phase's after-effects (a checkpoint,
+    an autovacuum, RabbitMQ deleting the last stack's vhost), for both systems alike."""
+    cpus = os.cpu_count() or 1
+    deadline = time.monotonic() + timeout
+    while True:
+        before, start = machine_busy_seconds(), time.monotonic()
+        time.sleep(window)
+        seen = (machine_busy_seconds() - before) / (time.monotonic() - start) / cpus
+        if seen < busy or time.monotonic() >= deadline:
+            return seen
 
 
 def used_us(before: Snapshot, after_groups: Groups, tasks: int) -> dict[str, float]:
@@ -268,6 +293,7 @@ def celery_run(args: argparse.Namespace, run: int) -> Result:
     res = Result()
     with celery_stack(args, run) as cs:
         celery_burst(cs, CELERY_NOOP, f"warm-{run}", WARMUP)
+        res.quiet.append(quiet())
         lat = celery_paced(cs, args.rate, args.seconds, f"lat-{run}")
         res.p50, res.p99 = pct(lat, 50), pct(lat, 99)
         groups = {
@@ -275,6 +301,7 @@ def celery_run(args: argparse.Namespace, run: int) -> Result:
             "rabbitmq": pids_named("beam.smp"),
             "bench client": [os.getpid()],
         }
+        res.quiet.append(quiet())
         before = snapshot(groups)
         res.rate, res.failed = celery_burst(cs, CELERY_NOOP, f"burst-{run}", args.tasks)
         groups["celery worker"] = with_children(cs.worker.pid)
@@ -406,9 +433,11 @@ async def _sked_run(args: argparse.Namespace, run: int, stop: AsyncStop) -> Resu
         pool = await create_pool(settings.database_url, 2)
         await sked_burst(client, pool, NOOP, f"race-warm-{run}", WARMUP)
         await settle(pool)
+        res.quiet.append(quiet())
         lat = await sked_paced(client, pool, args.rate, args.seconds, f"race-lat-{run}")
         res.p50, res.p99 = pct(lat, 50), pct(lat, 99)
         await settle(pool)
+        res.quiet.append(quiet())
         before = snapshot(await sked_groups(stack, pool))
         name = f"race-burst-{run}"
         res.rate, res.failed = await sked_burst(client, pool, NOOP, name, args.tasks)
@@ -454,6 +483,8 @@ def run_line(system: str, run: int, args: argparse.Namespace, res: Result, cmd: 
         line += f"; {cmd}: {res.commands:,.0f} tasks/s"
     if res.failed:
         line += f"; {res.failed} TASKS FAILED"
+    if res.quiet:
+        line += f"; busy at the start of each: {', '.join(f'{b:.0%}' for b in res.quiet)}"
     return line
 
 
