@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from uuid import UUID, uuid4
 
 from shared.errors import NotFound, SkedError
-from shared.fsm import State
+from shared.fsm import ENDING, State
 from shared.models import Event, Task, TaskSpec, task_id_for
 from shared.settings import Settings
 from shared.views import WorkflowView
@@ -285,13 +285,13 @@ class SkedClient:
     ) -> dict[UUID, Task]:
         """Wait until every task is terminal.
 
-        Woken by the state-change NOTIFY: it checks only the tasks a notification names (or all
-        pending ones after a batch too big to list), and all of them once a second in case a
-        notification was missed. A task not yet created (its submission still queued) counts
-        as pending.
+        Woken by the state-change NOTIFY that moves some task into a state it can end in: it
+        checks only the tasks it names (all pending ones after a batch too big to list), and
+        all once a second in case one was missed. A task not yet created counts as pending.
         """
         from shared.resilience import TRANSIENT
         from shared.store import TASK_CHANNEL, parse_notify
+        from shared.store.notify import may_name
 
         store = await self._db()
         pending = {UUID(str(i)) for i in task_ids}
@@ -303,6 +303,8 @@ class SkedClient:
 
         def notified(_c: object, _p: int, _ch: str, payload: str) -> None:
             nonlocal check_all
+            if not may_name(payload, ENDING):  # a Ready, Scheduling or Running: nobody ended
+                return
             notice = parse_notify(payload)
             if notice.ids is None:
                 check_all = True

@@ -56,6 +56,8 @@ S = State
 ALWAYS_TERMINAL = frozenset({S.SUCCESS, S.CANCELED, S.SKIPPED})
 _RETRYABLE = (S.FAILED, S.TIMED_OUT)  # a tuple: the diagram must not depend on hash order
 RETRYABLE = frozenset(_RETRYABLE)
+# Every state a move can end a task in (is_terminal, whichever the retries left).
+ENDING = ALWAYS_TERMINAL | RETRYABLE
 # An attempt holds its node's slot and resources, and its workflow resources, in these states.
 HOLDS_SLOT = frozenset({S.SCHEDULING, S.RUNNING})
 # A task waits for its attempt to start in these states: its schedule timeout counts here.
