@@ -12,7 +12,7 @@ from shared.relay import OutboxRelay
 from shared.runtime import wait_any
 from shared.service import Service
 from shared.settings import Settings
-from shared.store import TASK_CHANNEL, Handler, Store
+from shared.store import STARTED_CHANNEL, TASK_CHANNEL, Handler, Store
 
 log = logging.getLogger(__name__)
 
@@ -25,10 +25,11 @@ class Relay(Service):
         self.outbox = OutboxRelay(store, bus, settings.relay_batch)
 
     def channels(self) -> Sequence[tuple[str, Handler]]:
-        return [(TASK_CHANNEL, self._notified)]
+        # every event's outbox row: the starts told apart on a channel of their own too
+        return [(TASK_CHANNEL, self._notified), (STARTED_CHANNEL, self._notified)]
 
     def announce(self) -> str:
-        return f"relay listening on {TASK_CHANNEL}"
+        return f"relay listening on {TASK_CHANNEL} and {STARTED_CHANNEL}"
 
     @property
     def published(self) -> int:

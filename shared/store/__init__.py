@@ -38,6 +38,9 @@ if TYPE_CHECKING:
         NodeRow as NodeRow,
     )
     from shared.store.notify import (
+        STARTED_CHANNEL as STARTED_CHANNEL,
+    )
+    from shared.store.notify import (
         TAKEN_CHANNEL as TAKEN_CHANNEL,
     )
     from shared.store.notify import (
@@ -71,6 +74,7 @@ if TYPE_CHECKING:
 _WHERE = {
     "DEGRADE_CHANNEL": "degrade",
     "NODE_CHANNEL": "nodes",
+    "STARTED_CHANNEL": "notify",
     "TAKEN_CHANNEL": "notify",
     "TASK_CHANNEL": "notify",
     "ClusterCounts": "gauges",
@@ -89,6 +93,7 @@ _WHERE = {
 __all__ = [
     "DEGRADE_CHANNEL",
     "NODE_CHANNEL",
+    "STARTED_CHANNEL",
     "TAKEN_CHANNEL",
     "TASK_CHANNEL",
     "ClusterCounts",

@@ -24,6 +24,10 @@ TASK_CHANNEL = "sked_task"
 # payload, told again on a channel of their own (sql/fragments.sql, `notify_taken`): what the
 # executors and recovery act on, without being woken by every other move.
 TAKEN_CHANNEL = "sked_taken"
+# A statement that moved tasks into Running only (an executor's claims) is told on a channel
+# of its own, in the same payload, instead of TASK_CHANNEL: a start frees, ends and decides
+# nothing, so it wakes neither the scheduler nor a waiting client; the relay listens here too.
+STARTED_CHANNEL = "sked_started"
 NOTIFY_LIST_MAX = 100
 
 

@@ -143,6 +143,30 @@ async def test_thousand_transitions_arrive_in_order(
         await bus.close()
 
 
+async def test_a_start_alone_wakes_the_relay(
+    settings: Settings, store: Store, sink: EventSink
+) -> None:
+    """An executor's claims (moves into Running only) are told on sked_started, not sked_task:
+    the relay listens on both, so a lone start's event goes out at once rather than at the
+    next sweep (an hour here)."""
+    bus = AmqpBus(settings.rabbitmq_url)
+    await bus.connect()
+    relay = Relay(settings.model_copy(update={"relay_sweep_s": 3600.0}), store, bus)
+    runner = asyncio.create_task(relay.run())
+    try:
+        [task] = await store.tasks.create_many([spec("lone")])
+        for target in LIFE[:3]:
+            task = await fsm.apply(store.tasks, task, target, node="n1")
+        await eventually(lambda: _count(sink, 4), timeout=10, what="the events up to Scheduling")
+        await fsm.apply(store.tasks, task, State.RUNNING, lease_owner=str(task.id))
+        await eventually(lambda: _count(sink, 5), timeout=10, what="the start's event")
+        assert sink.routing[-1] == ("task.running", "running")
+    finally:
+        relay.stop()
+        await asyncio.wait_for(runner, 10)
+        await bus.close()
+
+
 async def _count(sink: EventSink, n: int) -> bool:
     return len(sink.arrivals) >= n
 

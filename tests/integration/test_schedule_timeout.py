@@ -15,7 +15,7 @@ from shared.dag import WorkflowSpec
 from shared.fsm import State
 from shared.models import Task
 from shared.outcome import not_started
-from shared.store import TAKEN_CHANNEL, TASK_CHANNEL, Store, parse_notify
+from shared.store import STARTED_CHANNEL, TAKEN_CHANNEL, TASK_CHANNEL, Store, parse_notify
 from shared.store.queries import Q
 from shared.views import is_done
 from tests.helpers import spec
@@ -34,6 +34,16 @@ async def placed(store: Store, name: str = "t", **kw: object) -> Task:
     task = await ready(store, name, **kw)
     moved: Task = await fsm.apply(store.tasks, task, State.SCHEDULING, node="n1")
     return moved
+
+
+async def heard_on(conn: asyncpg.Connection, *channels: str) -> list[asyncio.Queue[str]]:
+    """A queue per channel of the payloads `conn` hears on it."""
+    queues: list[asyncio.Queue[str]] = []
+    for channel in channels:
+        queue: asyncio.Queue[str] = asyncio.Queue()
+        await conn.add_listener(channel, lambda *args, q=queue: q.put_nowait(args[-1]))
+        queues.append(queue)
+    return queues
 
 
 async def make_overdue(pool: asyncpg.Pool, *tasks: Task) -> None:
@@ -102,12 +112,9 @@ async def test_moves_that_take_an_attempt_away_are_told_on_their_own_channel(
 ) -> None:
     """The executors and recovery listen on sked_taken: only the moves into a state that
     takes a running attempt away reach them, in the payload sked_task carries."""
-    taken: asyncio.Queue[str] = asyncio.Queue()
-    everything: asyncio.Queue[str] = asyncio.Queue()
     conn = await asyncpg.connect(dsn)
     try:
-        await conn.add_listener(TAKEN_CHANNEL, lambda *args: taken.put_nowait(args[-1]))
-        await conn.add_listener(TASK_CHANNEL, lambda *args: everything.put_nowait(args[-1]))
+        taken, everything = await heard_on(conn, TAKEN_CHANNEL, TASK_CHANNEL)
         task = await placed(store)
         task = await fsm.apply(store.tasks, task, State.RUNNING, lease_owner=str(uuid4()))
         other = await placed(store, "other")
@@ -119,7 +126,8 @@ async def test_moves_that_take_an_attempt_away_are_told_on_their_own_channel(
                 ]
             )
         assert len(moved) == 2
-        heard = [await asyncio.wait_for(everything.get(), 5) for _ in range(6)]
+        # two admissions, two placements, the cancel's statement (the start: sked_started)
+        heard = [await asyncio.wait_for(everything.get(), 5) for _ in range(5)]
         told = await asyncio.wait_for(taken.get(), 5)
     finally:
         await conn.close()
@@ -127,6 +135,36 @@ async def test_moves_that_take_an_attempt_away_are_told_on_their_own_channel(
     canceled = next(t for t in moved if t.id == task.id)
     assert told == f"{task.id}:{canceled.version}:canceled"
     assert parse_notify(heard[-1]).ids == {task.id, other.id}
+
+
+async def test_starts_alone_are_told_on_their_own_channel(store: Store, dsn: str) -> None:
+    """A statement that moved tasks into Running only (an executor's claims) notifies on
+    sked_started, not sked_task, which the scheduler and waiting clients listen on: a start
+    frees, ends and decides nothing. A statement with any other move in it stays on sked_task."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        started, everything = await heard_on(conn, STARTED_CHANNEL, TASK_CHANNEL)
+        first, second, third = [await placed(store, f"t{i}") for i in range(3)]
+        for _ in range(6):  # the admissions' and placements' notifications
+            await asyncio.wait_for(everything.get(), 5)
+        owner = str(uuid4())
+        claims = [fsm.plan(t, State.RUNNING, "started", lease_owner=owner) for t in (first, second)]
+        first, second = await store.tasks.transition_many(claims)
+        told = await asyncio.wait_for(started.get(), 5)
+        assert parse_notify(told).ids == {first.id, second.id}
+        assert parse_notify(told).states == {"running"}
+        # an outcome and a claim in one statement, as an executor writes them under load
+        mixed = [
+            fsm.plan(first, State.SUCCESS, "done"),
+            fsm.plan(third, State.RUNNING, "started", lease_owner=owner),
+        ]
+        await store.tasks.transition_many(mixed)
+        told = await asyncio.wait_for(everything.get(), 5)
+        assert parse_notify(told).states == {"success", "running"}
+    finally:
+        await conn.close()
+    assert started.empty()
+    assert everything.empty()
 
 
 async def test_a_resume_starts_a_new_clock(store: Store) -> None:

@@ -49,8 +49,12 @@ ORDER BY t.id FOR UPDATE OF t SKIP LOCKED
 -- fragment: notify(moved)
 -- The one NOTIFY of a statement that moved the rows of CTE `moved`, on channel sked_task
 -- (repo.TASK_CHANNEL), with the payload `task_payload`. One per transaction: every notifying
--- commit serialises on Postgres's notification queue.
-SELECT pg_notify('sked_task', {{task_payload}})
+-- commit serialises on Postgres's notification queue. A statement that moved tasks into
+-- Running only (an executor's claims) tells it on sked_started (repo.STARTED_CHANNEL)
+-- instead: a start frees, ends and decides nothing, so the scheduler and waiting clients,
+-- which listen on sked_task, are not woken by one; the relay listens on both.
+SELECT pg_notify(CASE WHEN bool_and(status = 'running') THEN 'sked_started' ELSE 'sked_task' END,
+                 {{task_payload}})
 FROM {{moved}}
 HAVING count(*) > 0
 
