@@ -24,6 +24,7 @@ from typing import Any
 from shared.resilience import supervise
 from shared.settings import Settings
 from shared.store import Handler, Store
+from shared.store.notify import PgListener
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class Service:
         self.stopping = asyncio.Event()
         self.wake = asyncio.Event()  # for a service's own loop: set by missed() unless overridden
         self.ready = asyncio.Event()  # set once running: tests and `sked dev` wait on it
+        self.listener: PgListener | None = None  # its LISTEN connection, once running
         self._running: asyncio.Task[None] | None = None
 
     # -- what a service declares -------------------------------------------------------------
@@ -87,7 +89,7 @@ class Service:
             async with asyncio.TaskGroup() as group:
                 listener = None
                 if self.channels():
-                    listener = self.store.listener(self.channels(), self.missed)
+                    listener = self.listener = self.store.listener(self.channels(), self.missed)
                     group.create_task(listener.run(self.stopping))
                 for name, loop in self.loops():
                     group.create_task(supervise(name, loop, self.stopping))

@@ -5,6 +5,7 @@ what it missed)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -91,7 +92,12 @@ Handler = Callable[[object, int, str, str], None]
 
 
 class PgListener:
-    """LISTEN on channels over one dedicated connection, re-established after it drops."""
+    """LISTEN on channels over one dedicated connection, re-established after it drops.
+
+    `pause()` stops listening (UNLISTEN) until `resume()`: a consumer that polls while it has
+    work (the relay) is then not woken by every commit meanwhile, nor is its backend, which
+    Postgres signals at each notifying commit only while it listens. Paused, nothing is
+    heard: a caller must look for work itself after `resume()` returns."""
 
     def __init__(
         self,
@@ -103,6 +109,37 @@ class PgListener:
         self.handlers = handlers
         self.on_reconnect = on_reconnect
         self.connected = asyncio.Event()
+        self.wanted = True  # listen (the default), or not: pause() and resume()
+        self._changed = asyncio.Event()  # `wanted` changed: the connection's task acts on it
+        self._settled = asyncio.Event()  # the connection listens, or not, as `wanted` says
+        self._settled.set()
+
+    async def pause(self, timeout: float = 5.0) -> None:
+        """Stop listening; returns once UNLISTEN holds (see `_want`)."""
+        await self._want(False, timeout)
+
+    async def resume(self, timeout: float = 5.0) -> None:
+        """Listen again; returns once LISTEN holds (see `_want`)."""
+        await self._want(True, timeout)
+
+    async def _want(self, listen: bool, timeout: float) -> None:
+        """Returns once the connection does as asked, after `timeout` at most, or at once with
+        no connection (a new one does as `wanted` says, and on_reconnect stands for what was
+        missed meanwhile)."""
+        if self.wanted != listen:
+            self.wanted = listen
+            self._settled.clear()
+            self._changed.set()
+        if self.connected.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._settled.wait(), timeout)
+
+    async def _listen(self, conn: asyncpg.Connection, on: bool) -> None:
+        for channel, handler in self.handlers:
+            if on:
+                await conn.add_listener(channel, handler)
+            else:
+                await conn.remove_listener(channel, handler)
 
     async def run(self, stopping: asyncio.Event) -> None:
         # imported here: they load Redis's and RabbitMQ's clients and tracing, which a process
@@ -124,8 +161,10 @@ class PgListener:
                 continue
             try:
                 conn.add_termination_listener(lambda _c, ev=dropped: ev.set())
-                for channel, handler in self.handlers:
-                    await conn.add_listener(channel, handler)
+                listening = self.wanted
+                if listening:
+                    await self._listen(conn, True)
+                self._settled.set()
                 failures = 0
                 self.connected.set()
                 if not first:
@@ -133,7 +172,14 @@ class PgListener:
                     if self.on_reconnect is not None:
                         self.on_reconnect()
                 first = False
-                await wait_any(dropped, stopping)
+                while not (dropped.is_set() or stopping.is_set()):
+                    self._changed.clear()
+                    if listening != self.wanted:
+                        listening = self.wanted
+                        await self._listen(conn, listening)
+                    if listening == self.wanted:
+                        self._settled.set()
+                    await wait_any(dropped, stopping, self._changed)
                 if dropped.is_set():
                     log.warning("LISTEN connection lost")
             except TRANSIENT as exc:

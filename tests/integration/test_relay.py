@@ -9,6 +9,7 @@ import random
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 from uuid import UUID
 
 import aio_pika
@@ -165,6 +166,50 @@ async def test_a_start_alone_wakes_the_relay(
         relay.stop()
         await asyncio.wait_for(runner, 10)
         await bus.close()
+
+
+async def test_a_busy_relay_stops_listening_and_listens_again_when_idle(
+    settings: Settings, store: Store, sink: EventSink
+) -> None:
+    """While its passes find events the relay polls a linger apart and does not listen (every
+    notifying commit would wake it and its backend); once a pass finds none it listens again,
+    so an event after a quiet spell goes out at once, not at the next sweep (an hour here)."""
+    bus = AmqpBus(settings.rabbitmq_url)
+    await bus.connect()
+    relay = Relay(settings.model_copy(update={"relay_sweep_s": 3600.0}), store, bus)
+    runner = asyncio.create_task(relay.run())
+    try:
+        await asyncio.wait_for(relay.ready.wait(), 10)
+        listener = relay.listener
+        assert listener is not None
+        wanted: list[bool] = []
+        pause, resume = listener.pause, listener.resume
+
+        async def paused(timeout: float = 5.0) -> None:
+            wanted.append(False)
+            await pause(timeout)
+
+        async def resumed(timeout: float = 5.0) -> None:
+            wanted.append(True)
+            await resume(timeout)
+
+        listener.pause, listener.resume = paused, resumed  # type: ignore[method-assign]
+        tasks = await store.tasks.create_many([spec(f"busy{i}") for i in range(20)])
+        await drive(store, tasks, LIFE, seed=2)
+        await eventually(lambda: _count(sink, 120), timeout=30, what="the busy spell's events")
+        await eventually(lambda: _listening(listener), timeout=10, what="listening again")
+        assert False in wanted  # it stopped listening while busy
+        [lone] = await store.tasks.create_many([spec("after")])
+        await fsm.apply(store.tasks, lone, State.PENDING)
+        await eventually(lambda: _count(sink, 122), timeout=10, what="the lone events")
+    finally:
+        relay.stop()
+        await asyncio.wait_for(runner, 10)
+        await bus.close()
+
+
+async def _listening(listener: Any) -> bool:
+    return bool(listener.wanted)
 
 
 async def _count(sink: EventSink, n: int) -> bool:

@@ -396,3 +396,31 @@ async def test_the_clis_quick_reads_match_the_store(
     if len(reads) == 2:
         with pytest.raises(NotFound):
             await asyncio.to_thread(read_task_now, dsn, UUID(int=7))
+
+
+async def test_a_paused_listener_hears_nothing_until_resumed(
+    store: Store, pool: asyncpg.Pool
+) -> None:
+    """pause() returns once the connection no longer listens (UNLISTEN), so that neither it
+    nor its backend is woken by the commits meanwhile; resume() returns once it listens again.
+    What was notified while paused is not heard: that is the caller's to look for."""
+    heard: asyncio.Queue[str] = asyncio.Queue()
+    listener = store.listener([("sked_test_pause", lambda *a: heard.put_nowait(a[-1]))])
+    stop = asyncio.Event()
+    running = asyncio.create_task(listener.run(stop))
+    try:
+        await asyncio.wait_for(listener.connected.wait(), 10)
+        await pool.execute("SELECT pg_notify('sked_test_pause', 'one')")
+        assert await asyncio.wait_for(heard.get(), 5) == "one"
+        await listener.pause()
+        assert not listener.wanted
+        await pool.execute("SELECT pg_notify('sked_test_pause', 'two')")
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(heard.get(), 0.5)
+        await listener.resume()
+        await pool.execute("SELECT pg_notify('sked_test_pause', 'three')")
+        assert await asyncio.wait_for(heard.get(), 5) == "three"
+        assert heard.empty()
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 10)
