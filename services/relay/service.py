@@ -47,8 +47,9 @@ class Relay(Service):
     async def loop(self) -> None:
         """Drain; while passes find events, the next is a linger away and nothing needs to wake
         this relay, so it stops listening (every notifying commit woke it and its backend: at
-        100 tasks/s, ~340 µs of its CPU a task). A pass that finds none turns listening back on
-        and looks once more — for what committed before LISTEN held — before it waits."""
+        100 tasks/s its CPU a task fell from ~565 to ~375 µs). A pass that finds none turns
+        listening back on and looks once more — for what committed before LISTEN held — before
+        it waits."""
         listener = self.listener
         while not self.stopping.is_set():
             self.wake.clear()  # before draining: a NOTIFY during the drain means go again
