@@ -117,14 +117,25 @@ async def unpublished(pool: asyncpg.Pool) -> int:
     return await pool.fetchval("SELECT count(*) FROM outbox")
 
 
+@contextlib.asynccontextmanager
+async def running_relay(settings: Settings, store: Store, **update: Any) -> AsyncIterator[Relay]:
+    """A relay running in this process on settings with `update`, stopped on the way out."""
+    bus = AmqpBus(settings.rabbitmq_url)
+    await bus.connect()
+    relay = Relay(settings.model_copy(update=update), store, bus)
+    runner = asyncio.create_task(relay.run())
+    try:
+        yield relay
+    finally:
+        relay.stop()
+        await asyncio.wait_for(runner, 10)
+        await bus.close()
+
+
 async def test_thousand_transitions_arrive_in_order(
     settings: Settings, store: Store, pool: asyncpg.Pool, sink: EventSink
 ) -> None:
-    bus = AmqpBus(settings.rabbitmq_url)
-    await bus.connect()
-    relay = Relay(settings.model_copy(update={"relay_batch": 100}), store, bus)
-    runner = asyncio.create_task(relay.run())
-    try:
+    async with running_relay(settings, store, relay_batch=100):
         tasks = await store.tasks.create_many([spec(f"r{i}") for i in range(200)])
         await drive(store, tasks, LIFE, seed=1)
         expected = {t.id: 6 for t in tasks}  # Created + 5 moves
@@ -138,10 +149,6 @@ async def test_thousand_transitions_arrive_in_order(
             return await unpublished(pool) == 0
 
         await eventually(drained, timeout=10, what="the outbox emptied by the relay")
-    finally:
-        relay.stop()
-        await asyncio.wait_for(runner, 10)
-        await bus.close()
 
 
 async def test_a_start_alone_wakes_the_relay(
@@ -150,11 +157,7 @@ async def test_a_start_alone_wakes_the_relay(
     """An executor's claims (moves into Running only) are told on sked_started, not sked_task:
     the relay listens on both, so a lone start's event goes out at once rather than at the
     next sweep (an hour here)."""
-    bus = AmqpBus(settings.rabbitmq_url)
-    await bus.connect()
-    relay = Relay(settings.model_copy(update={"relay_sweep_s": 3600.0}), store, bus)
-    runner = asyncio.create_task(relay.run())
-    try:
+    async with running_relay(settings, store, relay_sweep_s=3600.0):
         [task] = await store.tasks.create_many([spec("lone")])
         for target in LIFE[:3]:
             task = await fsm.apply(store.tasks, task, target, node="n1")
@@ -162,10 +165,6 @@ async def test_a_start_alone_wakes_the_relay(
         await fsm.apply(store.tasks, task, State.RUNNING, lease_owner=str(task.id))
         await eventually(lambda: _count(sink, 5), timeout=10, what="the start's event")
         assert sink.routing[-1] == ("task.running", "running")
-    finally:
-        relay.stop()
-        await asyncio.wait_for(runner, 10)
-        await bus.close()
 
 
 async def test_a_busy_relay_stops_listening_and_listens_again_when_idle(
@@ -174,11 +173,7 @@ async def test_a_busy_relay_stops_listening_and_listens_again_when_idle(
     """While its passes find events the relay polls a linger apart and does not listen (every
     notifying commit would wake it and its backend); once a pass finds none it listens again,
     so an event after a quiet spell goes out at once, not at the next sweep (an hour here)."""
-    bus = AmqpBus(settings.rabbitmq_url)
-    await bus.connect()
-    relay = Relay(settings.model_copy(update={"relay_sweep_s": 3600.0}), store, bus)
-    runner = asyncio.create_task(relay.run())
-    try:
+    async with running_relay(settings, store, relay_sweep_s=3600.0) as relay:
         await asyncio.wait_for(relay.ready.wait(), 10)
         listener = relay.listener
         assert listener is not None
@@ -202,10 +197,6 @@ async def test_a_busy_relay_stops_listening_and_listens_again_when_idle(
         [lone] = await store.tasks.create_many([spec("after")])
         await fsm.apply(store.tasks, lone, State.PENDING)
         await eventually(lambda: _count(sink, 122), timeout=10, what="the lone events")
-    finally:
-        relay.stop()
-        await asyncio.wait_for(runner, 10)
-        await bus.close()
 
 
 async def _listening(listener: Any) -> bool:

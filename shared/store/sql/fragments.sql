@@ -53,8 +53,9 @@ ORDER BY t.id FOR UPDATE OF t SKIP LOCKED
 -- Running only (an executor's claims) tells it on sked_started (repo.STARTED_CHANNEL)
 -- instead: a start frees, ends and decides nothing, so the scheduler and waiting clients,
 -- which listen on sked_task, are not woken by one; the relay listens on both.
-SELECT pg_notify(CASE WHEN bool_and(status = 'running') THEN 'sked_started' ELSE 'sked_task' END,
-                 {{task_payload}})
+SELECT pg_notify(
+    CASE WHEN bool_and(status = 'running') THEN 'sked_started' ELSE 'sked_task' END,
+    {{task_payload}})
 FROM {{moved}}
 HAVING count(*) > 0
 

@@ -62,11 +62,11 @@ SELECT * FROM sked_nodes($1::float8, true)
 -- schedulers placing at once serialise here and each sees the other's reservations; and
 -- only the nodes locked count as live (one that turned live between the lock and the read
 -- waits for the next pass rather than being placed on unlocked). A cordoned node keeps
--- `live` as read, so that a task only it could take says why it waits. The usage is read after the locks are granted, by a statement of its own: at
--- READ COMMITTED a statement reads as of its own start, so usage read by the statement that
--- waited for a lock would miss what the previous holder committed. In a PL/pgSQL function
--- (volatile) each statement takes a snapshot of its own, so both run in one call: one round
--- trip, not two (~0.2 ms fewer a placement here, docs/performance.md). A cordoned node is not
+-- `live` as read, so that a task only it could take says why it waits. The usage is read
+-- after the locks are granted, by a statement of its own: at READ COMMITTED a statement
+-- reads as of its own start, so usage read by the statement that waited for a lock would
+-- miss what the previous holder committed. In a PL/pgSQL function (volatile) each statement
+-- takes a snapshot of its own, so both run in one call: one round trip, not two (~0.2 ms fewer a placement here, docs/performance.md). A cordoned node is not
 -- placed on, so not locked: a cordon waits for a pass holding the row and the row, re-checked
 -- once its lock is granted, drops out of every pass after it.
 -- How it is planned (measured here, docs/performance.md, the eleventh session): one generic
