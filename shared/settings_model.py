@@ -118,6 +118,10 @@ class Settings(BaseSettings):
     # a handler worker is replaced after this many jobs (0: never): each job's environment
     # costs a worker ~220 bytes it never frees (glibc's setenv), and handlers may leak too
     worker_max_jobs: int = Field(default=10_000, ge=0)
+    # handler jobs one worker may hold at once while the node's jobs run short: the one it
+    # runs and those waiting behind it, which then cost no wake-up of an idle worker (1: a
+    # job only ever goes to an idle worker)
+    worker_depth: int = Field(default=8, ge=1, le=1_000)
     shutdown_grace_s: float = Field(default=10.0, ge=0)
     # An attempt whose lease could not be renewed is frozen (SIGSTOP); frozen this long, it
     # is killed. Longer rides out longer Postgres outages; shorter frees its resources sooner.

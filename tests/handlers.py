@@ -111,3 +111,15 @@ def reply_later(after_s: float, line: str) -> str:
 
     threading.Thread(target=forge, daemon=True).start()
     return "mine"
+
+
+def touch(path: str) -> None:
+    open(path, "w").close()
+
+
+def sleep_pid(seconds: float, marker: str | None = None) -> int:
+    """Touch `marker`, sleep, then say which worker ran it."""
+    if marker:
+        open(marker, "w").close()
+    time.sleep(seconds)
+    return os.getpid()

@@ -78,6 +78,7 @@ def local_backend(settings: Settings) -> LocalBackend:
         env_pass=settings.task_env_pass,
         freeze_max_s=settings.freeze_max_s,
         worker_max_jobs=settings.worker_max_jobs,
+        worker_depth=settings.worker_depth,
     )
 
 

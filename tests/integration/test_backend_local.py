@@ -4,8 +4,10 @@ timeouts, and reaping what an executor killed with SIGKILL left running."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -19,11 +21,14 @@ from uuid import UUID, uuid4
 import pytest
 
 from services.executor.backends import Launch, Outcome
-from services.executor.backends.local import LocalBackend
+from services.executor.backends.local import LocalBackend, workers
+from services.executor.backends.local import worker as worker_main
+from services.executor.backends.local.pool import MIN_RECENT, RECENT_JOBS
 from shared.models import CommandJob, HandlerJob
 from tests.helpers import eventually
 
 REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(worker_main.__file__)
 
 
 def _descendants(root: int) -> list[int]:
@@ -396,6 +401,195 @@ async def test_a_worker_is_retired_after_max_jobs(tmp_path: Path) -> None:
     assert pids[3] == pids[4] == pids[5]
     assert len({pids[0], pids[3], pids[6]}) == 3
     await until(lambda: gone(pids[0]) and gone(pids[3]), "the retired workers to exit")
+
+
+# --- jobs waiting at a busy worker --------------------------------------------------------
+
+
+@pytest.fixture
+def _nudges_answer_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stop or a timeout waits for a nudge's answer at most NUDGE_WAIT_S; here a minute, so
+    that a test whose stop waited the bound out instead of for the answer times out."""
+    monkeypatch.setattr(workers, "NUDGE_WAIT_S", 60.0)
+
+
+async def started_backend(tmp_path: Path, slots: int = 4, **pool: Any) -> LocalBackend:
+    """A backend whose recent jobs ran short, so that a job may wait at a busy worker."""
+    b = LocalBackend(slots, tmp_path / "state", warm_workers=slots)
+    await b.start()
+    for name, value in pool.items():
+        setattr(b._pool, name, value)
+    for _ in range(MIN_RECENT):
+        assert (await run(b, handler("noop"))).ok
+    return b
+
+
+async def test_short_jobs_given_at_once_wait_at_one_worker(tmp_path: Path) -> None:
+    """While the node's jobs run short, jobs given together go to one busy worker, in
+    order, rather than each waking an idle one; jobs of long-running handlers do not."""
+    b = await started_backend(tmp_path)
+    try:
+        short = await asyncio.gather(*(run(b, handler("pid")) for _ in range(4)))
+        assert all(o.ok for o in short), short
+        assert len({o.result for o in short}) == 1
+        # the same with queueing off: each job its own worker
+        b._pool.depth = 1
+        spread = await asyncio.gather(*(run(b, handler("sleep_pid", [0.2])) for _ in range(4)))
+        assert len({o.result for o in spread}) == 4
+    finally:
+        await b.close()
+
+
+async def test_short_jobs_do_not_wait_once_jobs_run_long(tmp_path: Path) -> None:
+    b = await started_backend(tmp_path)
+    try:
+        for _ in range(RECENT_JOBS // 4):  # a quarter of the recent jobs at 0.1 s
+            assert (await run(b, handler("sleep_pid", [0.1]))).ok
+        assert not b._pool.short()
+        spread = await asyncio.gather(*(run(b, handler("sleep_pid", [0.2])) for _ in range(4)))
+        assert len({o.result for o in spread}) == 4
+    finally:
+        await b.close()
+
+
+@pytest.mark.usefixtures("_nudges_answer_at_once")
+async def test_jobs_waiting_behind_a_slow_one_are_taken_back(tmp_path: Path) -> None:
+    """A job that turns out slow keeps no job waiting behind it: after rescue_s the worker is
+    nudged, gives back what it had not started, and those run on other workers at once."""
+    b = await started_backend(tmp_path)
+    try:
+        slow = asyncio.create_task(run(b, handler("sleep_pid", [3.0])))
+        behind = [asyncio.create_task(run(b, handler("pid"))) for _ in range(3)]
+        started = time.monotonic()
+        async with asyncio.timeout(2.0):  # long before the slow one ends
+            fast = await asyncio.gather(*behind)
+        assert time.monotonic() - started < 2.0
+        assert all(o.ok for o in fast), fast
+        assert (await slow).result not in {o.result for o in fast}
+    finally:
+        await b.close()
+
+
+@pytest.mark.usefixtures("_nudges_answer_at_once")
+async def test_a_job_stopped_while_it_waits_never_runs(tmp_path: Path) -> None:
+    b = await started_backend(tmp_path, rescue_s=60.0)
+    marker, never = tmp_path / "marker", tmp_path / "never"
+    try:
+        slow = handler("sleep_pid", [60, str(marker)])
+        waiting = handler("touch", [str(never)])
+        running = asyncio.create_task(run(b, slow))
+        queued = asyncio.create_task(run(b, waiting))
+        await until(marker.exists, "the slow job to start")
+        assert await b.stop_task(waiting.task_id, 1)
+        outcome = await queued
+        assert outcome.stopped
+        assert not never.exists()
+        assert not running.done()  # its worker was not killed for it
+        assert (await run(b, handler("add", [1, 2]))).result == 3
+        assert await b.stop_task(slow.task_id, 1)
+        assert (await running).stopped
+        assert records(b.state_dir) == []
+    finally:
+        await b.close()
+
+
+@pytest.mark.usefixtures("_nudges_answer_at_once")
+@pytest.mark.parametrize("how", ["stopped", "timed out", "died"])
+async def test_jobs_behind_one_that_is_killed_run_elsewhere(tmp_path: Path, how: str) -> None:
+    """The worker running a job that is stopped, times out or dies ends; the jobs waiting
+    behind it never started, and run on other workers."""
+    b = await started_backend(tmp_path, rescue_s=60.0)
+    marker = tmp_path / "marker"
+    try:
+        if how == "died":
+            first = handler("exit_now", [3])
+        else:
+            first = handler(
+                "sleep", [60, str(marker)], timeout_s=0.5 if how == "timed out" else None
+            )
+        ahead = asyncio.create_task(run(b, first))
+        behind = [asyncio.create_task(run(b, handler("add", [i, 1]))) for i in range(3)]
+        if how == "stopped":
+            await until(marker.exists, "the first job to start")
+            assert await b.stop_task(first.task_id, 1)
+        outcome = await ahead
+        assert [(await t).result for t in behind] == [1, 2, 3]
+    finally:
+        await b.close()
+    if how == "stopped":
+        assert outcome.stopped
+    elif how == "timed out":
+        assert outcome.timed_out
+        assert outcome.log_tail == "sleeping\nto stderr\n"
+    else:
+        assert outcome.error == "handler worker died: exit code 3"
+        assert outcome.log_tail == "bye\n"
+
+
+class RawWorker:
+    """A handler worker process on its own, driven through its pipes as the executor would."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        job_r, self.jobs = os.pipe()
+        reply_r, reply_w = os.pipe()
+        argv = [sys.executable, "-P", str(WORKER), str(tmp_path / "out")]
+        self.proc = subprocess.Popen(argv, stdin=job_r, stdout=reply_w, cwd=REPO)
+        os.close(job_r)
+        os.close(reply_w)
+        self.replies = os.fdopen(reply_r, "rb")
+
+    def send(self, *jobs: tuple[str, str, Any]) -> None:
+        """Jobs (id, handler in tests.handlers, args), in one write."""
+        lines = [
+            json.dumps({"job": stem, "handler": f"tests.handlers:{name}", "args": args}) + "\n"
+            for stem, name, args in jobs
+        ]
+        os.write(self.jobs, "".join(lines).encode())
+
+    def reply(self) -> dict[str, Any]:
+        ready, _, _ = select.select([self.replies], [], [], 10)
+        assert ready, "no reply within 10 s"
+        answer: dict[str, Any] = json.loads(self.replies.readline())
+        return answer
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+        with contextlib.suppress(OSError):
+            os.close(self.jobs)
+        self.replies.close()
+
+
+async def test_a_worker_answers_a_nudge(tmp_path: Path) -> None:
+    """The worker protocol alone: jobs sent together run in order, each reply says how long
+    its job ran and is written before the next job starts; a nudge (SIGUSR1) gives back what
+    has not started."""
+    worker = RawWorker(tmp_path)
+    marker = tmp_path / "marker"
+    try:
+        assert worker.reply() == {"ready": True}
+        worker.send(("a", "add", [1, 2]), ("b", "add", [3, 4]))
+        a, b = worker.reply(), worker.reply()
+        assert (a["job"], a["result"], b["job"], b["result"]) == ("a", 3, "b", 7)
+        assert 0 <= a["ran"] < 1
+        worker.send(("c", "sleep", [60, str(marker)]), ("d", "add", [1, 1]))
+        await until(marker.exists, "job c to start")
+        worker.proc.send_signal(signal.SIGUSR1)
+        assert worker.reply() == {"returned": ["d"]}  # while c runs, at once
+    finally:
+        worker.close()
+
+
+async def test_an_idle_worker_answers_a_nudge(tmp_path: Path) -> None:
+    worker = RawWorker(tmp_path)
+    try:
+        assert worker.reply() == {"ready": True}
+        worker.proc.send_signal(signal.SIGUSR1)
+        assert worker.reply() == {"returned": []}
+        os.close(worker.jobs)  # end of the jobs: the worker exits by itself
+        assert worker.proc.wait(timeout=10) == 0
+    finally:
+        worker.close()
 
 
 async def test_close_stops_everything(tmp_path: Path) -> None:

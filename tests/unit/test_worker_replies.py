@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from services.executor.backends.local.replies import Replies
 from services.executor.backends.local.worker import MAX_REPLY_BYTES
-from services.executor.backends.local.workers import Replies
 
 
 @pytest.fixture

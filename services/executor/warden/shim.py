@@ -187,6 +187,8 @@ class Shim:
         elif words[0] == "kill":
             self.how = "killed"
             return True
+        elif words[0] == "nudge":  # a handler worker: give back the jobs it has not started
+            signal_(self.leader, signal.SIGUSR1)  # a frozen one answers once thawed
         return False
 
     def _reap(self) -> bool:

@@ -19,15 +19,17 @@ from typing import Any
 from uuid import UUID
 
 from services.executor.backends import Key, Launch, OneNode, Outcome
+from services.executor.backends.local.outputs import tail, with_output
+from services.executor.backends.local.pool import Stopped, WorkerPool
 from services.executor.backends.local.process import Proc, SpawnError, Warden, exit_text
 from services.executor.backends.local.records import Records
-from services.executor.backends.local.worker import MAX_REPLY_BYTES, describe
+from services.executor.backends.local.worker import describe
 from services.executor.backends.local.workers import (
     STOP_GRACE_S,
-    Stopped,
+    Ticket,
     Undelivered,
+    Verdict,
     Worker,
-    WorkerPool,
 )
 from shared.models import CommandJob, HandlerJob
 
@@ -45,43 +47,6 @@ def task_base_env(
     source = os.environ if environ is None else environ
     names = [*TASK_ENV_ALLOW, *passed]
     return {n: source[n] for n in names if n in source and not n.upper().startswith("SKED_")}
-
-
-def _tail(path: Path, size: int) -> str:
-    try:
-        with path.open("rb") as f:
-            end = f.seek(0, os.SEEK_END)
-            f.seek(max(0, end - size))
-            data = f.read(size)
-    except OSError:
-        return ""
-    return data.decode("utf-8", errors="replace")
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _with_output(outcome: Outcome, path: Path) -> Outcome:
-    """A command that exited 0 and wrote JSON to $SKED_OUTPUT declared that as its output: it
-    joins the result (and goes downstream). Output that is not JSON fails the attempt."""
-    if not outcome.ok:
-        return outcome
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        return outcome  # declared nothing
-    if size == 0:
-        return outcome
-    if size > MAX_REPLY_BYTES:
-        error = f"declared output too large: {size} bytes in $SKED_OUTPUT"
-        return Outcome.failed(error, outcome.log_tail)
-    try:
-        output = json.loads(path.read_bytes(), parse_constant=_refuse_constant)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        error = f"declared output in $SKED_OUTPUT is not JSON: {describe(exc)}"
-        return Outcome.failed(error, outcome.log_tail)
-    return replace(outcome, result={**outcome.result, "output": output})
 
 
 def _task_env(launch: Launch) -> dict[str, str]:
@@ -105,7 +70,9 @@ class _Run:
     def renew(self, seconds: float) -> None:
         self.lease_s = seconds
         if self.proc is not None:
-            self.proc.renew(seconds)
+            # lease_job: jobs waiting at one handler worker share its process, and are
+            # renewed together; one renewal tells its shim for all of them
+            self.proc.lease_job(seconds)
 
 
 class LocalBackend(OneNode):
@@ -121,6 +88,7 @@ class LocalBackend(OneNode):
         env_pass: Iterable[str] = (),
         freeze_max_s: float = 600.0,
         worker_max_jobs: int = 0,
+        worker_depth: int = 8,
     ) -> None:
         self.slots = slots
         # Handler workers started with the executor; the other slots start theirs on their
@@ -139,7 +107,7 @@ class LocalBackend(OneNode):
         self._runs: dict[Key, _Run] = {}
         self._warden = Warden()
         where = (self._warden, self._records, self._worker_out, self.base_env)
-        self._pool = WorkerPool(slots, *where, freeze_max_s, worker_max_jobs)
+        self._pool = WorkerPool(slots, *where, freeze_max_s, worker_max_jobs, worker_depth)
         self._lock: int | None = None
         self._started = False
         self._closed = False
@@ -244,7 +212,7 @@ class LocalBackend(OneNode):
             if isinstance(job, CommandJob):
                 assert output_path is not None
                 outcome = await self._command(run, launch, job, self._log_path(stem))
-                return _with_output(outcome, output_path)
+                return with_output(outcome, output_path)
             return await self._handler(run, launch, job, stem)
         except Exception as exc:
             log.exception(
@@ -266,10 +234,10 @@ class LocalBackend(OneNode):
 
     async def log_tail(self, key: Key, limit: int) -> str | None:
         path = self._log_path(f"{key[0]}-{key[1]}")
-        return _tail(path, limit) if path.exists() else None
+        return tail(path, limit) if path.exists() else None
 
     def _tail(self, log_path: Path) -> str:
-        return _tail(log_path, self.log_tail_bytes)
+        return tail(log_path, self.log_tail_bytes)
 
     def _cut_short(self, launch: Launch, stopped: bool, log_tail: str) -> Outcome:
         """The outcome of an attempt that was stopped or ran out of time."""
@@ -319,79 +287,99 @@ class LocalBackend(OneNode):
         )
 
     async def _handler(self, run: _Run, launch: Launch, job: HandlerJob, stem: str) -> Outcome:
-        try:
-            worker = await self._pool.take(run.stop)
-        except Stopped:
-            return Outcome.halted()
         key = (launch.task_id, launch.attempt)
+        log_path = self._log_path(stem)
         message = {
             "job": stem,  # the attempt's name: its reply must carry it
             "handler": job.handler,
             "args": job.args,
             "env": {**launch.env, **_task_env(launch)},
+            "log": str(log_path),  # where the worker moves what the job printed
         }
         if launch.inputs is not None:
             message["inputs"] = launch.inputs
         line = json.dumps(message).encode() + b"\n"
-        answer, gone, stopped, tail = None, True, False, ""
-        try:
-            for last_try in (False, True):
-                if worker is None or worker.exited.done():
-                    try:
-                        worker = await self._pool.spawn()
-                    except (OSError, RuntimeError, SpawnError) as exc:
-                        return Outcome.failed(f"could not start a handler worker: {describe(exc)}")
+        may_queue, fresh_tries = True, 2
+        while True:
+            try:
+                worker = await self._pool.take(run.stop, queue=may_queue)
+            except Stopped:
+                return Outcome.halted()
+            if worker is None or (worker.holders == 0 and not worker.usable):
+                # a slot with no worker yet, or with one that died idle: start one for it
+                fresh_tries -= 1
+                if worker is not None:
+                    await worker.kill()
+                    worker.discard()
+                try:
+                    worker = await self._pool.spawn()
+                except (OSError, RuntimeError, SpawnError) as exc:
+                    self._pool.give_back(None)
+                    return Outcome.failed(f"could not start a handler worker: {describe(exc)}")
+            try:
+                ticket = self._pool.submit(worker, line, stem, launch.timeout_s)
+            except Undelivered:
+                # a busy worker that just went: try a free slot; a fresh one that did: its slot
+                if worker.holders == 0:
+                    self._pool.give_back(worker)
+                may_queue = False
+                if fresh_tries <= 0:
+                    return Outcome.failed("could not start a handler worker: it died at once")
+                continue
+            try:
                 assert worker.record is not None
                 self._records.link(key, worker.record)
                 run.proc = worker.proc
                 if run.lease_s is not None:
                     worker.proc.lease_job(run.lease_s)
-                try:
-                    answer, gone = await worker.call(line, stem, run.stop, launch.timeout_s)
-                except Undelivered:
-                    await worker.kill()
-                    worker.discard()
-                    if not last_try:
-                        continue  # it never saw the job: a fresh worker may run it
-                stopped = run.stop.done()
-                break
-            assert worker is not None
-            run.proc = None
-            if answer is None:
-                await worker.kill()
-            else:
-                worker.proc.unlease_soon()
-            tail = await self._keep_output(worker, stem)
-        finally:
-            self._records.remove(key)
-            if answer is not None:
-                self._pool.give_back(worker)
-            else:
-                self._pool.refill(worker)
-        if answer is not None:
-            if answer["ok"]:
-                return Outcome(True, answer.get("result"), None, False, False, tail)
-            return Outcome.failed(str(answer.get("error")), tail)
-        if stopped or not gone:
-            return self._cut_short(launch, stopped, tail)
-        assert worker is not None
-        ended = worker.exited.result() if worker.exited.done() else None
-        if ended is not None and ended.how == "frozen too long":
-            return Outcome.failed(self._lapsed(), tail)
-        error = f"handler worker died: {exit_text(ended.code if ended else None)}"
-        if worker.broke:
-            error = "handler worker wrote a line that is not this job's reply; it was killed"
-        log.warning("attempt %s/%s: %s", *key, error, extra={"task_id": key[0], "attempt": key[1]})
-        return Outcome.failed(error, tail)
+                verdict = await self._verdict(worker, ticket, run.stop)
+                run.proc = None
+                if verdict.how == "returned":  # never started: on another worker, unless stopped
+                    if run.stop.done():
+                        return Outcome.halted()
+                    may_queue = False
+                    continue
+                if verdict.how == "answered":
+                    answer = verdict.answer or {}
+                    tail = self._tail(log_path) if answer.get("log") is True else ""
+                    if answer.get("ok") is True:
+                        return Outcome(True, answer.get("result"), None, False, False, tail)
+                    return Outcome.failed(str(answer.get("error")), tail)
+                tail = await self._keep_output(worker, log_path) if verdict.first else ""
+            finally:
+                self._records.remove(key)
+                self._pool.release(worker)
+            if verdict.how == "halted":
+                return self._cut_short(launch, verdict.why == "stopped", tail)
+            ended = worker.exited.result() if worker.exited.done() else None
+            if ended is not None and ended.how == "frozen too long":
+                return Outcome.failed(self._lapsed(), tail)
+            error = f"handler worker died: {exit_text(ended.code if ended else None)}"
+            if worker.broke:
+                error = "handler worker wrote a line that is not this job's reply; it was killed"
+            log.warning(
+                "attempt %s/%s: %s", *key, error, extra={"task_id": key[0], "attempt": key[1]}
+            )
+            return Outcome.failed(error, tail)
 
-    async def _keep_output(self, worker: Worker, stem: str) -> str:
-        """Copy what the job printed to the attempt's log; return its tail ("" if nothing)."""
+    @staticmethod
+    async def _verdict(worker: Worker, ticket: Ticket, stop: asyncio.Future[None]) -> Verdict:
+        """The ticket's verdict; a stop asked meanwhile halts the job (or takes it back)."""
+        if not ticket.done.done():
+            waits: set[asyncio.Future[Any]] = {ticket.done, stop}
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if not ticket.done.done():
+                await worker.halt(ticket, "stopped")
+        return ticket.done.result()
+
+    async def _keep_output(self, worker: Worker, log_path: Path) -> str:
+        """What a job cut short printed (its worker's out file) to the attempt's log; its
+        tail ("" if nothing). A job that ended moved its output there itself."""
         try:
             size = os.stat(worker.out_name).st_size
         except OSError:
             return ""
         if size == 0:
             return ""
-        log_path = self._log_path(stem)
         await asyncio.to_thread(shutil.copyfile, worker.out, log_path)
-        return _tail(log_path, self.log_tail_bytes)
+        return tail(log_path, self.log_tail_bytes)

@@ -136,6 +136,11 @@ class Proc:
         """SIGKILL the whole tree now."""
         self._send("kill")
 
+    def nudge(self) -> None:
+        """SIGUSR1 to the tree's leader (a handler worker: give back what you have not
+        started); its shim sends it, which cannot meanwhile have reaped that pid."""
+        self._send("nudge")
+
     async def wait(self) -> Exit:
         return await asyncio.shield(self.ended)
 

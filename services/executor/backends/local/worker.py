@@ -1,8 +1,16 @@
-"""A handler worker (`python -m services.executor.worker OUT_FILE`): runs one job at a time.
+"""A handler worker (`python -m services.executor.worker OUT_FILE`): runs jobs one at a time, in
+the order they came.
 
-Reads one JSON job per line on stdin, {"job", "handler", "args", "env"}, and answers each with
-one JSON line on stdout naming the job, {"job": ..., "ok": true, "result": ...} or {"job": ...,
-"ok": false, "error": ..., "traceback": ...}.
+Reads one JSON job per line, {"job", "handler", "args", "env", "inputs"?, "log"?}, and answers
+each with one JSON line naming the job, {"job": ..., "ok": true, "result": ...} or {"job": ...,
+"ok": false, "error": ..., "traceback": ...} (with "log": true when its output was moved to the
+job's "log" path) and how long it ran ("ran", seconds). Jobs that arrive while one runs wait
+here, in order: a worker that finds its next job waiting runs it without sleeping, which is
+what a burst of short jobs saves. Each reply is written before the next job starts, so that
+when a worker dies, the first job without a reply is the one it was running and those after it
+never started. SIGUSR1 (a nudge, sent through the worker's shim) gives back every job not yet
+started, {"returned": [job, ...]}; a job taken from the queue is started, and is never given
+back.
 """
 
 from __future__ import annotations
@@ -14,14 +22,23 @@ import importlib
 import inspect
 import json
 import os
+import select
+import shutil
+import signal
 import sys
+import time
 import traceback
+from collections import deque
 from collections.abc import Callable, MutableMapping
-from typing import Any, BinaryIO
+from types import FrameType
+from typing import Any
 
 READY = b'{"ready": true}\n'
 # Replies are single lines; the backend's line reader is sized to this.
 MAX_REPLY_BYTES = 16 * 1024 * 1024
+READ_SIZE = 1 << 20
+NUDGE = signal.SIGUSR1
+IO, WAIT, RUN = "io", "wait", "run"  # what the loop is doing when a nudge comes
 
 
 def describe(exc: BaseException) -> str:
@@ -61,16 +78,17 @@ class JobEnv:
 
 class Worker:
     """Runs jobs with the handler's output (Python, C level, subprocesses) sent to `out_path`,
-    which holds the output of the current job only."""
+    which holds the output of the current job only: a job that printed anything has it moved
+    to its "log" path afterwards, and the next gets a fresh file."""
 
     def __init__(self, out_path: str) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC
-        self.out = os.open(out_path, flags, 0o644)
+        self.out_path = out_path
+        self.out = self._open_out()
         # The job and reply channels move to private descriptors, and fds 0 and 1 to /dev/null,
         # so nothing a handler reads or prints can swallow a job or corrupt a reply. os.dup makes
         # non-inheritable descriptors: the handler's subprocesses do not hold the channels open.
-        self.jobs: BinaryIO = os.fdopen(os.dup(0), "rb")
-        self.replies: BinaryIO = os.fdopen(os.dup(1), "wb")
+        self.jobs = os.dup(0)
+        self.replies = os.dup(1)
         self.quiet = os.open(os.devnull, os.O_RDWR)
         self.stderr = os.dup(2)
         os.dup2(self.quiet, 0)
@@ -80,13 +98,89 @@ class Worker:
             stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
         self.handlers: dict[str, Callable[..., Any]] = {}
         self.env = JobEnv(os.environ)
+        self.queue: deque[bytes] = deque()  # whole job lines, not started
+        self.partial = bytearray()  # the start of a line whose end has not come yet
+        # A nudge gives back what waits. It may come between any two bytecodes: while the
+        # loop below reads, parses, takes a job or writes (IO) it is noted and answered when
+        # that ends; while a job runs (RUN), or while the loop waits in poll() holding no data
+        # it has not parsed (WAIT), at once.
+        self.mode = IO
+        self.nudged = False
+        self.giving = False
+        os.set_blocking(self.jobs, False)
+        self.poller = select.poll()
+        self.poller.register(self.jobs, select.POLLIN)
+
+    def _open_out(self) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC
+        return os.open(self.out_path, flags, 0o644)
 
     def serve(self) -> None:
-        self.replies.write(READY)
-        self.replies.flush()
-        for line in self.jobs:
-            self.replies.write(self.run(json.loads(line)))
-            self.replies.flush()
+        signal.signal(NUDGE, self._on_nudge)
+        self._write(READY)
+        while True:
+            if not self.queue:
+                self.mode = WAIT
+                if self.nudged:
+                    self._give_back()
+                self.poller.poll()  # retried after a signal (PEP 475)
+                self.mode = IO
+                try:
+                    data = os.read(self.jobs, READ_SIZE)
+                except BlockingIOError:
+                    continue  # a nudge took it, or nothing came
+                if not data:
+                    return  # the executor closed the pipe
+                self._take_in(data)
+                continue
+            line = self.queue.popleft()  # started: never given back from here on
+            self.mode = RUN
+            if self.nudged:
+                self._give_back()
+            reply = self.run(line, time.monotonic())
+            if signal.getsignal(NUDGE) != self._on_nudge:  # a handler took the signal over
+                signal.signal(NUDGE, self._on_nudge)
+            self.mode = IO
+            self._write(reply)
+
+    def _take_in(self, data: bytes) -> None:
+        buffer = self.partial
+        buffer += data
+        end = buffer.find(b"\n")
+        start = 0
+        while end >= 0:
+            self.queue.append(bytes(buffer[start : end + 1]))
+            start = end + 1
+            end = buffer.find(b"\n", start)
+        del buffer[:start]
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.replies, view) :]
+
+    def _on_nudge(self, _sig: int, _frame: FrameType | None) -> None:
+        if self.mode == IO or self.giving:
+            self.nudged = True
+        else:
+            self._give_back()
+
+    def _give_back(self) -> None:
+        """Answer a nudge: the jobs not started, taken back."""
+        self.giving = True
+        try:
+            self.nudged = False
+            with contextlib.suppress(BlockingIOError):  # what the executor wrote before
+                while data := os.read(self.jobs, READ_SIZE):
+                    self._take_in(data)
+            returned = []
+            for line in self.queue:
+                with contextlib.suppress(ValueError, AttributeError):
+                    returned.append(json.loads(line).get("job"))
+            self.queue.clear()
+            self._write(json.dumps({"returned": returned}).encode() + b"\n")
+        finally:
+            self.giving = False
 
     def resolve(self, path: str) -> Callable[..., Any]:
         found = self.handlers.get(path)
@@ -98,16 +192,21 @@ class Worker:
             self.handlers[path] = found
         return found
 
-    def run(self, job: dict[str, Any]) -> bytes:
-        """Run one job with its output going to the out file; return the reply line."""
+    def run(self, line: bytes, started: float = 0.0) -> bytes:
+        """Run one job with its output going to the out file; return the reply line, which
+        says how long the job ran ("ran", seconds; `started`: when, on the monotonic clock)."""
+        try:
+            job = json.loads(line)
+            stem = json.dumps(job["job"])
+            job_env = job.get("env") or {}
+        except (ValueError, TypeError, KeyError):
+            return _failure("not a job", show=False)  # names no job: the executor kills us
         os.ftruncate(self.out, 0)  # O_APPEND: the next write lands at the start again
-        self.env.use(job.get("env") or {})
+        self.env.use(job_env)
         os.dup2(self.out, 1)
         os.dup2(self.out, 2)
         try:
             reply = self._call(job["handler"], job.get("args"), job.get("inputs"))
-            # the job's id first: a line naming another job is not this job's reply
-            return b'{"job":' + json.dumps(job.get("job")).encode() + b"," + reply[1:]
         finally:
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(OSError, ValueError):  # the handler closed it
@@ -115,6 +214,26 @@ class Worker:
             sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
             os.dup2(self.quiet, 1)
             os.dup2(self.stderr, 2)
+        ran = time.monotonic() - started if started else 0.0
+        logged = self._keep_output(job.get("log"))
+        # the job's id first: a line naming another job is not this job's reply
+        head = b'{"job":%s,"ran":%.6f,' % (stem.encode(), ran)
+        return head + (b'"log":true,' if logged else b"") + reply[1:]
+
+    def _keep_output(self, log: object) -> bool:
+        """Move what the job printed to its log, and start a fresh out file for the next."""
+        if not isinstance(log, str) or os.fstat(self.out).st_size == 0:
+            return False
+        try:
+            os.rename(self.out_path, log)
+        except OSError:
+            try:
+                shutil.copyfile(self.out_path, log)
+            except OSError:
+                return False
+        os.close(self.out)
+        self.out = self._open_out()
+        return True
 
     def _call(self, path: str, args: Any, inputs: Any = None) -> bytes:
         try:

@@ -1,118 +1,91 @@
-"""Handler workers: long-lived `worker.py` processes, one per slot, each under a shim of its own.
+"""A handler worker as the executor sees it: the `worker.py` process under its shim, its job and
+reply pipes, and the jobs it has — run in the order given, the first running (or about to),
+the rest waiting behind it (pool.py decides who waits where).
 
-Handlers get a pool of our own because concurrent.futures' process pool cannot kill the one
-job that timed out or was stopped: here that worker's tree is killed and a fresh one started.
-What a worker's handlers print goes to its own file, `out`, emptied at the start of each job,
-and is copied to the attempt's log only when there is something: a new file per job would
-cost more than the rest of a no-op handler's round trip.
+What a worker's handlers print goes to its own file, `out`, emptied at the start of each job
+and moved to the attempt's log by the worker only when there is something: a new file per
+job would cost more than the rest of a no-op handler's round trip. A worker that finds its
+next job waiting runs it without sleeping, which is what waiting at a busy worker saves; no
+job waits long behind one that turns out slow: a nudge takes back what the worker has not
+started (worker.py), and it runs elsewhere.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import sys
-from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
 from services.executor.backends.local import worker as worker_main
-from services.executor.backends.local.process import Proc, SpawnError, Warden, exit_text
+from services.executor.backends.local.process import Proc, Warden, exit_text
 from services.executor.backends.local.records import Records
-from services.executor.backends.local.worker import MAX_REPLY_BYTES, READY
+from services.executor.backends.local.replies import Replies
+from services.executor.backends.local.worker import READY
 
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 1.0  # between SIGTERM and SIGKILL
 WORKER_START_TIMEOUT_S = 60.0
+# A worker holding waiting jobs that has answered nothing for this long is nudged to give them
+# back (the pool queues behind a worker only while its first job is younger than that).
+RESCUE_S = 0.02
+# How long a nudged worker may take to answer before a stop or a timeout kills it anyway.
+NUDGE_WAIT_S = 1.0
 
 
 class Undelivered(Exception):
     """The worker was gone before it could take the job: safe to retry on a fresh one."""
 
 
-class Replies(asyncio.Protocol):
-    """A worker's reply pipe: its lines, each taken by the call waiting for it.
+@dataclass(frozen=True)
+class Verdict:
+    """How a job given to a worker ended there: `answered` (`answer` is the worker's reply),
+    `returned` (never started: given back, or behind the job its worker died in — run it
+    elsewhere), `halted` (started, then its worker was killed — `why`: "stopped" or "timed
+    out"), or `lost` (its worker died, or broke the protocol, running it). `first`: the job
+    its worker ran when it ended, whose output the worker's out file holds."""
 
-    Not an asyncio.StreamReader: its readline wants a task of its own per job, and
-    asyncio.wait around that task, the worker's death and a stop — together about a tenth
-    of the executor's side of a no-op handler's round trip (docs/performance.md)."""
+    how: str
+    answer: dict[str, Any] | None = None
+    why: str = ""
+    first: bool = False
 
-    def __init__(self) -> None:
-        self._buffer = bytearray()
-        self._lines: deque[bytes] = deque()
-        self.ended = False  # end of file: the worker died, or closed its end
-        self.broken = False  # a line longer than MAX_REPLY_BYTES: no reply can be trusted
-        self._waiter: asyncio.Future[None] | None = None
 
-    def data_received(self, data: bytes) -> None:
-        buffer = self._buffer
-        end = data.find(b"\n")
-        buffer += data
-        if end >= 0:
-            end += len(buffer) - len(data)
-            while end >= 0:
-                self._lines.append(bytes(buffer[: end + 1]))
-                del buffer[: end + 1]
-                end = buffer.find(b"\n")
-            self._wake()
-        if len(buffer) > MAX_REPLY_BYTES + 1024:
-            self.broken = True
-            buffer.clear()
-            self._wake()
+def _ran(answer: dict[str, Any] | None, ticket: Ticket) -> float:
+    """How long an answered job ran: as its worker said ("ran"), or else as seen from here,
+    from when it became its worker's first job (which counts the worker's wake-up too)."""
+    ran = answer.get("ran") if answer else None
+    if isinstance(ran, float) and 0.0 <= ran < 1e6:
+        return ran
+    if ticket.head_at is None:
+        return 0.0
+    return asyncio.get_running_loop().time() - ticket.head_at
 
-    def eof_received(self) -> None:
-        self.ended = True
-        self._wake()
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.ended = True
-        self._wake()
+class Ticket:
+    """A job given to a worker, until its verdict."""
 
-    def _wake(self, _: object = None) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+    __slots__ = ("done", "head_at", "stem", "timeout_s", "timer")
 
-    def answered(self) -> bool:
-        """A line is in, or none will come."""
-        return bool(self._lines) or self.ended or self.broken
-
-    def take(self) -> bytes | None:
-        """The next whole line; None if there is none (and, with `answered()`, none will be)."""
-        if self.broken or not self._lines:
-            return None
-        return self._lines.popleft()
-
-    def forget(self) -> None:
-        """Drop lines nobody asked for (a worker writes one reply a job: there are none)."""
-        self._lines.clear()
-
-    async def wait(self, *also: asyncio.Future[Any], timeout: float | None) -> None:
-        """Until `answered()`, one of `also` is done, or `timeout` seconds pass."""
-        if self.answered() or any(f.done() for f in also):
-            return
-        loop = asyncio.get_running_loop()
-        self._waiter = loop.create_future()
-        for future in also:
-            future.add_done_callback(self._wake)
-        timer = None if timeout is None else loop.call_later(timeout, self._wake)
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
-            for future in also:
-                future.remove_done_callback(self._wake)
-            if timer is not None:
-                timer.cancel()
+    def __init__(self, stem: str, timeout_s: float | None) -> None:
+        self.stem = stem
+        self.timeout_s = timeout_s
+        self.done: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
+        self.head_at: float | None = None  # loop time it became the first its worker has
+        self.timer: asyncio.TimerHandle | None = None  # its run timeout, from then
 
 
 class Worker:
-    """One handler worker process, its job pipe and its reply pipe."""
+    """One handler worker process, its job pipe and its reply pipe, and the jobs it has: run
+    in the order given, the first running (or about to), the rest waiting behind it."""
 
     def __init__(self, proc: Proc, jobs: asyncio.StreamWriter, replies: Replies, out: Path) -> None:
         self.proc = proc
@@ -120,11 +93,25 @@ class Worker:
         self.jobs = jobs
         self.replies = replies
         self.out = out
-        self.out_name = str(out)  # stat()ed after every job: no Path to render each time
+        self.out_name = str(out)  # stat()ed after a killed job: no Path to render each time
         self.record: Path | None = None
         self.exited: asyncio.Future[Any] = proc.ended
         self.jobs_taken = 0  # jobs delivered to it (WorkerPool retires it after max_jobs)
-        self.broke = False  # it wrote a line that was not the reply to the job at hand
+        self.broke = False  # it wrote a line that is no reply to a job it has
+        self.dead = False  # died, broke or was killed: it takes no more jobs
+        self.holders = 0  # callers with a ticket of it they have not released
+        self.pending: dict[str, Ticket] = {}  # its jobs without a verdict, in the order given
+        self.on_answer: Callable[[float], None] | None = None  # how long a job took, first
+        self._outgoing: list[tuple[str, bytes]] = []  # jobs to write at this loop turn's end
+        self._nudge: asyncio.Future[bool] | None = None  # a nudge not answered yet
+        self._halts: dict[str, str] = {}  # jobs being halted, and why
+        self.rescue_s = RESCUE_S  # the pool's
+        self._rescue: asyncio.TimerHandle | None = None
+        self._grace: asyncio.TimerHandle | None = None
+        self._graced = False
+        self._killed = False
+        self._ended = False
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
     async def spawn(
@@ -168,48 +155,225 @@ class Worker:
         except BaseException:
             await worker.kill()
             raise
+        replies.on_change = worker._advance
+        worker.exited.add_done_callback(lambda _: worker._advance())
         return worker
 
-    async def call(
-        self, message: bytes, job: str, stop: asyncio.Future[None], timeout: float | None
-    ) -> tuple[dict[str, Any] | None, bool]:
-        """Send a job (`message`, whose id is `job`) and wait for its reply, the worker's death,
-        a stop or the timeout.
+    # -- giving jobs --------------------------------------------------------------------------
 
-        Returns the reply (None if there is none), and whether the worker is gone (died, or broke
-        the protocol: a reply that names another job is one). Raises Undelivered if the worker
-        was gone before it took the job.
-        """
-        if self.exited.done():
+    @property
+    def usable(self) -> bool:
+        """Alive, whole, and not waiting for the answer to a nudge."""
+        return not (self.dead or self.exited.done() or self.jobs.is_closing()) and not self._nudge
+
+    def first_since(self) -> float | None:
+        """When its first job became its first (loop time); None when it has none."""
+        for ticket in self.pending.values():
+            return ticket.head_at
+        return None
+
+    def submit(self, message: bytes, job: str, timeout: float | None) -> Ticket:
+        """Give it a job (`message`, whose id is `job`), to run after those it has; raises
+        Undelivered if it cannot take one."""
+        if not self.usable:
             raise Undelivered
-        replies = self.replies
-        replies.forget()
-        try:
-            self.jobs.write(message)
-            # A failed write (EPIPE) only closes the transport; drain() may not raise in time.
-            if self.jobs.is_closing():
-                raise Undelivered
-            await self.jobs.drain()
-        except ConnectionError:
-            raise Undelivered from None
+        ticket = Ticket(job, timeout)
+        self.pending[job] = ticket
         self.jobs_taken += 1
-        await replies.wait(self.exited, stop, timeout=timeout)
-        if self.exited.done() and not replies.answered():
-            await replies.wait(timeout=STOP_GRACE_S)  # what it wrote before it went
-        if not replies.answered():
-            return None, self.exited.done()
-        line = replies.take()
-        answer = _parse_reply(line, job)
-        if answer is None and line is not None:
+        self.holders += 1
+        if not self._outgoing:  # every job given this loop turn in one write
+            asyncio.get_running_loop().call_soon(self._write)
+        self._outgoing.append((job, message))
+        if len(self.pending) == 1:
+            self._promote()
+        else:
+            self._arm_rescue()
+        return ticket
+
+    def _write(self) -> None:
+        outgoing, self._outgoing = self._outgoing, []
+        if not outgoing:
+            return
+        if not self.dead and not self.jobs.is_closing():
+            with contextlib.suppress(ConnectionError):
+                self.jobs.write(b"".join(message for _, message in outgoing))
+            if not self.jobs.is_closing():
+                return
+        # Not written, or a failed write (EPIPE: no reader), which closes the transport at
+        # once having written nothing: those jobs were never taken, and may run elsewhere.
+        self._take_back([stem for stem, _ in outgoing])
+        self._end_soon()
+
+    # -- replies ------------------------------------------------------------------------------
+
+    def _advance(self) -> None:
+        """Whatever changed — lines in, the pipe ended, the process exited, a grace ran out:
+        apply what the worker said, then settle its end."""
+        replies = self.replies
+        while not self.broke and (line := replies.take()) is not None:
+            self._on_line(line)
+        if replies.broken:
+            self._breach()
+        if self.exited.done():
+            if replies.ended or replies.broken or self.broke or self._graced:
+                self._end()
+            elif self._grace is None:  # what it wrote before it went may still be coming
+                self._grace = asyncio.get_running_loop().call_later(STOP_GRACE_S, self._graced_out)
+        elif replies.ended:  # it closed its reply pipe but lives on: no reply will come
+            self._end_soon()
+
+    def _graced_out(self) -> None:
+        self._graced = True
+        self._advance()
+
+    def _on_line(self, line: bytes) -> None:
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            answer = None
+        if isinstance(answer, dict):
+            if "returned" in answer and isinstance(answer["returned"], list):
+                self._take_back([s for s in answer["returned"] if isinstance(s, str)])
+                if self._nudge is not None:
+                    self._nudge.set_result(True)
+                    self._nudge = None
+                return
+            job = answer.get("job")
+            ticket = self.pending.get(job) if isinstance(job, str) else None
+            if ticket is not None and "ok" in answer:
+                self._settle(ticket, Verdict("answered", answer))
+                return
+        # a line naming no job it has (written by what a handler left running, say) must not
+        # become any job's outcome
+        self._breach()
+
+    def _settle(self, ticket: Ticket, verdict: Verdict) -> None:
+        del self.pending[ticket.stem]
+        if ticket.timer is not None:
+            ticket.timer.cancel()
+        if verdict.how == "answered" and self.on_answer is not None:
+            self.on_answer(_ran(verdict.answer, ticket))
+        ticket.done.set_result(verdict)
+        if not self._ended:
+            self._promote()
+
+    def _take_back(self, stems: list[str]) -> None:
+        for stem in stems:
+            ticket = self.pending.get(stem)
+            if ticket is not None:
+                self._settle(ticket, Verdict("returned"))
+
+    def _promote(self) -> None:
+        """Its first job's clocks start when it becomes the first: its run timeout, and the
+        rescue of what waits behind it."""
+        if self._rescue is not None:
+            self._rescue.cancel()
+            self._rescue = None
+        for first in self.pending.values():
+            if first.head_at is None:
+                loop = asyncio.get_running_loop()
+                first.head_at = loop.time()
+                if first.timeout_s is not None:
+                    first.timer = loop.call_later(first.timeout_s, self._timed_out, first)
+            break
+        self._arm_rescue()
+
+    def _arm_rescue(self) -> None:
+        since = self.first_since()
+        if self._rescue is None and len(self.pending) > 1 and since is not None:
+            loop = asyncio.get_running_loop()
+            self._rescue = loop.call_at(since + self.rescue_s, self._rescue_now)
+
+    def _rescue_now(self) -> None:
+        """Jobs wait behind one that has run `rescue_s`: ask for them back (the callers run
+        them elsewhere), and leave the slow one be."""
+        self._rescue = None
+        if len(self.pending) > 1 and self.usable:
+            self._spawn_task(self.nudge())
+
+    def _timed_out(self, ticket: Ticket) -> None:
+        self._spawn_task(self.halt(ticket, "timed out"))
+
+    def _spawn_task(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- taking jobs back, halting ------------------------------------------------------------
+
+    async def nudge(self) -> bool:
+        """Ask it to give back the jobs it has not started (SIGUSR1 through its shim); True
+        once it answered, within NUDGE_WAIT_S. It takes no job until it has."""
+        if self.dead or self.exited.done():
+            return False
+        if self._nudge is None:
+            self._nudge = asyncio.get_running_loop().create_future()
+            if self._outgoing:  # what it was given must be in the pipe before it is asked
+                self._write()
+            self.proc.nudge()
+        answered = self._nudge
+        waits: set[asyncio.Future[Any]] = {answered, self.exited}
+        await asyncio.wait(waits, timeout=NUDGE_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
+        return answered.done() and answered.result()
+
+    async def halt(self, ticket: Ticket, why: str) -> None:
+        """Stop a job (`why`: "stopped" or "timed out"). The first job a worker has is running
+        (or about to): the worker is killed (its verdict: halted), and those behind it come
+        back unstarted. One waiting behind another is asked back first (returned), so that
+        the job running is not killed for it; only if it started meanwhile, or no answer
+        comes, is the worker killed. Returns once the job has its verdict."""
+        if ticket.done.done():
+            return
+        self._halts[ticket.stem] = why
+        if next(iter(self.pending.values())) is not ticket:
+            await self.nudge()
+        if not ticket.done.done():
+            await self.kill()
+        await ticket.done
+
+    def _breach(self) -> None:
+        if not self.broke:
             self.broke = True
-        return answer, answer is None
+            self._end_soon()
+
+    def _end_soon(self) -> None:
+        """Take no more jobs, and kill it: its end settles the jobs it has."""
+        self.dead = True
+        self.jobs.close()
+        if not self._killed:
+            self._killed = True
+            self.proc.kill()
+
+    def _end(self) -> None:
+        """It is gone: every job it still has gets its verdict."""
+        if self._ended:
+            return
+        self._ended = True
+        self.dead = True
+        for timer in (self._rescue, self._grace):
+            if timer is not None:
+                timer.cancel()
+        self._write()  # what it was never sent comes back, unstarted
+        # A worker writes each reply before it takes its next job: its first job without one
+        # is the one it was running (or about to), and those after it never started.
+        for i, ticket in enumerate(list(self.pending.values())):
+            why = self._halts.get(ticket.stem)
+            if i > 0:
+                self._settle(ticket, Verdict("returned"))
+            else:
+                self._settle(
+                    ticket, Verdict("halted" if why else "lost", why=why or "", first=True)
+                )
+        if self._nudge is not None:
+            self._nudge.set_result(False)
+            self._nudge = None
 
     async def kill(self) -> None:
-        self.jobs.close()
-        self.proc.kill()
+        self._end_soon()
         await asyncio.wait({self.exited})
 
     async def shutdown(self) -> None:
+        self.dead = True
         self.jobs.close()  # no more jobs: the worker exits by itself
         await asyncio.wait({self.exited}, timeout=STOP_GRACE_S)
         await self.kill()
@@ -220,120 +384,3 @@ class Worker:
         self.out.unlink(missing_ok=True)
         if self.record is not None:
             self.record.unlink(missing_ok=True)
-
-
-def _parse_reply(line: bytes | None, job: str) -> dict[str, Any] | None:
-    """The reply to job `job`; None for anything else: a line naming another job (written by
-    what a handler left running, say) must not become this job's outcome."""
-    if line is None:
-        return None  # end of file (the worker died mid-job), or a line past the limit
-    try:
-        answer = json.loads(line)
-    except ValueError:
-        return None
-    if not isinstance(answer, dict) or "ok" not in answer or answer.get("job") != job:
-        return None
-    return answer
-
-
-class Stopped(Exception):
-    """Stopped while waiting for a free handler worker."""
-
-
-class WorkerPool:
-    """One item per slot: its live worker, or None until one is started for it.
-
-    A worker that has taken `max_jobs` jobs (0: no bound) is retired, and a fresh one started
-    for its slot off the caller's path. Every job's SKED_TASK_ID and SKED_HEARTBEAT_TOKEN are
-    new values, and glibc's setenv keeps every value it was ever given (~220 bytes a job:
-    ~220 MB a million jobs, per worker); a handler's own leaks are bounded the same way."""
-
-    def __init__(
-        self,
-        slots: int,
-        warden: Warden,
-        records: Records,
-        out_dir: Path,
-        env: Mapping[str, str],
-        freeze_max_s: float,
-        max_jobs: int = 0,
-    ) -> None:
-        self._max_jobs = max_jobs
-        self._warden = warden
-        self._records = records
-        self._out_dir = out_dir
-        self._env = env
-        self._freeze_max_s = freeze_max_s
-        # Last in, first out: the worker that answered last takes the next job. Its memory is
-        # still in the CPU's caches; handing jobs round all the slots' workers in turn made
-        # a no-op job cost its worker 93 µs of CPU, not 50, one job at a time (16 slots).
-        self._idle: asyncio.Queue[Worker | None] = asyncio.LifoQueue()
-        for _ in range(slots):
-            self._idle.put_nowait(None)
-        self._refills: set[asyncio.Task[None]] = set()
-        self.closed = False
-
-    async def spawn(self) -> Worker:
-        return await Worker.spawn(
-            self._warden, self._records, self._out_dir, self._env, self._freeze_max_s
-        )
-
-    async def warm(self, n: int) -> None:
-        """Start `n` workers now (the other slots start theirs on their first handler job)."""
-        empty = [self._idle.get_nowait() for _ in range(min(n, self._idle.qsize()))]
-        spawned = await asyncio.gather(*(self.spawn() for _ in empty), return_exceptions=True)
-        for worker in spawned:
-            self._idle.put_nowait(worker if isinstance(worker, Worker) else None)
-        for worker in spawned:
-            if isinstance(worker, BaseException):
-                raise worker
-
-    async def take(self, stop: asyncio.Future[None]) -> Worker | None:
-        """A free slot's worker (None: the slot has none yet); raises Stopped if stopped first."""
-        if not self._idle.empty():
-            return self._idle.get_nowait()
-        getter = asyncio.ensure_future(self._idle.get())
-        waits: set[asyncio.Future[Any]] = {getter, stop}
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        if not stop.done():
-            return getter.result()
-        if getter.done():
-            self._idle.put_nowait(getter.result())
-        else:
-            getter.cancel()
-        raise Stopped
-
-    def give_back(self, worker: Worker | None) -> None:
-        """A slot's worker after a job it answered: kept, or retired at max_jobs."""
-        if worker is not None and 0 < self._max_jobs <= worker.jobs_taken:
-            log.info("handler worker %d retired after %d jobs", worker.pid, worker.jobs_taken)
-            self.refill(worker)
-            return
-        self._idle.put_nowait(worker)
-
-    def refill(self, worker: Worker | None) -> None:
-        """Replace a broken worker off the caller's path: its outcome need not wait for a start."""
-
-        async def refill() -> None:
-            fresh = None
-            try:
-                if worker is not None:
-                    await worker.kill()
-                    worker.discard()
-                if not self.closed:
-                    fresh = await self.spawn()
-            except (OSError, RuntimeError, SpawnError):
-                log.exception("could not start a handler worker; the next handler job will retry")
-            finally:
-                self._idle.put_nowait(fresh)
-
-        task = asyncio.create_task(refill())
-        self._refills.add(task)
-        task.add_done_callback(self._refills.discard)
-
-    async def close(self) -> None:
-        self.closed = True
-        # Not cancelled: a refill in the middle of a kill must finish it. Each is bounded.
-        await asyncio.gather(*self._refills)
-        workers = [self._idle.get_nowait() for _ in range(self._idle.qsize())]
-        await asyncio.gather(*(w.shutdown() for w in workers if w is not None))

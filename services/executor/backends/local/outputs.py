@@ -1,0 +1,49 @@
+"""What an attempt leaves to read: its log's tail, and a command's declared output."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from services.executor.backends import Outcome
+from services.executor.backends.local.worker import MAX_REPLY_BYTES, describe
+
+
+def tail(path: Path, size: int) -> str:
+    try:
+        with path.open("rb") as f:
+            end = f.seek(0, os.SEEK_END)
+            f.seek(max(0, end - size))
+            data = f.read(size)
+    except OSError:
+        return ""
+    return data.decode("utf-8", errors="replace")
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def with_output(outcome: Outcome, path: Path) -> Outcome:
+    """A command that exited 0 and wrote JSON to $SKED_OUTPUT declared that as its output: it
+    joins the result (and goes downstream). Output that is not JSON fails the attempt."""
+    if not outcome.ok:
+        return outcome
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return outcome  # declared nothing
+    if size == 0:
+        return outcome
+    if size > MAX_REPLY_BYTES:
+        error = f"declared output too large: {size} bytes in $SKED_OUTPUT"
+        return Outcome.failed(error, outcome.log_tail)
+    try:
+        output = json.loads(path.read_bytes(), parse_constant=_refuse_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        error = f"declared output in $SKED_OUTPUT is not JSON: {describe(exc)}"
+        return Outcome.failed(error, outcome.log_tail)
+    return replace(outcome, result={**outcome.result, "output": output})
