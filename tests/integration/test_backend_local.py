@@ -4,7 +4,6 @@ timeouts, and reaping what an executor killed with SIGKILL left running."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import select
@@ -526,6 +525,50 @@ async def test_jobs_behind_one_that_is_killed_run_elsewhere(tmp_path: Path, how:
         assert outcome.log_tail == "bye\n"
 
 
+async def test_a_handler_deaf_to_nudges_delays_the_jobs_behind_but_runs_none_twice(
+    tmp_path: Path,
+) -> None:
+    """A handler that ignores SIGUSR1 keeps the jobs behind it waiting until it ends (the
+    rescue gets no answer); each then runs once, and the worker that never answered is
+    replaced before it takes another job."""
+    b = await started_backend(tmp_path)
+    marker, ran = tmp_path / "marker", tmp_path / "ran"
+    try:
+        deaf = asyncio.create_task(run(b, handler("deaf_sleep", [1.0, str(marker)])))
+        behind = [asyncio.create_task(run(b, handler("count", [str(ran)]))) for _ in range(2)]
+        outcomes = await asyncio.gather(deaf, *behind)
+        assert all(o.ok for o in outcomes), outcomes
+        assert ran.read_text() == "ran\n" * 2
+        deaf_pid = outcomes[0].result
+        assert {o.result for o in outcomes[1:]} == {deaf_pid}  # they waited for it
+        later = await asyncio.gather(*(run(b, handler("pid")) for _ in range(4)))
+        assert deaf_pid not in {o.result for o in later}
+    finally:
+        await b.close()
+
+
+@pytest.mark.usefixtures("_nudges_answer_at_once")
+async def test_an_answer_to_a_nudge_nobody_sent_is_a_breach(tmp_path: Path) -> None:
+    """A handler that writes {"returned": [...]} for the job waiting behind it would have that
+    job run twice — elsewhere, and after it in the same worker. The worker is killed instead,
+    and as nothing it wrote is trusted after that, the jobs it had fail (they may have
+    started) rather than run again: the job behind runs at most once."""
+    b = await started_backend(tmp_path, rescue_s=60.0)
+    ran = tmp_path / "ran"
+    try:
+        victim = handler("count", [str(ran)])
+        forger = handler("forge_returned", [f"{victim.task_id}-1"])
+        first = asyncio.create_task(run(b, forger))
+        second = asyncio.create_task(run(b, victim))
+        forged, counted = await first, await second
+    finally:
+        await b.close()
+    assert not forged.ok
+    assert "not this job's reply" in (forged.error or "")
+    assert not counted.ok
+    assert (ran.read_text() if ran.exists() else "") in ("", "ran\n")  # never twice
+
+
 class RawWorker:
     """A handler worker process on its own, driven through its pipes as the executor would."""
 
@@ -536,7 +579,8 @@ class RawWorker:
         self.proc = subprocess.Popen(argv, stdin=job_r, stdout=reply_w, cwd=REPO)
         os.close(job_r)
         os.close(reply_w)
-        self.replies = os.fdopen(reply_r, "rb")
+        self.replies = reply_r
+        self.buffer = b""
 
     def send(self, *jobs: tuple[str, str, Any]) -> None:
         """Jobs (id, handler in tests.handlers, args), in one write."""
@@ -547,17 +591,20 @@ class RawWorker:
         os.write(self.jobs, "".join(lines).encode())
 
     def reply(self) -> dict[str, Any]:
-        ready, _, _ = select.select([self.replies], [], [], 10)
-        assert ready, "no reply within 10 s"
-        answer: dict[str, Any] = json.loads(self.replies.readline())
+        while b"\n" not in self.buffer:
+            ready, _, _ = select.select([self.replies], [], [], 10)
+            assert ready, "no reply within 10 s"
+            self.buffer += os.read(self.replies, 65536)
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        answer: dict[str, Any] = json.loads(line)
         return answer
 
     def close(self) -> None:
         self.proc.kill()
         self.proc.wait(timeout=10)
-        with contextlib.suppress(OSError):
-            os.close(self.jobs)
-        self.replies.close()
+        for fd in (self.jobs, self.replies):
+            if fd >= 0:
+                os.close(fd)
 
 
 async def test_a_worker_answers_a_nudge(tmp_path: Path) -> None:
@@ -587,6 +634,7 @@ async def test_an_idle_worker_answers_a_nudge(tmp_path: Path) -> None:
         worker.proc.send_signal(signal.SIGUSR1)
         assert worker.reply() == {"returned": []}
         os.close(worker.jobs)  # end of the jobs: the worker exits by itself
+        worker.jobs = -1
         assert worker.proc.wait(timeout=10) == 0
     finally:
         worker.close()

@@ -49,9 +49,10 @@ class Undelivered(Exception):
 class Verdict:
     """How a job given to a worker ended there: `answered` (`answer` is the worker's reply),
     `returned` (never started: given back, or behind the job its worker died in — run it
-    elsewhere), `halted` (started, then its worker was killed — `why`: "stopped" or "timed
-    out"), or `lost` (its worker died, or broke the protocol, running it). `first`: the job
-    its worker ran when it ended, whose output the worker's out file holds."""
+    elsewhere), `halted` (started, or may have, then its worker was killed — `why`:
+    "stopped" or "timed out"), or `lost` (its worker died, or broke the protocol, with it; it
+    may have started). `first`: the job its worker ran when it ended, whose output the
+    worker's out file holds."""
 
     how: str
     answer: dict[str, Any] | None = None
@@ -232,11 +233,12 @@ class Worker:
         except ValueError:
             answer = None
         if isinstance(answer, dict):
-            if "returned" in answer and isinstance(answer["returned"], list):
-                self._take_back([s for s in answer["returned"] if isinstance(s, str)])
-                if self._nudge is not None:
-                    self._nudge.set_result(True)
-                    self._nudge = None
+            # the answer to a nudge; one nobody asked for would have jobs run twice
+            returned = answer.get("returned")
+            if self._nudge is not None and isinstance(returned, list):
+                self._take_back([s for s in returned if isinstance(s, str)])
+                self._nudge.set_result(True)
+                self._nudge = None
                 return
             job = answer.get("job")
             ticket = self.pending.get(job) if isinstance(job, str) else None
@@ -354,16 +356,18 @@ class Worker:
             if timer is not None:
                 timer.cancel()
         self._write()  # what it was never sent comes back, unstarted
-        # A worker writes each reply before it takes its next job: its first job without one
-        # is the one it was running (or about to), and those after it never started.
+        # A worker writes each reply before it takes its next job: when all it wrote was read
+        # (to the pipe's end) and trusted, its first job without one is the one it was running
+        # (or about to), and those after it never started. After a breach, or without the
+        # pipe's end, any of them may have started: none comes back.
+        exact = self.replies.ended and not (self.broke or self.replies.broken)
         for i, ticket in enumerate(list(self.pending.values())):
             why = self._halts.get(ticket.stem)
-            if i > 0:
+            if i > 0 and exact:
                 self._settle(ticket, Verdict("returned"))
             else:
-                self._settle(
-                    ticket, Verdict("halted" if why else "lost", why=why or "", first=True)
-                )
+                how = "halted" if why else "lost"
+                self._settle(ticket, Verdict(how, why=why or "", first=i == 0))
         if self._nudge is not None:
             self._nudge.set_result(False)
             self._nudge = None
