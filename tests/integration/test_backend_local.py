@@ -658,6 +658,20 @@ async def test_close_stops_everything(tmp_path: Path) -> None:
     assert list((b.state_dir / "running").iterdir()) == []
 
 
+async def test_workers_that_exit_on_close_are_not_killed_after(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker's reply pipe ends a moment before its exit is reported: that is a worker
+    exiting, not one that closed its pipe and lives on, and it is not killed (its shim,
+    gone by then, would refuse the order)."""
+    b = LocalBackend(8, tmp_path / "state", warm_workers=8)
+    await b.start()
+    outcomes = await asyncio.gather(*(run(b, handler("add", [i, 1])) for i in range(8)))
+    assert all(o.ok for o in outcomes)
+    await b.close()
+    assert not [r for r in caplog.records if "did not take" in r.getMessage()]
+
+
 async def test_one_backend_per_state_dir(backend: LocalBackend) -> None:
     with pytest.raises(RuntimeError, match="in use by another executor"):
         await LocalBackend(1, backend.state_dir).start()

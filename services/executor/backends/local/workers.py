@@ -219,9 +219,14 @@ class Worker:
             if replies.ended or replies.broken or self.broke or self._graced:
                 self._end()
             elif self._grace is None:  # what it wrote before it went may still be coming
-                self._grace = asyncio.get_running_loop().call_later(STOP_GRACE_S, self._graced_out)
-        elif replies.ended:  # it closed its reply pipe but lives on: no reply will come
-            self._end_soon()
+                loop = asyncio.get_running_loop()
+                self._grace = loop.call_later(STOP_GRACE_S, self._graced_out)
+        elif replies.ended and self._grace is None:
+            # Its reply pipe ended: it is exiting (the exit report follows), or it closed the
+            # pipe and lives on — then no reply will come, and it is killed after the grace.
+            self.dead = True
+            loop = asyncio.get_running_loop()
+            self._grace = loop.call_later(STOP_GRACE_S, self._end_soon)
 
     def _graced_out(self) -> None:
         self._graced = True
