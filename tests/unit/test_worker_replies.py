@@ -41,14 +41,6 @@ async def test_a_line_split_across_writes_is_one_reply(pipe: tuple[Replies, int]
     assert replies.take() is None
 
 
-async def test_forget_drops_lines_nobody_asked_for(pipe: tuple[Replies, int]) -> None:
-    replies, write = pipe
-    os.write(write, b"stale\n")
-    await replies.wait(timeout=5)
-    replies.forget()
-    assert not replies.answered()
-
-
 async def test_a_wait_ends_with_the_line(pipe: tuple[Replies, int]) -> None:
     replies, write = pipe
     waiting = asyncio.create_task(replies.wait(timeout=5))

@@ -11,7 +11,8 @@ from services.executor.backends.local.worker import MAX_REPLY_BYTES
 
 
 class Replies(asyncio.Protocol):
-    """A worker's reply pipe: its lines, each taken by the call waiting for it.
+    """A worker's reply pipe: its lines, waited for (the worker's ready line) or, once
+    `on_change` is set, handed to the worker's bookkeeping as they come.
 
     Not an asyncio.StreamReader: its readline wants a task of its own per job, and
     asyncio.wait around that task, the worker's death and a stop — together about a tenth
@@ -68,10 +69,6 @@ class Replies(asyncio.Protocol):
         if self.broken or not self._lines:
             return None
         return self._lines.popleft()
-
-    def forget(self) -> None:
-        """Drop lines nobody asked for (a worker writes one reply a job: there are none)."""
-        self._lines.clear()
 
     async def wait(self, *also: asyncio.Future[Any], timeout: float | None) -> None:
         """Until `answered()`, one of `also` is done, or `timeout` seconds pass."""

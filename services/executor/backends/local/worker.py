@@ -198,15 +198,15 @@ class Worker:
         try:
             job = json.loads(line)
             stem = json.dumps(job["job"])
-            job_env = job.get("env") or {}
-        except (ValueError, TypeError, KeyError):
+            handler, job_env = job["handler"], job.get("env") or {}
+        except (ValueError, TypeError, KeyError, AttributeError):
             return _failure("not a job", show=False)  # names no job: the executor kills us
         os.ftruncate(self.out, 0)  # O_APPEND: the next write lands at the start again
         self.env.use(job_env)
         os.dup2(self.out, 1)
         os.dup2(self.out, 2)
         try:
-            reply = self._call(job["handler"], job.get("args"), job.get("inputs"))
+            reply = self._call(handler, job.get("args"), job.get("inputs"))
         finally:
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(OSError, ValueError):  # the handler closed it
