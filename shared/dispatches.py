@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from shared.errors import one_line
 from shared.jsonvalue import Unsafe, parse
-from shared.models import SCHEMA_VERSION, Dispatch
+from shared.models import SCHEMA_VERSION, Dispatch, Task
 
 MAX_DISPATCHES = 1000  # entries one message may carry; a pass places dispatch_batch at most
 MAX_HEADERS = 16  # trace headers are a handful: traceparent, tracestate, baggage
@@ -52,17 +52,39 @@ class Entry:
         return json.dumps(wrapped, separators=(",", ":")).encode()
 
 
-def pack(dispatches: Sequence[tuple[Dispatch, Mapping[str, Any]]]) -> bytes:
-    """One message's body: these dispatches (all to one node), each with its headers."""
+def pack(dispatches: Sequence[tuple[Dispatch | Mapping[str, Any], Mapping[str, Any]]]) -> bytes:
+    """One message's body: these dispatches (all to one node), each with its headers. A
+    dispatch may come as its JSON already (`entry_of`)."""
     return json.dumps(
         {
             "schema_version": SCHEMA_VERSION,
             "dispatches": [
-                {"dispatch": d.model_dump(mode="json"), "headers": dict(h)} for d, h in dispatches
+                {
+                    "dispatch": d.model_dump(mode="json") if isinstance(d, Dispatch) else d,
+                    "headers": dict(h),
+                }
+                for d, h in dispatches
             ],
         },
         separators=(",", ":"),
     ).encode()
+
+
+def entry_of(task: Task) -> dict[str, Any]:
+    """`Dispatch.of(task).model_dump(mode="json")`, without building the model: the values
+    are a stored row's, of the columns' types, and the scheduler writes one for every task it
+    places (tests/unit/test_dispatches holds the two equal)."""
+    if task.node is None:
+        raise ValueError(f"task {task.id} is not placed on a node")
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "task_id": str(task.id),
+        "attempt": task.attempt,
+        "version": task.version,
+        "retry_count": task.retry_count,
+        "max_retries": task.max_retries,
+        "node": task.node,
+    }
 
 
 def unpack(body: bytes, headers: Mapping[str, Any] | None = None) -> list[Entry]:

@@ -1,4 +1,4 @@
-"""Helpers shared by the tests: spec factories and a bounded `eventually`."""
+"""Helpers shared by the tests: spec and row factories and a bounded `eventually`."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import MISSING, fields
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
+from uuid import uuid4
 
-from shared.models import TaskSpec
+from shared.models import Task, TaskSpec
 
 T = TypeVar("T")
 _proc_ids = itertools.count(1)
@@ -23,6 +26,38 @@ def spec(name: str = "t", **kw: Any) -> TaskSpec:
     data: dict[str, Any] = {"name": name, "job": {"kind": "command", "argv": ["true"]}}
     data.update(kw)
     return TaskSpec.parse(data)
+
+
+def task_row(**kw: Any) -> dict[str, Any]:
+    """A row of every column a Task is read from, as a statement returns it (a Ready task);
+    keyword arguments override columns."""
+    now = datetime.now(UTC)
+    row: dict[str, Any] = {
+        f.name: f.default if f.default is not MISSING else None for f in fields(Task)
+    }
+    row.update(
+        id=uuid4(),
+        name="t",
+        kind="handler",
+        spec_json="{}",
+        status="ready",
+        status_reason="",
+        version=3,
+        attempt=1,
+        priority=0,
+        retry_count=0,
+        max_retries=0,
+        heartbeat_timeout_s=30.0,
+        created_at=now,
+        updated_at=now,
+        cpu=0.0,
+        memory_mb=0,
+        gpu=0,
+        hb_seq=0,
+        uses=[],
+    )
+    row.update(kw)
+    return row
 
 
 async def eventually(

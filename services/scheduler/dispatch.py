@@ -14,9 +14,9 @@ from services.scheduler.hub import Hub, Part
 from shared import fsm, hooks
 from shared.bus import DISPATCH_EXCHANGE, AmqpBus, Outgoing
 from shared.degrade import Mode
-from shared.dispatches import MAX_DISPATCHES, pack
+from shared.dispatches import MAX_DISPATCHES, entry_of, pack
 from shared.fsm import State
-from shared.models import Dispatch, Task
+from shared.models import Task
 from shared.placement import Choice, Need, NodeState, place_many, within_resources
 from shared.queues import RESOURCE_KEY, ReadyQueue
 from shared.resilience import TRANSIENT
@@ -26,13 +26,13 @@ from shared.store import Store, Tx
 
 
 def need_of(task: Task) -> Need:
-    spec = task.spec
+    selector, affinity = task.labels()
     return Need(
-        cpu=spec.resources.cpu,
-        memory_mb=spec.resources.memory_mb,
-        gpu=spec.resources.gpu,
-        selector=spec.selector,
-        affinity=spec.affinity,
+        cpu=task.cpu,  # the spec's resources, stored as columns at admission
+        memory_mb=task.memory_mb,
+        gpu=task.gpu,
+        selector=selector,
+        affinity=affinity,
         avoid=task.node,  # its last attempt's (None before the first placement)
     )
 
@@ -262,10 +262,10 @@ class Dispatcher(Part):
 
 def _dispatches(moved: list[Task], headers: list[dict[str, Any]]) -> list[Outgoing]:
     """One message per node, carrying the attempts placed there (shared.dispatches)."""
-    by_node: dict[str, list[tuple[Dispatch, dict[str, Any]]]] = {}
+    by_node: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
     for task, h in zip(moved, headers, strict=True):
-        body = Dispatch.of(task)
-        by_node.setdefault(body.node, []).append((body, h))
+        body = entry_of(task)
+        by_node.setdefault(body["node"], []).append((body, h))
     return [
         Outgoing(node, pack(some[i : i + MAX_DISPATCHES]))
         for node, some in by_node.items()

@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 from uuid import uuid4
 
-from shared.dispatches import MAX_BODY_BYTES, MAX_DISPATCHES, pack, unpack
-from shared.models import Dispatch
+import pytest
+
+from shared.dispatches import MAX_BODY_BYTES, MAX_DISPATCHES, entry_of, pack, unpack
+from shared.models import Dispatch, Task
+from tests.helpers import task_row
 
 
 def dispatch(node: str = "n1", attempt: int = 1) -> Dispatch:
@@ -79,3 +82,13 @@ def test_a_body_past_the_size_bound_is_refused_unparsed() -> None:
     assert entry.dispatch is None
     assert (entry.problem or "").startswith("unreadable dispatch")
     assert entry.raw == body
+
+
+def test_entry_of_a_placed_task_is_its_dispatchs_json() -> None:
+    task = Task.from_row(task_row(node="n7", attempt=3, version=9, retry_count=2, max_retries=5))
+    assert entry_of(task) == Dispatch.of(task).model_dump(mode="json")
+    [entry] = unpack(pack([(entry_of(task), {"traceparent": "x"})]))
+    assert entry.dispatch == Dispatch.of(task)
+    assert dict(entry.headers) == {"traceparent": "x"}
+    with pytest.raises(ValueError, match="not placed"):
+        entry_of(Task.from_row(task_row()))
