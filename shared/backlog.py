@@ -2,17 +2,21 @@
 
 A held dispatch is bound to its node: behind a long attempt it waits for that attempt while
 another node may have a free slot. So by default (SKED_PREFETCH unset) a node holds a backlog
-only while its attempts run short — `rounds` times the mean of its last `window` attempts (about
-how long the last dispatch of a backlog `rounds` times its slots deep waits) well under `hold_s`
-— and its executor hands a dispatch that waited `hold_s` in the backlog back to Ready, in its
-place in line. Such a node starts without a backlog: it earns one by running short attempts,
-and loses it on the first hand-back or when its attempts grow long.
+only while its attempts run short, and only as deep as they are short: `r` rounds of its
+slots (the last held dispatch then waits about `r` attempts) where `r` times the mean of its
+last `window` attempts is well under `hold_s`; its executor hands a dispatch that waited
+`hold_s` in the backlog back to Ready, in its place in line. Such a node starts without a
+backlog: it earns one by running short attempts, and loses it on the first hand-back or
+when its attempts grow long.
 
-The default backlog is two rounds deep (ROUNDS: twice a node's slots). One round only bridges
-a scheduler's refill when that takes less than an attempt: with attempts of a few milliseconds
-the scheduler's pass (woken by the outcomes, a linger, its statements, the publish) takes
-longer than the round the node runs meanwhile, and a node that had run its one round of held
-dispatches waited for the next (measured: docs/performance.md, "two rounds").
+At most ROUNDS rounds (four times a node's slots). One round only bridges a scheduler's
+refill when that takes less than an attempt: with attempts of a few milliseconds the
+scheduler's pass (woken by the outcomes, a linger, its statements, the publish) takes longer
+than the round the node runs meanwhile, and a node that had run its held dispatches waited
+for the next. Two rounds still ran dry in about half of a burst's outcome statements (the
+slots then freed in one statement and claimed in another, after the refill); four keep the
+claims in the outcome statements that free their slots (docs/performance.md, the thirteenth
+session).
 
 A fixed backlog (SKED_PREFETCH=N, `hold_s` None) is the operator's word that tasks are short:
 always offered, each held dispatch kept until a slot frees.
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 from collections import deque
 
-ROUNDS = 2  # the default backlog: this many times a node's slots
+ROUNDS = 4  # the deepest default backlog: this many times a node's slots
 
 
 class Backlog:
@@ -37,6 +41,7 @@ class Backlog:
         # rounds of attempts the full backlog covers: `limit` over the node's `slots`
         self.rounds = max(1, -(-limit // slots)) if slots else 1
         self._runs: deque[float] = deque(maxlen=window)
+        self.depth = self.rounds if hold_s is None else 0  # rounds offered now
         self.advertised = limit if hold_s is None else 0
 
     @property
@@ -46,29 +51,43 @@ class Backlog:
     def ran(self, seconds: float) -> bool:
         """An attempt here ran this long; True when what the node advertises changed.
 
-        On when `rounds` times the window's mean is under a quarter of `hold_s` (the whole
-        backlog then starts well within it), off above half: the gap keeps a mean near the line
-        from switching it every attempt."""
+        Deeper, to the most rounds `r` whose `r` times the window's mean is under a quarter
+        of `hold_s` (that deep a backlog then starts well within it); shallower when the
+        rounds offered times the mean pass half of it, to the most rounds still under that
+        half (none, past it for one). The gap keeps a mean near a line from switching it
+        every attempt."""
         if self.hold_s is None or self.limit == 0:
             return False
         self._runs.append(max(seconds, 0.0))
         if len(self._runs) < (self._runs.maxlen or 0):
             return False
-        mean = self.rounds * sum(self._runs) / len(self._runs)
-        if not self.on and mean <= self.hold_s / 4:
-            self.advertised = self.limit
-            return True
-        if self.on and mean > self.hold_s / 2:
-            self.advertised = 0
-            return True
-        return False
+        mean = sum(self._runs) / len(self._runs)
+        depth = self.depth
+        deeper = self._most_rounds(mean, self.hold_s / 4)
+        if deeper > depth:
+            depth = deeper
+        elif depth * mean > self.hold_s / 2:
+            depth = self._most_rounds(mean, self.hold_s / 2)
+        return self._offer(depth)
+
+    def _most_rounds(self, mean: float, within_s: float) -> int:
+        """The most rounds (up to `rounds`) a backlog may be deep for its last held dispatch
+        to start within `within_s`, at `mean` seconds an attempt."""
+        fit = within_s / mean if mean > 0 else float("inf")  # inf too for a denormal mean
+        return self.rounds if fit >= self.rounds else max(0, int(fit))
+
+    def _offer(self, depth: int) -> bool:
+        """Offer `depth` rounds; True if what is advertised changed."""
+        advertised = min(self.limit, -(-self.limit * depth // self.rounds))
+        self.depth = depth
+        changed = advertised != self.advertised
+        self.advertised = advertised
+        return changed
 
     def handed_back(self) -> bool:
         """A held dispatch waited `hold_s` and went back to Ready: off, to be earned again by
         a full window of short attempts. True when that changed what is advertised."""
         if self.hold_s is None:
             return False
-        was = self.on
-        self.advertised = 0
         self._runs.clear()
-        return was
+        return self._offer(0)

@@ -102,7 +102,7 @@ class Settings(BaseSettings):
     slots: int = Field(default=4, ge=1, le=10_000)
     # Dispatches a node holds beyond its slots, each started the moment a slot frees, so its
     # slots never wait for a round through the scheduler (shared/backlog.py). Unset: up to
-    # twice its slots, held only while its attempts run short, and one held
+    # four times its slots, as deep as its attempts are short, and one held
     # backlog_hold_s handed back to Ready; a number: always that many, each held until a slot
     # frees (for tasks known to be short); 0: none. Local nodes only.
     prefetch: int | None = Field(default=None, ge=0, le=10_000)

@@ -69,22 +69,45 @@ def test_it_advertises_nothing_or_the_limit_and_reports_every_change(runs: list[
         before = b.advertised
 
 
-def test_a_backlog_of_two_rounds_needs_attempts_half_as_long() -> None:
-    """Two rounds deep, its last held dispatch waits about two attempts: the lines (a quarter
-    and a half of hold_s) apply to twice the mean."""
-    b = Backlog(8, hold_s=2.0, window=4, slots=4)
-    assert not any(b.ran(0.35) for _ in range(4))  # 2 x 0.35 s > 0.5 s: not earned
-    assert not b.ran(0.1)  # mean 0.2875 s, x2 = 0.575 s: not yet (one round would be on)
-    assert b.ran(0.1)  # mean 0.225 s, x2 = 0.45 s <= 0.5 s: on, the whole limit
+def test_a_backlog_is_as_deep_as_its_attempts_are_short() -> None:
+    """`r` rounds deep, its last held dispatch waits about `r` attempts: the lines (a quarter
+    and a half of hold_s) apply to `r` times the mean, and the deepest that fits is offered."""
+    b = Backlog(8, hold_s=2.0, window=4, slots=4)  # two rounds of 4 at most
+    assert [b.ran(0.35) for _ in range(4)] == [False, False, False, True]
+    assert b.advertised == 4  # 0.35 s <= 0.5 s for one round; 2 x 0.35 s is not
+    assert not b.ran(0.1)  # mean 0.2875 s, x2 = 0.575 s: still one round
+    assert b.ran(0.1)  # mean 0.225 s, x2 = 0.45 s <= 0.5 s: two rounds, the whole limit
     assert b.advertised == 8
-    assert not b.ran(0.9)  # mean 0.3625 s, x2 = 0.725 s: between the lines, still on
-    assert b.ran(1.9)  # mean 0.75 s, x2 = 1.5 s > 1 s: off
+    assert not b.ran(0.9)  # mean 0.3625 s, x2 = 0.725 s: between the lines, still two
+    assert b.ran(1.9)  # mean 0.75 s, x2 = 1.5 s > 1 s: back to the one round under 1 s
+    assert b.advertised == 4
+    assert b.ran(1.9)  # mean 1.2 s > 1 s even for one round: off
     assert b.advertised == 0
 
 
-def test_the_default_backlog_is_two_rounds_of_slots_and_a_number_is_taken_as_it_is() -> None:
+@given(st.lists(st.floats(min_value=0, max_value=3, allow_nan=False), max_size=200))
+def test_it_advertises_whole_rounds_within_the_limit_and_reports_every_change(
+    runs: list[float],
+) -> None:
+    b = Backlog(10, hold_s=1.0, window=4, slots=3)  # four rounds, the last one short
+    levels = {0, 3, 5, 8, 10}  # ceil(10 * r / 4) for r in 0..4
+    before = b.advertised
+    window: list[float] = []
+    for r in runs:
+        changed = b.ran(r)
+        window = [*window, r][-4:]
+        assert b.advertised in levels
+        assert changed == (b.advertised != before)
+        # once judged, what is offered never has its last held dispatch wait past half of
+        # hold_s (at the window's mean)
+        if len(window) == 4:
+            assert b.depth * (sum(window) / 4) <= 0.5 + 1e-9
+        before = b.advertised
+
+
+def test_the_default_backlog_is_four_rounds_of_slots_and_a_number_is_taken_as_it_is() -> None:
     from shared.settings import Settings
 
-    assert Settings(slots=16).backlog_limit == 32
+    assert Settings(slots=16).backlog_limit == 64
     assert Settings(slots=16, prefetch=5).backlog_limit == 5
     assert Settings(slots=16, prefetch=0).backlog_limit == 0
