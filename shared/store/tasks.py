@@ -38,6 +38,11 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"cannot store {type(value).__name__} in a transition patch")
 
 
+# json.dumps with these options builds this encoder on every call: one, built once.
+# allow_nan=False: a NaN would reach Postgres as a token jsonb refuses.
+_PATCH = json.JSONEncoder(default=_json_default, allow_nan=False)
+
+
 def move_args(moves: Sequence[Move]) -> tuple[list[Any], ...]:
     ids = [m.task_id for m in moves]
     if len(set(ids)) != len(ids):
@@ -48,8 +53,7 @@ def move_args(moves: Sequence[Move]) -> tuple[list[Any], ...]:
         [m.source.value for m in moves],
         [m.target.value for m in moves],
         [m.reason for m in moves],
-        # allow_nan=False: a NaN would reach Postgres as a token jsonb refuses
-        [json.dumps(dict(m.patch), default=_json_default, allow_nan=False) for m in moves],
+        [_PATCH.encode(dict(m.patch)) for m in moves],
     )
 
 
