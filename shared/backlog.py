@@ -42,7 +42,11 @@ class Backlog:
         self.rounds = max(1, -(-limit // slots)) if slots else 1
         self._runs: deque[float] = deque(maxlen=window)
         self.depth = self.rounds if hold_s is None else 0  # rounds offered now
-        self.advertised = limit if hold_s is None else 0
+
+    @property
+    def advertised(self) -> int:
+        """The dispatches offered: `depth` rounds' share of the limit, rounded up."""
+        return min(self.limit, -(-self.limit * self.depth // self.rounds))
 
     @property
     def on(self) -> bool:
@@ -78,11 +82,9 @@ class Backlog:
 
     def _offer(self, depth: int) -> bool:
         """Offer `depth` rounds; True if what is advertised changed."""
-        advertised = min(self.limit, -(-self.limit * depth // self.rounds))
+        before = self.advertised
         self.depth = depth
-        changed = advertised != self.advertised
-        self.advertised = advertised
-        return changed
+        return self.advertised != before
 
     def handed_back(self) -> bool:
         """A held dispatch waited `hold_s` and went back to Ready: off, to be earned again by

@@ -9,12 +9,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import MISSING, fields
-from datetime import UTC, datetime
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, TypeVar
-from uuid import uuid4
 
+from shared.fsm import State
 from shared.models import Task, TaskSpec
 
 T = TypeVar("T")
@@ -29,33 +28,13 @@ def spec(name: str = "t", **kw: Any) -> TaskSpec:
 
 
 def task_row(**kw: Any) -> dict[str, Any]:
-    """A row of every column a Task is read from, as a statement returns it (a Ready task);
-    keyword arguments override columns."""
-    now = datetime.now(UTC)
-    row: dict[str, Any] = {
-        f.name: f.default if f.default is not MISSING else None for f in fields(Task)
-    }
-    row.update(
-        id=uuid4(),
-        name="t",
-        kind="handler",
-        spec_json="{}",
-        status="ready",
-        status_reason="",
-        version=3,
-        attempt=1,
-        priority=0,
-        retry_count=0,
-        max_retries=0,
-        heartbeat_timeout_s=30.0,
-        created_at=now,
-        updated_at=now,
-        cpu=0.0,
-        memory_mb=0,
-        gpu=0,
-        hb_seq=0,
-        uses=[],
-    )
+    """A row of every column a Task is read from, as a statement returns it (a Ready task, its
+    status a string); keyword arguments override columns."""
+    from tests.fakes.store import new_task
+
+    task = new_task(spec(), status=State.READY, version=3, attempt=1)
+    row = {f.name: getattr(task, f.name) for f in fields(Task)}
+    row["status"] = task.status.value
     row.update(kw)
     return row
 

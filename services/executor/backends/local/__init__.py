@@ -103,7 +103,7 @@ class LocalBackend(OneNode):
         self.base_env = task_base_env(env_pass)
         self.reaped: list[Key] = []  # attempts a previous executor left running, reaped at start
         self._logs = self.state_dir / "logs"
-        self._logs_name = str(self._logs)  # a handler job's log path is built as a string
+        self._logs_name = str(self._logs)
         self._worker_out = self.state_dir / "workers"
         self._io = self.state_dir / "io"  # per-attempt inputs and declared-output files
         self._records = Records(self.state_dir / "running")
@@ -232,8 +232,12 @@ class LocalBackend(OneNode):
             if output_path is not None:  # a handler's attempt never has one
                 output_path.unlink(missing_ok=True)
 
+    def _log_name(self, stem: str) -> str:
+        # a string: a handler job builds one, and a Path and its str cost ~8 µs a job
+        return f"{self._logs_name}/{stem}.log"
+
     def _log_path(self, stem: str) -> Path:
-        return self._logs / f"{stem}.log"
+        return Path(self._log_name(stem))
 
     async def log_tail(self, key: Key, limit: int) -> str | None:
         path = self._log_path(f"{key[0]}-{key[1]}")
@@ -291,7 +295,7 @@ class LocalBackend(OneNode):
 
     async def _handler(self, run: _Run, launch: Launch, job: HandlerJob, stem: str) -> Outcome:
         key = (launch.task_id, launch.attempt)
-        log_name = f"{self._logs_name}/{stem}.log"  # as _log_path; a Path cost ~8 µs a job
+        log_name = self._log_name(stem)
         message = {
             "job": stem,  # the attempt's name: its reply must carry it
             "handler": job.handler,
