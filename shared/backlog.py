@@ -45,8 +45,9 @@ class Backlog:
 
     @property
     def advertised(self) -> int:
-        """The dispatches offered: `depth` rounds' share of the limit, rounded up."""
-        return min(self.limit, -(-self.limit * self.depth // self.rounds))
+        """The dispatches offered: `depth` rounds' share of the limit, rounded up (the whole
+        limit at `rounds`, which `depth` never exceeds)."""
+        return -(-self.limit * self.depth // self.rounds)
 
     @property
     def on(self) -> bool:

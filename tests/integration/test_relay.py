@@ -194,16 +194,16 @@ async def test_a_busy_relay_stops_listening_and_listens_again_when_idle(
         await eventually(lambda: _count(sink, 120), timeout=30, what="the busy spell's events")
         # The sink can hold every event while the pass that sent them still deletes their rows
         # and commits, before the relay gets to pausing: wait for the pause, then the resume.
-
-        async def stopped_listening() -> bool:
-            return False in wanted
-
-        await eventually(stopped_listening, timeout=10, what="it to stop listening while busy")
+        await eventually(lambda: _paused(wanted), timeout=10, what="it to stop listening")
         await eventually(lambda: _listening(listener), timeout=10, what="listening again")
         assert wanted[-1] is True  # the last word was to listen again
         [lone] = await store.tasks.create_many([spec("after")])
         await fsm.apply(store.tasks, lone, State.PENDING)
         await eventually(lambda: _count(sink, 122), timeout=10, what="the lone events")
+
+
+async def _paused(wanted: list[bool]) -> bool:
+    return False in wanted
 
 
 async def _listening(listener: Any) -> bool:
