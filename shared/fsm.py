@@ -150,6 +150,22 @@ class TaskView(Protocol):
     def max_launch_failures(self) -> int: ...
 
 
+@dataclass(frozen=True)
+class Newborn:
+    """A task as the statement creating it will leave it (`walk`'s last state, at the
+    version its steps give it): what a move planned into that same statement starts from.
+    It has no attempt and has spent nothing."""
+
+    id: UUID
+    status: State
+    version: int
+    max_retries: int
+    max_launch_failures: int
+    attempt: int = 0
+    retry_count: int = 0
+    launch_failures: int = 0
+
+
 def has_retry_left(task: TaskView) -> bool:
     return task.retry_count < task.max_retries
 

@@ -11,7 +11,7 @@ import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, cast
 
 from shared import metrics, telemetry
 from shared.settings import Settings
@@ -72,6 +72,17 @@ async def wait_any(*events: asyncio.Event, timeout: float | None = None) -> bool
 
 
 T = TypeVar("T")
+U = TypeVar("U")
+
+
+async def both(first: Awaitable[T], second: Awaitable[U]) -> tuple[T, U]:
+    """Await two at once (two round trips in the time of one). An error of either is raised
+    once both are done, so neither is left running nor its own error unretrieved."""
+    a, b = await asyncio.gather(first, second, return_exceptions=True)
+    for result in (a, b):
+        if isinstance(result, BaseException):
+            raise result
+    return cast(T, a), cast(U, b)
 
 
 async def next_batch(

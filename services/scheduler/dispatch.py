@@ -16,7 +16,7 @@ from shared.bus import DISPATCH_EXCHANGE, AmqpBus, Outgoing
 from shared.degrade import Mode
 from shared.dispatches import MAX_DISPATCHES, entry_of, pack
 from shared.fsm import State
-from shared.models import Task
+from shared.models import Task, TaskSpec
 from shared.placement import Choice, Need, NodeState, place_many, within_resources
 from shared.queues import RESOURCE_KEY, ReadyQueue
 from shared.resilience import TRANSIENT
@@ -35,6 +35,12 @@ def need_of(task: Task) -> Need:
         affinity=affinity,
         avoid=task.node,  # its last attempt's (None before the first placement)
     )
+
+
+def need_of_spec(spec: TaskSpec) -> Need:
+    """What a task about to be created needs (it has no last node to avoid)."""
+    r = spec.resources
+    return Need(r.cpu, r.memory_mb, r.gpu, spec.selector, spec.affinity)
 
 
 class Dispatcher(Part):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from uuid import UUID
 
 from shared.degrade import DegradeState, Mode
@@ -135,6 +135,12 @@ class Hub:
         if len(self.admitted) > ADMITTED_MAX:  # notifications missed (LISTEN dropped)
             self.admitted.clear()  # a pass more for the rest, nothing missed
         self.admitted.update(versions)
+
+    def forget_admitting(self, ids: Iterable[UUID]) -> None:
+        """Tasks `admitting` was told of that the admission did not create (they existed):
+        no notification of theirs is coming."""
+        for task_id in ids:
+            self.admitted.pop(task_id, None)
 
     def _own_admission(
         self, ids: frozenset[UUID] | None, states: frozenset[str], payload: str

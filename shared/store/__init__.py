@@ -68,6 +68,9 @@ if TYPE_CHECKING:
         Tx as Tx,
     )
     from shared.store.tasks import (
+        Placing as Placing,
+    )
+    from shared.store.tasks import (
         QueuedRow as QueuedRow,
     )
 
@@ -83,6 +86,7 @@ _WHERE = {
     "NodeRow": "nodes",
     "Notice": "notify",
     "OutboxRow": "outbox",
+    "Placing": "tasks",
     "QueuedRow": "tasks",
     "Store": "store",
     "Tx": "store",
@@ -102,6 +106,7 @@ __all__ = [
     "NodeRow",
     "Notice",
     "OutboxRow",
+    "Placing",
     "QueuedRow",
     "Store",
     "Tx",

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 # The functions statements call, (re)defined by every migrate from their text in sql/*.sql, so
 # they are always those of the code that migrated last (CREATE OR REPLACE: idempotent).
-FUNCTIONS = ("define_transition", "define_nodes")
+FUNCTIONS = ("define_transition", "define_nodes", "define_admit")
 
 _DB_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")

@@ -131,11 +131,13 @@ class Nodes:
         a task no other node can take says so.
         """
         assert self.db.in_transaction, "placement locks nodes inside a transaction"
-        rows = await self.db.fetch(Q.lock_and_read_nodes, self.ttl_s)
-        mode = None
-        if rows and rows[0]["degrade_mode"] is not None:
-            mode = in_force(Mode(rows[0]["degrade_mode"]), rows[0]["degrade_remaining_s"])
-        return [NodeRow.from_row(r) for r in rows], mode
+        return _with_mode(await self.db.fetch(Q.lock_and_read_nodes, self.ttl_s))
+
+    async def read(self) -> tuple[list[NodeRow], Mode | None]:
+        """Every node with its usage, and the degrade mode in force, as `lock_and_read` reads
+        them but without a lock: what a placement planned ahead of its statement sees (that
+        statement checks again under the locks: `Tasks.admit_many`'s `placing`)."""
+        return _with_mode(await self.db.fetch(Q.nodes_with_usage, self.ttl_s))
 
     async def cordon(self, node_id: str, by: str, reason: str = "") -> bool:
         """Cordon the node (no new work; what runs there runs on); False if unknown. A node
@@ -149,3 +151,11 @@ class Nodes:
     async def holders(self, node_id: str) -> list[UUID]:
         """The tasks whose attempts hold the node (Scheduling or Running on it)."""
         return [r["id"] for r in await self.db.fetch(Q.node_holders, node_id)]
+
+
+def _with_mode(rows: list[Any]) -> tuple[list[NodeRow], Mode | None]:
+    """sked_nodes' rows as nodes, and the degrade mode each carries (None without a node)."""
+    mode = None
+    if rows and rows[0]["degrade_mode"] is not None:
+        mode = in_force(Mode(rows[0]["degrade_mode"]), rows[0]["degrade_remaining_s"])
+    return [NodeRow.from_row(r) for r in rows], mode

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -30,6 +30,17 @@ class QueuedRow:
     id: UUID
     priority: int
     queued_at: datetime | None
+
+
+@dataclass(frozen=True)
+class Placing:
+    """Placements planned for tasks an admission is about to create (`Tasks.admit_many`):
+    their moves Ready -> Scheduling (each naming its node), every node named with the boot
+    id it was read with, and the TTL within which a node must have heartbeat to be live."""
+
+    moves: Sequence[Move]
+    boot_ids: Mapping[str, UUID]
+    node_ttl_s: float
 
 
 def _json_default(value: Any) -> Any:
@@ -72,11 +83,17 @@ class Tasks:
         ids: Sequence[UUID],
         walk: Sequence[State],
         traceparents: Sequence[str | None] | None = None,
+        placing: Placing | None = None,
     ) -> list[tuple[Task, bool]]:
         """Create tasks and walk the new ones from Created through `walk` (checked by the FSM)
         in one statement. Returns each task with whether this statement created it: existing
-        ones (a redelivery, a taken idempotency key) come back as they are."""
-        tasks, fresh = await self._create(specs, ids, walk, traceparents)
+        ones (a redelivery, a taken idempotency key) come back as they are.
+
+        With `placing`, the same statement (sked_admit) then places the new ones as planned,
+        under the planned nodes' locks: a node takes its tasks only if it is still live, of
+        the same incarnation, and has room for all of them; the rest stay Ready. Outside a
+        transaction that is one round trip and one commit for admission and placement."""
+        tasks, fresh = await self._create(specs, ids, walk, traceparents, placing=placing)
         created = {t.id for t in fresh}
         return [(t, t.id in created) for t in tasks]
 
@@ -106,6 +123,7 @@ class Tasks:
         workflow_id: UUID | None = None,
         uses: Sequence[Sequence[str]] | None = None,
         priorities: Sequence[int] | None = None,
+        placing: Placing | None = None,
     ) -> tuple[list[Task], list[Task]]:
         """All the tasks asked for, in order, and those this call created."""
         if not specs:
@@ -113,8 +131,20 @@ class Tasks:
         ids = list(ids) if ids is not None else [uuid4() for _ in specs]
         steps = fsm.walk(State.CREATED, walk)
         started = time.time_ns()
+        query = Q.insert_tasks
+        placed: tuple[Any, ...] = ()
+        if placing is not None and placing.moves:
+            nodes = list(placing.boot_ids)
+            query = Q.admit_and_place
+            placed = (
+                *move_args(placing.moves),
+                nodes,
+                [placing.boot_ids[n] for n in nodes],
+                placing.node_ttl_s,
+                self.db.lease_margin_s,
+            )
         rows = await self.db.fetch(
-            Q.insert_tasks,
+            query,
             ids,
             [s.name for s in specs],
             [s.job.kind for s in specs],
@@ -133,6 +163,7 @@ class Tasks:
             [json.dumps(list(u)) for u in uses] if uses is not None else ["[]"] * len(specs),
             [s.schedule_timeout_s for s in specs],
             [s.max_launch_failures for s in specs],
+            *placed,
         )
         created = {row["id"]: task(row) for row in rows}
         by_id: dict[UUID, Task] = {}
@@ -163,6 +194,16 @@ class Tasks:
                 started,
                 time.time_ns(),
             )
+            if placing is not None:
+                hooks.transitions(
+                    [
+                        (t, m)
+                        for m in placing.moves
+                        if (t := created.get(m.task_id)) is not None and t.status is m.target
+                    ],
+                    started,
+                    time.time_ns(),
+                )
         return out, list(created.values())
 
     # -- transitions ------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from shared import fsm
 from shared.degrade import DegradeState, Mode
 from shared.fsm import Move, State
 from shared.models import Task, TaskSpec
-from shared.store import NodeRow
+from shared.store import NodeRow, Placing
 
 _ENDS = frozenset(fsm.ALWAYS_TERMINAL | fsm.RETRYABLE)
 
@@ -167,6 +167,7 @@ class FakeTasks:
         ids: Sequence[UUID],
         walk: Sequence[State],
         traceparents: Sequence[str | None] | None = None,
+        placing: Placing | None = None,
     ) -> list[tuple[Task, bool]]:
         out = []
         for spec, task_id in zip(specs, ids, strict=True):
@@ -178,7 +179,35 @@ class FakeTasks:
             for target in walk:
                 task = self.d.tasks[task_id] = self._apply(task, fsm.plan(task, target))
             out.append((task, True))
+        if placing is not None:
+            created = {t.id for t, new in out if new}
+            await self._place_checked([m for m in placing.moves if m.task_id in created], placing)
+            out = [(self.d.tasks[t.id] if new else t, new) for t, new in out]
         return out
+
+    async def _place_checked(self, moves: Sequence[Move], placing: Placing) -> None:
+        """sked_admit's check, in memory: a planned node takes its tasks only if it is live,
+        ready, uncordoned, of the boot id planned on, and has room for all of them."""
+        if self.d.degrade.effective() is not Mode.NORMAL:
+            return
+        nodes = {n.id: n for n in await FakeNodes(self.d).all()}
+        by_node: dict[str, list[Move]] = {}
+        for move in moves:
+            by_node.setdefault(str(move.patch["node"]), []).append(move)
+        for node_id, some in by_node.items():
+            node = nodes.get(node_id)
+            if node is None or node.boot_id != placing.boot_ids.get(node_id):
+                continue
+            if not (node.ready and node.live and node.cordoned_at is None):
+                continue
+            want = [self.d.tasks[m.task_id] for m in some]
+            if (
+                node.used_slots + len(want) <= node.slots + node.prefetch
+                and node.used_cpu + sum(t.cpu for t in want) <= node.cpu + 1e-9
+                and node.used_memory_mb + sum(t.memory_mb for t in want) <= node.memory_mb
+                and node.used_gpu + sum(t.gpu for t in want) <= node.gpu
+            ):
+                await self.transition_many(some)
 
     async def get(self, task_id: UUID) -> Task:
         return self.d.tasks[task_id]
@@ -302,6 +331,9 @@ class FakeNodes:
         nodes = await self.all()
         return nodes, self.d.degrade.effective() if nodes else None
 
+    async def read(self) -> tuple[list[NodeRow], Mode | None]:
+        return await self.lock_and_read()
+
     async def set_ready(self, node_id: str, boot_id: UUID, ready: bool) -> None:
         node = self.d.nodes[node_id]
         if node.boot_id == boot_id:
@@ -375,8 +407,9 @@ class InMemoryStore:
     """The parts of shared.store.Store that services use, in memory. `transaction()` is all
     or nothing: an exception inside it restores what was there before."""
 
-    def __init__(self, lease_margin_s: float = 0.5) -> None:
+    def __init__(self, lease_margin_s: float = 0.5, node_ttl_s: float = 10.0) -> None:
         self.lease_margin_s = lease_margin_s
+        self.node_ttl_s = node_ttl_s
         self.data = _Data()
         self.tasks = FakeTasks(self.data, lease_margin_s)
         self.claims = FakeClaims(self.tasks)

@@ -1,13 +1,19 @@
 -- Tasks: creation, the CAS that moves them, and reads.
 
 -- name: insert_tasks
--- Create tasks and walk them through their first moves in one statement: each row is inserted
+-- Create tasks and walk them through their first moves in one statement (the CTEs of
+-- `admission`, which says how); returns the rows it created.
+WITH {{admission}}
+SELECT ins.*, (SELECT count(*) FROM note) AS _notified FROM ins
+
+-- fragment: admission
+-- The CTEs that create tasks and walk them through their first moves: each row is inserted
 -- in the last state of the walk ($13-$15, planned and checked by fsm.walk), with one event per
 -- step. A redelivered submission (same id) or a taken idempotency key creates nothing; no
 -- CAS is needed, as nobody else can hold a row this statement creates. A task walked into
 -- Ready gets its schedule deadline ($19: schedule_timeout_s) as `transition` would give it.
--- $20: max_launch_failures.
-WITH w AS (
+-- $20: max_launch_failures. CTE `ins` holds the rows created; `note` must be read (NOTIFY).
+w AS (
     SELECT * FROM unnest($13::text[], $14::text[], $15::text[]) WITH ORDINALITY
                   AS w(from_status, to_status, reason, version)
 ), last AS (
@@ -38,7 +44,102 @@ WITH w AS (
     RETURNING {{event_columns}}
 ), outbox AS ({{to_outbox(ev)}}
 ), note AS ({{notify(ins)}})
-SELECT ins.*, (SELECT count(*) FROM note) AS _notified FROM ins
+
+-- name: admit_and_place
+-- Admission and placement in one round trip, for submissions nothing waits ahead of
+-- (function sked_admit, defined by define_admit below): $1-$20 as insert_tasks, $21-$26 the
+-- placements planned (Ready -> Scheduling moves, as `transition`'s $1-$6), $27-$28 each
+-- planned node with the boot id it was read with, $29 the live TTL, $30 the lease margin.
+SELECT {{task_columns()}}
+FROM sked_admit($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int[], $6::int[],
+                $7::float8[], $8::float8[], $9::text[], $10::float8[], $11::bigint[],
+                $12::int[], $13::text[], $14::text[], $15::text[], $16::text[], $17::uuid,
+                $18::text[], $19::float8[], $20::int[], $21::uuid[], $22::int[], $23::text[],
+                $24::text[], $25::text[], $26::text[], $27::text[], $28::uuid[], $29::float8,
+                $30::float8)
+
+-- name: define_admit
+-- Admit new tasks and place them where the caller planned, under the planned nodes' locks:
+-- what `insert_tasks` does, then what a dispatch pass does between its node locks and its
+-- commit, in one call and one transaction (autocommit). The caller placed the tasks on the
+-- nodes as it read them moments before, without locks (`nodes_with_usage`); so here, each
+-- planned node is locked (in id order, as every placement locks them) if it is still live,
+-- ready, uncordoned and of the same incarnation (its boot id: a node registered anew may have
+-- new labels), and then its usage is read by a statement of its own (a snapshot taken after
+-- the lock, as in sked_nodes). A node takes its planned tasks only if all of them still fit:
+-- its attempts held (Scheduling or Running) plus the planned ones within its slots and
+-- backlog, cpu, memory and gpu. The degrade mode must be normal. Only tasks this call created
+-- are moved (an existing one keeps its state); those not moved stay Ready for the caller to
+-- queue. The moves go through sked_transition: the same CAS, events and NOTIFY as any move.
+-- Returns the created tasks as they stand at the end. Why it pays: at 100 tasks/s the lone
+-- submission's transaction was five round trips (BEGIN, insert, node locks and usage, CAS,
+-- COMMIT), ~4-5 ms of its submit -> start (docs/performance.md, the fifteenth session).
+CREATE OR REPLACE FUNCTION sked_admit(
+    uuid[], text[], text[], text[], int[], int[], float8[], float8[], text[], float8[],
+    bigint[], int[], text[], text[], text[], text[], uuid, text[], float8[], int[],
+    m_ids uuid[], m_versions int[], m_from text[], m_to text[], m_reasons text[],
+    m_patches text[], n_ids text[], n_boots uuid[], ttl_s float8, margin float8
+) RETURNS SETOF tasks
+LANGUAGE plpgsql
+{{planned_once}}
+SET jit = off
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    fresh uuid[];
+    held text[];
+    fit text[];
+BEGIN
+    WITH {{admission}}
+    SELECT COALESCE(array_agg(ins.id), '{}') INTO fresh FROM ins
+    WHERE (SELECT count(*) FROM note) >= 0;
+    IF cardinality(m_ids) > 0 AND cardinality(fresh) > 0 AND EXISTS (
+        SELECT 1 FROM degrade d
+        WHERE d.mode = 'normal' OR d.until - now() <= interval '0'
+    ) THEN
+        SELECT COALESCE(array_agg(l.id), '{}') INTO held FROM (
+            SELECT n.id FROM nodes n
+            JOIN unnest(n_ids, n_boots) AS b(id, boot_id) ON b.id = n.id
+            WHERE n.boot_id = b.boot_id AND n.ready AND n.cordoned_at IS NULL
+                  AND n.heartbeat_at > now() - make_interval(secs => ttl_s)
+            ORDER BY n.id
+            FOR UPDATE OF n
+        ) l;
+        SELECT COALESCE(array_agg(want.node), '{}') INTO fit
+        FROM (
+            SELECT m.patch::jsonb ->> 'node' AS node, count(*) AS n, sum(t.cpu) AS cpu,
+                   sum(t.memory_mb) AS memory_mb, sum(t.gpu) AS gpu
+            FROM unnest(m_ids, m_patches) AS m(id, patch)
+            JOIN tasks t ON t.id = m.id
+            WHERE m.id = ANY(fresh)
+            GROUP BY 1
+        ) want
+        JOIN nodes n ON n.id = want.node
+        LEFT JOIN LATERAL (
+            SELECT count(*) AS n, COALESCE(sum(t.cpu), 0) AS cpu,
+                   COALESCE(sum(t.memory_mb), 0) AS memory_mb, COALESCE(sum(t.gpu), 0) AS gpu
+            FROM tasks t WHERE t.node = want.node AND t.status IN ({{slot_states}})
+        ) used ON true
+        WHERE n.id = ANY(held)
+          AND used.n + want.n <= n.slots + n.prefetch
+          AND used.cpu + want.cpu <= n.cpu + 1e-9
+          AND used.memory_mb + want.memory_mb <= n.memory_mb
+          AND used.gpu + want.gpu <= n.gpu;
+        SELECT array_agg(m.id ORDER BY m.i), array_agg(m.version ORDER BY m.i),
+               array_agg(m.from_status ORDER BY m.i), array_agg(m.to_status ORDER BY m.i),
+               array_agg(m.reason ORDER BY m.i), array_agg(m.patch ORDER BY m.i)
+        INTO m_ids, m_versions, m_from, m_to, m_reasons, m_patches
+        FROM unnest(m_ids, m_versions, m_from, m_to, m_reasons, m_patches) WITH ORDINALITY
+             AS m(id, version, from_status, to_status, reason, patch, i)
+        WHERE m.id = ANY(fresh) AND m.patch::jsonb ->> 'node' = ANY(fit);
+        IF m_ids IS NOT NULL THEN
+            PERFORM 1 FROM sked_transition(m_ids, m_versions, m_from, m_to, m_reasons,
+                                           m_patches, margin);
+        END IF;
+    END IF;
+    RETURN QUERY SELECT * FROM tasks t WHERE t.id = ANY(fresh);
+END
+$fn$
 
 -- name: existing_tasks
 -- The tasks these ids or idempotency keys already name (what an insert did not create).
@@ -76,10 +177,7 @@ CREATE OR REPLACE FUNCTION sked_transition(
     uuid[], int[], text[], text[], text[], text[], float8
 ) RETURNS SETOF tasks
 LANGUAGE plpgsql
-SET enable_seqscan = off
-SET enable_mergejoin = off
-SET enable_hashjoin = off
-SET plan_cache_mode = force_generic_plan
+{{planned_once}}
 AS $fn$
 BEGIN
 RETURN QUERY
@@ -152,6 +250,14 @@ SELECT * FROM after
 WHERE (SELECT count(*) FROM note) >= 0 AND (SELECT count(*) FROM note_taken) >= 0;
 END
 $fn$
+
+-- fragment: planned_once
+-- How the CAS functions are planned: once a session, generically, never by a sequential scan
+-- or a hash or merge join (define_transition says why).
+SET enable_seqscan = off
+SET enable_mergejoin = off
+SET enable_hashjoin = off
+SET plan_cache_mode = force_generic_plan
 
 -- name: get_task
 -- One task by id.
