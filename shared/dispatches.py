@@ -19,6 +19,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+from uuid import UUID
 
 from pydantic import ValidationError
 
@@ -29,6 +30,7 @@ from shared.models import SCHEMA_VERSION, Dispatch, Task
 MAX_DISPATCHES = 1000  # entries one message may carry; a pass places dispatch_batch at most
 MAX_HEADERS = 16  # trace headers are a handful: traceparent, tracestate, baggage
 MAX_HEADER_CHARS = 1024
+MAX_PLACED = 100  # entries a placement notification carries at most (sql: placed_payload)
 # A full message of MAX_DISPATCHES entries with their trace headers is ~0.5 MB.
 MAX_BODY_BYTES = 4 << 20
 
@@ -118,6 +120,33 @@ def unpack(body: bytes, headers: Mapping[str, Any] | None = None) -> list[Entry]
             out.append(_refused("unreadable dispatch: an entry is not {dispatch, headers}", item))
             continue
         out.append(_entry(item.get("dispatch"), item, _headers(item.get("headers"))))
+    return out
+
+
+def placed(payload: str, node: str) -> list[Entry]:
+    """The dispatches a placement notification tells `node` of (notify.placed_channel):
+    "<task id>:<version>:<attempt>:<retry_count>:<max_retries>" each, space-separated, at
+    most MAX_PLACED. Anyone who may connect to the database may NOTIFY: an entry that is not
+    such is skipped, and what is read is only ever claimed by the start CAS, which holds it to
+    the task's state and version."""
+    out = []
+    for item in payload.split(maxsplit=MAX_PLACED)[:MAX_PLACED]:
+        parts = item.split(":")
+        if len(parts) != 5:
+            continue
+        try:
+            version, attempt, retry_count, max_retries = (int(p) for p in parts[1:])
+            dispatch = Dispatch(
+                task_id=UUID(parts[0]),
+                attempt=attempt,
+                version=version,
+                retry_count=retry_count,
+                max_retries=max_retries,
+                node=node,
+            )
+        except ValueError:  # pydantic's ValidationError is one
+            continue
+        out.append(Entry(dispatch, None, {}, item))
     return out
 
 

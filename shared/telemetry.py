@@ -210,15 +210,18 @@ class TracingHook(hooks.Hook):
     def attempt(
         self, task: Task, node: str, headers: Mapping[str, Any] | None
     ) -> Iterator[hooks.Attempt]:
-        queue = f"sked.node.{node}"
-        received = start(
-            f"{queue} receive",
-            extract(headers),
-            SpanKind.CONSUMER,
-            messaging(queue, "receive", task.id, attempt=task.attempt),
-        )
-        received.end()
-        parent = trace.set_span_in_context(received) if headers else task.traceparent
+        parent: str | otel_context.Context | None = task.traceparent
+        if headers:  # its dispatch message: received under the publish whose context it carried
+            queue = f"sked.node.{node}"
+            received = start(
+                f"{queue} receive",
+                extract(headers),
+                SpanKind.CONSUMER,
+                messaging(queue, "receive", task.id, attempt=task.attempt),
+            )
+            received.end()
+            parent = trace.set_span_in_context(received)
+        # else told by its placement's own commit (no message), or adopted: under the task
         with span(
             f"attempt {task.attempt} run",
             parent,

@@ -112,6 +112,7 @@ class Finisher:
         for attempt, _ in batch:
             node.active.pop((attempt.task.id, attempt.task.attempt), None)
             node.unreported.pop((attempt.task.id, attempt.task.attempt), None)
+        node.ended_here((a.task.id, a.task.attempt) for a, _ in batch)
         node.slot_freed.set()  # their ends are written: a held dispatch may take a slot
         await node.acks.ack([attempt.message for attempt, _ in batch])
 

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ from aiormq.exceptions import ChannelInvalidStateError
 from services.executor.backends import Backend, Key, Outcome
 from shared.backlog import Backlog
 from shared.bus import AmqpBus
-from shared.dispatches import Entry, unpack
+from shared.dispatches import Entry, placed, unpack
 from shared.models import Dispatch, Task
 from shared.outcome import Report
 from shared.policy import JobPolicy
@@ -29,14 +30,17 @@ from shared.store import Store
 
 log = logging.getLogger(__name__)
 
+ENDED_KEPT = 4096  # attempts ended here that a late dispatch of is recognised by (Node.ended)
+
 
 class Delivery:
     """One message from the node's queue: acknowledged once every dispatch in it is settled
-    (its attempt's outcome written, its claim lost, or the entry refused)."""
+    (its attempt's outcome written, its claim lost, or the entry refused). `message` is None
+    for a placement's notification (`Node.placed`): nothing to acknowledge."""
 
     __slots__ = ("left", "message")
 
-    def __init__(self, message: AbstractIncomingMessage, entries: int) -> None:
+    def __init__(self, message: AbstractIncomingMessage | None, entries: int) -> None:
         self.message = message
         self.left = entries
 
@@ -127,7 +131,12 @@ class Node:
         # set when every attempt holding a slot has its outcome known (`all_reported`): the
         # finisher stops waiting for more to join its batch
         self.reported = asyncio.Event()
-        self.inbox: asyncio.Queue[AbstractIncomingMessage | None] = asyncio.Queue()
+        # the dispatches of each message, or notification, received (None: stop)
+        self.inbox: asyncio.Queue[list[Item] | None] = asyncio.Queue()
+        # attempts started here whose outcomes are written, the latest ENDED_KEPT: a dispatch
+        # of one arriving now (the message behind its placement's notification, a
+        # redelivery) is settled without a claim statement that could only lose
+        self.ended: OrderedDict[Key, None] = OrderedDict()
         self.acks = Acks()  # every delivery on the consumer channel is recorded here
         self.outcomes: asyncio.Queue[tuple[Attempt, Outcome] | None] = asyncio.Queue()
         self.runs: set[asyncio.Task[None]] = set()
@@ -154,12 +163,34 @@ class Node:
     async def receive(self, message: AbstractIncomingMessage) -> None:
         """A dispatch delivered (the consumer's callback)."""
         self.acks.received(message)
-        await self.inbox.put(message)
+        await self.inbox.put(items_of(message))
+
+    def placed(self, _c: object, _p: int, _ch: str, payload: str) -> None:
+        """Attempts just placed on this node, told by the commit that placed them
+        (notify.placed_channel): started from here, ahead of their dispatch message, which
+        then finds them running or ended and starts nothing (`Starter._checked`)."""
+        entries = placed(payload, self.id)
+        if entries:
+            delivery, now = Delivery(None, len(entries)), time.monotonic()
+            self.inbox.put_nowait([Item(delivery, e, now) for e in entries])
+
+    def ended_here(self, keys: Iterable[Key]) -> None:
+        """These attempts' outcomes are written (see `ended`)."""
+        ended = self.ended
+        for key in keys:
+            ended[key] = None
+        while len(ended) > ENDED_KEPT:
+            ended.popitem(last=False)
 
     async def dead_letter(self, message: AbstractIncomingMessage | Item, reason: str) -> None:
         """A message (or one dispatch of one) this node cannot use goes to `sked.dead` with
-        the reason, alone."""
+        the reason, alone. A notification's dispatch has no message: it is dropped (its
+        dispatch message, which follows, meets the same fate or fares better)."""
         whole = message.delivery.message if isinstance(message, Item) else message
+        if whole is None:
+            log.warning("dropping a dispatch told by notification: %s", reason)
+            await self.acks.ack([message])
+            return
         body = message.entry.raw if isinstance(message, Item) else message.body
         log.warning("dead-lettering a message from %s: %s", whole.routing_key, reason)
         await self.bus.dead_letter(body, reason, whole.routing_key or "")

@@ -44,6 +44,7 @@ from shared.runtime import wait_any
 from shared.service import Loop, Service
 from shared.settings import Settings
 from shared.store import TAKEN_CHANNEL, Handler, Store
+from shared.store.notify import placed_channel
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,10 @@ class Executor(Service):
         return [self.node.backend.watch]
 
     def channels(self) -> Sequence[tuple[str, Handler]]:
-        return [(TAKEN_CHANNEL, self.watcher.on_task_notify)]
+        taken = (TAKEN_CHANNEL, self.watcher.on_task_notify)
+        if not self.node.gated:  # a cluster's executor takes dispatches by message only
+            return [taken]
+        return [taken, (placed_channel(self.node.id), self.node.placed)]
 
     def missed(self) -> None:
         self.node.suspect()

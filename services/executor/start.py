@@ -46,7 +46,7 @@ class Starter:
             await self._run_gated()
         else:
             while (batch := await next_batch(self.node.inbox)) is not None:
-                await self.start(batch)
+                await self.start_items([item for items in batch for item in items])
         await self._hand_back_unstarted()
 
     async def _run_gated(self) -> None:
@@ -59,13 +59,13 @@ class Starter:
                 batch = await next_batch(node.inbox)
                 if batch is None:
                     return
-                held.extend(item for message in batch for item in items_of(message))
+                held.extend(item for items in batch for item in items)
             while not node.inbox.empty():
-                message = node.inbox.get_nowait()
-                if message is None:
+                items = node.inbox.get_nowait()
+                if items is None:
                     node.inbox.put_nowait(None)
                     return
-                held.extend(items_of(message))
+                held.extend(items)
             free = self.free_slots()
             if free <= 0:
                 node.slot_freed.clear()
@@ -120,8 +120,17 @@ class Starter:
                 continue
             key = (dispatch.task_id, dispatch.attempt)
             if key in node.active:
-                # redelivered after a reconnect while it still runs: acknowledge via this copy
-                node.active[key].message = item
+                # the same attempt again while it runs: redelivered after a reconnect, or the
+                # dispatch message behind the notification it was started from. Its message
+                # is acknowledged via this copy (a notification's has nothing to acknowledge)
+                if item.delivery.message is not None:
+                    node.active[key].message = item
+                else:
+                    await node.acks.ack([item])
+                continue
+            if key in node.ended:
+                # it ran here and its outcome is written: nothing to claim
+                await node.acks.ack([item])
                 continue
             older = fresh.get(dispatch.task_id)
             if older is not None:
@@ -310,9 +319,9 @@ class Starter:
         statement, and back in line with one push."""
         node = self.node
         while not node.inbox.empty():
-            message = node.inbox.get_nowait()
-            if message is not None:
-                self.held.extend(items_of(message))
+            received = node.inbox.get_nowait()
+            if received is not None:
+                self.held.extend(received)
         items, self.held = list(self.held), deque()
         await self._hand_back(items, f"node {node.id} shut down before start")
 

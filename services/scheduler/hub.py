@@ -96,6 +96,9 @@ class Hub:
         # degrade: the mode row changed (NOTIFY sked_degrade); dispatch obeys `degrade`
         self.degrade = DegradeView()
         self.degrade_changed = asyncio.Event()
+        # counts the notifications of nodes or the degrade mode changing (and LISTEN coming
+        # back): a view of the nodes read before a change is not planned on (ahead.NodeView)
+        self.node_changes = 0
 
     def work_arrived(self) -> None:
         """Intake, a retry, a release or a parked task's return queued work: dispatch now."""
@@ -158,15 +161,18 @@ class Hub:
         return True
 
     def degrade_notify(self, *_: object) -> None:
+        self.node_changes += 1
         self.degrade_changed.set()
 
     def node_notify(self, *_: object) -> None:
         """A node joined or changed: parked tasks may fit now."""
+        self.node_changes += 1
         self.unpark.set()
         self.dispatch.set()
 
     def missed(self) -> None:
         """After LISTEN came back: anything may have happened meanwhile — look at all of it."""
+        self.node_changes += 1
         self.unpark.set()
         self.unpark_resources.set()
         self.retry.set()

@@ -15,12 +15,12 @@ from uuid import UUID
 
 from aio_pika.abc import AbstractIncomingMessage
 
-from services.scheduler.dispatch import Dispatcher, need_of_spec
+from services.scheduler.ahead import NodeView
+from services.scheduler.dispatch import Dispatcher
 from services.scheduler.hub import Hub, Part
-from shared import fsm, hooks, workflows
+from shared import hooks, workflows
 from shared.bus import BATCH_KEY, SUBMIT_KEY, SUBMIT_QUEUE, WORKFLOW_KEY, AmqpBus
 from shared.dag import WorkflowSpec
-from shared.degrade import Mode
 from shared.errors import InvalidSpec, one_line
 from shared.fsm import State
 from shared.intake import (
@@ -34,13 +34,13 @@ from shared.intake import (
     traceparent,
 )
 from shared.models import Task, TaskSpec, task_id_for_workflow
-from shared.placement import Choice, place_many
+from shared.placement import Choice, Need
 from shared.policy import JobPolicy
 from shared.queues import ReadyQueue
 from shared.resilience import TRANSIENT, isolate
 from shared.runtime import both, next_batch
 from shared.settings import Settings
-from shared.store import NodeRow, Placing, Store
+from shared.store import Placing, Store
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,7 @@ class Intake(Part):
         # None is the stop signal
         self.inbox: asyncio.Queue[AbstractIncomingMessage | None] = asyncio.Queue()
         self._sending: set[asyncio.Task[None]] = set()  # dispatches awaiting their confirms
+        self._view: NodeView | None = None  # the nodes placement ahead plans on
 
     async def run(self) -> None:
         """Take submissions in batches: wait for the first, then whatever else has arrived."""
@@ -266,60 +267,42 @@ class Intake(Part):
         When nothing is queued ahead of them, they are placed by the same statement and skip
         the Redis queue: no older or higher task waits, so the order is the same, and a
         submission reaches its node in one round trip and one commit. The placement is
-        planned here on the nodes as read just before, without their locks, beside the
-        queue's length; the statement locks the planned nodes and places a task only where
-        its node still has room for everything planned there (sked_admit), so nothing is
-        overcommitted when the nodes changed meanwhile: what did not fit waits in line.
+        planned here on the nodes as read lately, without their locks (services.scheduler.
+        ahead); the statement locks the planned nodes and places a task only where its node
+        still has room for everything planned there (sked_admit), so nothing is overcommitted
+        when the nodes changed meanwhile: what did not fit waits in line.
         """
         if not specs:
             return [], {}
-        ends = self.hub.ends
-        queued, (nodes, mode) = await both(self.queue.size(), self.store.nodes.read())
+        ends, hub = self.hub.ends, self.hub
+        view = self._view
+        if view is not None and view.fresh(hub.node_changes):
+            queued = await self.queue.size()
+        else:
+            generation = hub.node_changes
+            queued, (rows, mode) = await both(self.queue.size(), self.store.nodes.read())
+            view = self._view = NodeView(rows, mode, generation)
         placing: Placing | None = None
         unplaced: dict[UUID, Choice] = {}
-        if not queued and mode in (None, Mode.NORMAL):
-            placing, unplaced = self._plan(specs, ids, nodes)
-        version = len(ADMISSION) + 1  # what the walk leaves a new task at
-        self.hub.admitting(dict.fromkeys(ids, version))
+        needs: dict[UUID, Need] = {}
+        if not queued:
+            placing, unplaced, needs = view.plan(specs, ids, ADMISSION, self.store.node_ttl_s)
+        hub.admitting(dict.fromkeys(ids, len(ADMISSION) + 1))  # the version the walk gives
         admitted = await self.store.tasks.admit_many(specs, ids, ADMISSION, traceparents, placing)
         new = [t for t, fresh in admitted if fresh]
         existing = {t.id: t for t, fresh in admitted if not fresh}
-        self.hub.forget_admitting(existing)
+        hub.forget_admitting(existing)
         moved = [t for t in new if t.status is State.SCHEDULING]
         ready = [t for t in new if t.status is State.READY]
+        view.placed(moved, needs)
+        if any(t.id in needs for t in ready):
+            self._view = None  # a node refused its plan: the view was wrong
         waiting = {t.id: unplaced.get(t.id) or Choice(None, fits_later=True) for t in ready}
         await self.dispatcher.queue_waiting(ready, waiting, ends)
         await self._send_soon(moved)
         if waiting:
-            self.hub.work_arrived()
+            hub.work_arrived()
         return new, existing
-
-    def _plan(
-        self, specs: Sequence[TaskSpec], ids: Sequence[UUID], rows: Sequence[NodeRow]
-    ) -> tuple[Placing | None, dict[UUID, Choice]]:
-        """Where each new task would go on these nodes (read without locks), as the moves
-        Ready -> Scheduling the admission's statement is to check and apply; and why those
-        placed nowhere wait."""
-        nodes = [n.state() for n in rows]
-        placed, unplaced = place_many(
-            [(i, need_of_spec(s)) for i, s in zip(ids, specs, strict=True)], nodes
-        )
-        if not placed:
-            return None, unplaced
-        version = len(ADMISSION) + 1
-        moves = [
-            fsm.plan(
-                fsm.Newborn(i, ADMISSION[-1], version, s.max_retries, s.max_launch_failures),
-                State.SCHEDULING,
-                "placed",
-                node=placed[i],
-            )
-            for i, s in zip(ids, specs, strict=True)
-            if i in placed
-        ]
-        used = set(placed.values())
-        boot_ids = {n.id: n.boot_id for n in rows if n.id in used}
-        return Placing(moves, boot_ids, self.store.node_ttl_s), unplaced
 
     async def _send_soon(self, moved: list[Task]) -> None:
         """Send the dispatches of what was just placed without waiting for RabbitMQ's confirms:

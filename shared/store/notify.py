@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,16 @@ TAKEN_CHANNEL = "sked_taken"
 # nothing, so it wakes neither the scheduler nor a waiting client; the relay listens here too.
 STARTED_CHANNEL = "sked_started"
 NOTIFY_LIST_MAX = 100
+# Attempts an admission placed are told to their node on a channel of its own
+# (sql/fragments.sql, `placed_channel`, `placed_payload`), by the commit that placed them: its
+# executor claims them from there, ahead of the dispatch message (shared.dispatches.placed).
+PLACED_PREFIX = "sked_placed_"
+
+
+def placed_channel(node_id: str) -> str:
+    """The channel `node_id`'s new attempts are told on: its id hashed (md5, as the SQL does),
+    since a channel name holds at most 63 bytes and a node id may be 63 characters itself."""
+    return PLACED_PREFIX + hashlib.md5(node_id.encode(), usedforsecurity=False).hexdigest()
 
 
 @dataclass(frozen=True)

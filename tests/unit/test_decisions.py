@@ -547,7 +547,7 @@ async def test_a_message_of_more_dispatches_than_free_slots_starts_only_slots() 
     node = Node(settings, store, StubBus(), backend, FakeReadyQueue(), asyncio.Event())  # type: ignore[arg-type]
     starter = Starter(node)
     tasks = [await scheduled(store) for _ in range(3)]
-    node.inbox.put_nowait(StubMessage(pack([(Dispatch.of(t), {}) for t in tasks]), "n1"))  # type: ignore[arg-type]
+    node.inbox.put_nowait(items_of(StubMessage(pack([(Dispatch.of(t), {}) for t in tasks]), "n1")))  # type: ignore[arg-type]
     loop = asyncio.create_task(starter.run())
     for _ in range(20):
         await asyncio.sleep(0)
@@ -579,7 +579,7 @@ async def test_with_a_backlog_only_slots_run_and_held_ones_start_as_slots_free()
     assert node.gated
     tasks = [await scheduled(store) for _ in range(4)]
     for task in tasks:
-        node.inbox.put_nowait(dispatch_of(task))  # type: ignore[arg-type]
+        node.inbox.put_nowait(items_of(dispatch_of(task)))  # type: ignore[arg-type]
     loop = asyncio.create_task(starter.run())
     finisher = asyncio.create_task(Finisher(node).run())
     for _ in range(20):
@@ -654,7 +654,7 @@ async def test_a_held_dispatch_is_claimed_by_the_statement_that_frees_its_slot(
     starter = Starter(node)
     tasks = [await scheduled(store) for _ in range(4)]
     for task in tasks:
-        node.inbox.put_nowait(dispatch_of(task))  # type: ignore[arg-type]
+        node.inbox.put_nowait(items_of(dispatch_of(task)))  # type: ignore[arg-type]
     batches = record_batches(store, fail_first=refused)
     loop = asyncio.create_task(starter.run())
     finisher = asyncio.create_task(Finisher(node, starter).run())

@@ -8,7 +8,15 @@ from uuid import uuid4
 
 import pytest
 
-from shared.dispatches import MAX_BODY_BYTES, MAX_DISPATCHES, entry_of, pack, unpack
+from shared.dispatches import (
+    MAX_BODY_BYTES,
+    MAX_DISPATCHES,
+    MAX_PLACED,
+    entry_of,
+    pack,
+    placed,
+    unpack,
+)
 from shared.models import Dispatch, Task
 from tests.helpers import task_row
 
@@ -92,3 +100,45 @@ def test_entry_of_a_placed_task_is_its_dispatchs_json() -> None:
     assert dict(entry.headers) == {"traceparent": "x"}
     with pytest.raises(ValueError, match="not placed"):
         entry_of(Task.from_row(task_row()))
+
+
+def told(d: Dispatch) -> str:
+    """An entry of a placement notification (sql: placed_payload)."""
+    return f"{d.task_id}:{d.version}:{d.attempt}:{d.retry_count}:{d.max_retries}"
+
+
+def test_a_placement_notification_reads_as_the_nodes_dispatches() -> None:
+    sent = [dispatch(), dispatch(attempt=3)]
+    entries = placed(" ".join(told(d) for d in sent), "n1")
+    assert [e.dispatch for e in entries] == sent
+    assert all(e.problem is None and not e.headers for e in entries)
+    # the node is the channel's, whatever a payload could say
+    assert {e.dispatch.node for e in placed(told(dispatch(node="n9")), "n1") if e.dispatch} == {
+        "n1"
+    }
+
+
+@pytest.mark.parametrize(
+    "junk",
+    [
+        "",
+        "not-an-entry",
+        f"{uuid4()}:4:1:0",  # a field short
+        f"{uuid4()}:4:1:0:0:9",  # a field over
+        f"{uuid4()}:four:1:0:0",
+        f"{uuid4()}:4:0:0:0",  # no attempt 0
+        f"{uuid4()}:4:1:-1:0",
+        f"{uuid4()}:{2**31}:1:0:0",  # past int4
+        "nope:4:1:0:0",
+        "9" * 5000 + ":4:1:0:0",
+    ],
+)
+def test_what_is_not_a_placement_entry_is_skipped_and_the_rest_read(junk: str) -> None:
+    good = dispatch()
+    entries = placed(f"{junk} {told(good)} {junk}", "n1")
+    assert [e.dispatch for e in entries] == [good]
+
+
+def test_a_placement_notification_is_read_up_to_its_bound() -> None:
+    entries = placed(" ".join(told(dispatch()) for _ in range(MAX_PLACED + 50)), "n1")
+    assert len(entries) == MAX_PLACED

@@ -83,6 +83,18 @@ CASE WHEN count(*) <= 100
                      || status, ' ')
      ELSE '*:' || count(*) || ':' || string_agg(DISTINCT status, ',') END
 
+-- fragment: placed_channel(node)
+-- The channel on which a node is told of attempts just placed on it (notify.placed_channel):
+-- its id hashed, since a channel name holds at most 63 bytes and a node id may be 63 itself.
+'sked_placed_' || md5({{node}})
+
+-- fragment: placed_payload
+-- The attempts of one node a statement placed, over the rows aggregated, as that node's
+-- dispatches (models.Dispatch; shared.dispatches.placed reads them):
+-- "<id>:<version>:<attempt>:<retry_count>:<max_retries>" each, space-separated, 100 at most.
+string_agg(id::text || ':' || version || ':' || attempt || ':' || retry_count || ':'
+           || max_retries, ' ')
+
 -- fragment: taken_away_states
 -- The states a move into takes a running attempt away from its node (fsm.TAKES_AWAY).
 'paused', 'canceled', 'lost', 'retry_wait'

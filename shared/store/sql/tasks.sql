@@ -135,6 +135,13 @@ BEGIN
         IF m_ids IS NOT NULL THEN
             PERFORM 1 FROM sked_transition(m_ids, m_versions, m_from, m_to, m_reasons,
                                            m_patches, margin);
+            -- each node told of its new attempts by this commit (`placed_payload`): its
+            -- executor claims them on it, ahead of the dispatch message that follows
+            PERFORM pg_notify({{placed_channel(t.node)}}, {{placed_payload}})
+            FROM tasks t
+            WHERE t.id = ANY(m_ids) AND t.status = 'scheduling'
+            GROUP BY t.node
+            HAVING count(*) <= 100;
         END IF;
     END IF;
     RETURN QUERY SELECT * FROM tasks t WHERE t.id = ANY(fresh);
