@@ -5,20 +5,15 @@ dispatches of one task in a batch the newer attempt is the one claimed."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from services.executor.backends.local import LocalBackend
 from services.executor.node import items_of
 from services.executor.service import Executor
 from shared import fsm
 from shared.fsm import State
 from shared.models import Dispatch, Task
-from shared.settings import Settings
-from shared.wiring import backends
 from tests.fakes import StubMessage
 from tests.helpers import spec
 
@@ -26,18 +21,6 @@ from tests.helpers import spec
 def dispatch_of(task: Task) -> StubMessage:
     body = Dispatch.of(task, "n1")
     return StubMessage(body.model_dump_json().encode(), "n1")
-
-
-@pytest.fixture
-async def executor(settings: Settings, tmp_path: Path) -> AsyncIterator[Executor]:
-    node = settings.model_copy(update={"node_id": "n1", "slots": 2})
-    async with backends(node) as b:
-        backend = LocalBackend(2, tmp_path, warm_workers=0)
-        await backend.start()
-        try:
-            yield Executor(node, b.store, b.bus, backend, b.ready_queue)
-        finally:
-            await backend.close()
 
 
 async def scheduled(executor: Executor) -> Task:

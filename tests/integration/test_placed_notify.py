@@ -6,26 +6,21 @@ the attempt runs nor once its outcome is written — and is acknowledged."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
 import asyncpg
 import pytest
 
-from services.executor.backends.local import LocalBackend
 from services.executor.service import Executor
 from shared import fsm
 from shared.dispatches import placed
 from shared.fsm import State
 from shared.models import Dispatch, Task
-from shared.settings import Settings
 from shared.store import Placing, Store
 from shared.store.notify import placed_channel
-from shared.wiring import backends
-from tests.fakes import StubMessage
 from tests.helpers import spec
+from tests.integration.test_executor_claims import dispatch_of
 
 ADMISSION = (State.PENDING, State.READY)
 
@@ -66,25 +61,9 @@ async def test_an_admission_tells_each_node_of_the_attempts_placed_on_it(
     assert {d.max_retries for e in placed(told["n1"], "n1") if (d := e.dispatch)} == {0, 2}
 
 
-def dispatch_of(task: Task) -> StubMessage:
-    return StubMessage(Dispatch.of(task, "n1").model_dump_json().encode(), "n1")
-
-
 def payload_of(task: Task) -> str:
     """What sked_admit tells a node of a task it placed there (sql: placed_payload)."""
     return f"{task.id}:{task.version}:{task.attempt}:{task.retry_count}:{task.max_retries}"
-
-
-@pytest.fixture
-async def executor(settings: Settings, tmp_path: Path) -> AsyncIterator[Executor]:
-    node = settings.model_copy(update={"node_id": "n1", "slots": 2})
-    async with backends(node) as b:
-        backend = LocalBackend(2, tmp_path, warm_workers=0)
-        await backend.start()
-        try:
-            yield Executor(node, b.store, b.bus, backend, b.ready_queue)
-        finally:
-            await backend.close()
 
 
 async def test_a_notified_attempt_starts_once_and_its_dispatch_message_only_settles(

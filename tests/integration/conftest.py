@@ -1,0 +1,27 @@
+"""Fixtures the integration suites share."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from services.executor.backends.local import LocalBackend
+from services.executor.service import Executor
+from shared.settings import Settings
+from shared.wiring import backends
+
+
+@pytest.fixture
+async def executor(settings: Settings, tmp_path: Path) -> AsyncIterator[Executor]:
+    """An executor of node n1 with 2 slots on the local backend, its loops not running: a
+    test drives its starter and finisher itself."""
+    node = settings.model_copy(update={"node_id": "n1", "slots": 2})
+    async with backends(node) as b:
+        backend = LocalBackend(2, tmp_path, warm_workers=0)
+        await backend.start()
+        try:
+            yield Executor(node, b.store, b.bus, backend, b.ready_queue)
+        finally:
+            await backend.close()
