@@ -87,10 +87,14 @@ class ReadyQueue:
         return len(mapping)
 
     async def pop(self, n: int) -> list[UUID]:
+        return [task_id for task_id, _ in await self.pop_scored(n)]
+
+    async def pop_scored(self, n: int) -> list[tuple[UUID, float]]:
+        """The `n` first in line, with the scores they were queued with."""
         if n <= 0:
             return []
         popped: list[tuple[bytes | str, float]] = await self.redis.zpopmin(READY_KEY, n)  # type: ignore[assignment]
-        return [UUID(_text(member)) for member, _ in popped]
+        return [(UUID(_text(member)), float(score)) for member, score in popped]
 
     async def remove(self, ids: Sequence[UUID]) -> None:
         if ids:

@@ -90,6 +90,7 @@ class Dispatcher(Part):
             return 0  # most wake-ups (a task finished) find nothing queued: skip the locks
         ends = self.hub.ends
         ids: list[UUID] = []
+        known: list[Task] = []  # popped tasks as this scheduler queued them (queued.py)
         try:
             async with self.store.transaction() as tx:
                 rows, mode = await tx.nodes.lock_and_read()
@@ -102,14 +103,16 @@ class Dispatcher(Part):
                 if mode is Mode.FULL:
                     return 0
                 if mode is Mode.PARTIAL:
-                    ids = await self._pop_urgent(tx, free)
+                    ids = unknown = await self._pop_urgent(tx, free)
                 else:
-                    ids = await self.queue.pop(min(free, self.settings.dispatch_batch))
+                    popped = await self.queue.pop_scored(min(free, self.settings.dispatch_batch))
+                    ids = [task_id for task_id, _ in popped]
+                    known, unknown = self.hub.queued.take(popped)
                 if not ids:
                     return 0
-                tasks, fenced = await tx.tasks.get_ready(ids)
+                tasks, fenced = await tx.tasks.get_ready(unknown) if unknown else ([], [])
                 order = {task_id: i for i, task_id in enumerate(ids)}
-                tasks.sort(key=lambda t: order[t.id])
+                tasks = sorted(tasks + known, key=lambda t: order[t.id])
                 moved, waiting = await self.place(tx, tasks, nodes, mode)
         except TRANSIENT:
             await self._put_back(ids)
@@ -121,6 +124,13 @@ class Dispatcher(Part):
                 None, f"waiting for attempt {task.lease_attempt} to stop (its lease)", True
             )
         await self.hand_over(moved, tasks + fenced, waiting, ends)
+        if known:
+            # a kept copy whose CAS lost: the task changed since it was queued (paused,
+            # canceled, placed elsewhere). Read afresh; what is still Ready goes back in line
+            placed = {t.id for t in moved}
+            await self._put_back(
+                [t.id for t in known if t.id not in placed and t.id not in waiting]
+            )
         return len(moved)
 
     async def _pop_urgent(self, tx: Tx, free: int) -> list[UUID]:
@@ -252,6 +262,8 @@ class Dispatcher(Part):
                 kind = "resource" if choice.resource else "line" if choice.fits_later else "parked"
                 kinds[kind].append(task)
         await self.queue.push(kinds["line"])
+        score = self.queue.score_of
+        self.hub.queued.keep((t, score(t)) for t in kinds["line"] if t.queued_at is not None)
         await self.queue.park(kinds["parked"])
         if kinds["resource"]:
             await self.queue.park(kinds["resource"], RESOURCE_KEY)

@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterable, Mapping
 from uuid import UUID
 
+from services.scheduler.queued import QueuedTasks
 from shared.degrade import DegradeState, Mode
 from shared.fsm import State
 from shared.queues import ReadyQueue
@@ -95,6 +96,8 @@ class Hub:
         self.deadlines = asyncio.Event()
         # degrade: the mode row changed (NOTIFY sked_degrade); dispatch obeys `degrade`
         self.degrade = DegradeView()
+        # the tasks intake and dispatch put in line, as they put them there (queued.py)
+        self.queued = QueuedTasks()
         self.degrade_changed = asyncio.Event()
         # counts the notifications of nodes or the degrade mode changing (and LISTEN coming
         # back): a view of the nodes read before a change is not planned on (ahead.NodeView)

@@ -44,6 +44,8 @@ class FakeReadyQueue:
     def _score(self, task: Any) -> float:
         return score(task.priority, task.queued_at or _now(), self.aging_s)
 
+    score_of = _score
+
     async def push(self, tasks: Iterable[Any]) -> int:
         n = 0
         for task in tasks:
@@ -52,11 +54,12 @@ class FakeReadyQueue:
         return n
 
     async def pop(self, n: int) -> list[UUID]:
+        return [task_id for task_id, _ in await self.pop_scored(n)]
+
+    async def pop_scored(self, n: int) -> list[tuple[UUID, float]]:
         ready = self.sets[READY_KEY]
         out = sorted(ready, key=lambda i: ready[i])[:n]
-        for task_id in out:
-            del ready[task_id]
-        return out
+        return [(task_id, ready.pop(task_id)) for task_id in out]
 
     async def remove(self, ids: Sequence[UUID]) -> None:
         for members in self.sets.values():

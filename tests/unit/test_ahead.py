@@ -16,12 +16,14 @@ from services.scheduler.ahead import NodeView
 from services.scheduler.dispatch import Dispatcher
 from services.scheduler.hub import Hub
 from services.scheduler.intake import ADMISSION, Intake
+from services.scheduler.queued import QueuedTasks
 from shared.degrade import Mode
 from shared.fsm import State
+from shared.models import Task
 from shared.placement import Need
 from shared.settings import Settings
 from shared.store import Placing
-from tests.fakes import FakeReadyQueue, InMemoryStore, StubBus, StubMessage
+from tests.fakes import FakeReadyQueue, InMemoryStore, StubBus, StubMessage, new_task
 from tests.helpers import spec
 
 SETTINGS = Settings(heartbeat_secret="x" * 32)
@@ -134,3 +136,67 @@ async def test_a_plan_its_node_refuses_leaves_the_task_in_line_and_drops_the_vie
     assert task.id in await queue.pop(5)
     assert hub.dispatch.is_set()  # dispatch is asked to look
     assert intake._view is None
+
+
+# -- tasks kept as they were queued (services/scheduler/queued.py) ----------------------------
+
+
+async def test_a_pass_places_the_tasks_intake_queued_without_reading_them_again() -> None:
+    store = InMemoryStore()
+    store.nodes.add("a", slots=3)
+    intake, queue, hub = parts(store)
+    await queue.push([await ready_task(store, "ahead")])  # something in line: intake queues
+    tasks = await intake.accept([submission("one"), submission("two")])
+    assert {t.status for t in tasks} == {State.READY}
+    assert len(hub.queued) == 2
+    reads = mock.AsyncMock(wraps=store.tasks.get_ready)
+    store.tasks.get_ready = reads  # type: ignore[method-assign]
+    assert await intake.dispatcher.dispatch_once() == 3
+    # only the task queued by someone else is read; intake's two are placed as it kept them
+    assert [c.args[0] for c in reads.await_args_list] == [[(await named(store, "ahead")).id]]
+    assert len(hub.queued) == 0
+
+
+async def ready_task(store: InMemoryStore, name: str) -> Task:
+    return await store.walk(store.put(new_task(spec(name))), State.PENDING, State.READY)
+
+
+async def named(store: InMemoryStore, name: str) -> Task:
+    return next(t for t in store.data.tasks.values() if t.name == name)
+
+
+async def test_a_kept_task_that_changed_meanwhile_is_read_again_and_never_lost() -> None:
+    """Paused while in line: its kept copy's CAS loses, the pass reads it again and leaves it
+    out (it is not Ready). Handed back by another node meanwhile (Ready again, in its place,
+    the same score): the kept copy's CAS loses, the task goes back in line, and the next pass
+    places it as read afresh."""
+    store = InMemoryStore()
+    store.nodes.add("a", slots=4)
+    intake, queue, hub = parts(store)
+    await queue.push([await ready_task(store, "ahead")])
+    paused, bounced = await intake.accept([submission("paused"), submission("bounced")])
+    await store.walk(paused, State.PAUSED)
+    elsewhere = await store.walk(bounced, State.SCHEDULING, node="b")
+    await store.walk(elsewhere, State.READY)  # back in line with its queued_at, unstarted
+    await queue.pop(10)  # take them out of line as the pass would, then play it:
+    await queue.push([await store.tasks.get(i) for i in (bounced.id, paused.id)])
+    placed = await intake.dispatcher.dispatch_once()
+    assert placed == 0  # both kept copies were stale
+    assert (await store.tasks.get(paused.id)).status is State.PAUSED
+    assert await queue.pop(10) == [bounced.id]  # back in line, nothing lost
+    await queue.push([await store.tasks.get(bounced.id)])
+    assert await intake.dispatcher.dispatch_once() == 1
+    assert (await store.tasks.get(bounced.id)).status is State.SCHEDULING
+    assert len(hub.queued) == 0
+
+
+def test_only_never_started_tasks_are_kept_and_only_for_the_same_queue_entry() -> None:
+    kept = QueuedTasks()
+    fresh = new_task(spec("fresh"), status=State.READY, version=3)
+    retried = new_task(spec("retried"), status=State.READY, version=9, attempt=2)
+    kept.keep([(fresh, 10.0), (retried, 11.0)])
+    assert len(kept) == 1  # an earlier attempt's lease could fence the retried one
+    known, unknown = kept.take([(fresh.id, 12.5)])  # pushed again since, by anyone
+    assert (known, unknown) == ([], [fresh.id])
+    kept.keep([(fresh, 10.0)])
+    assert kept.take([(fresh.id, 10.0), (retried.id, 11.0)]) == ([fresh], [retried.id])
