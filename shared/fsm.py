@@ -166,6 +166,12 @@ class Newborn:
     launch_failures: int = 0
 
 
+def walked_version(path: Sequence[State]) -> int:
+    """The version of a task created (version 1) and walked along `path` by the same
+    statement (`walk`): one more per step."""
+    return len(path) + 1
+
+
 def has_retry_left(task: TaskView) -> bool:
     return task.retry_count < task.max_retries
 

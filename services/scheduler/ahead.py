@@ -50,7 +50,7 @@ class NodeView:
         placed, unplaced = place_many(list(needs.items()), list(self.nodes.values()))
         if not placed:
             return None, unplaced, {}
-        version = len(walk) + 1  # what the walk leaves a new task at
+        version = fsm.walked_version(walk)
         moves = [
             fsm.plan(
                 fsm.Newborn(i, walk[-1], version, s.max_retries, s.max_launch_failures),

@@ -18,7 +18,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from services.scheduler.ahead import NodeView
 from services.scheduler.dispatch import Dispatcher
 from services.scheduler.hub import Hub, Part
-from shared import hooks, workflows
+from shared import fsm, hooks, workflows
 from shared.bus import BATCH_KEY, SUBMIT_KEY, SUBMIT_QUEUE, WORKFLOW_KEY, AmqpBus
 from shared.dag import WorkflowSpec
 from shared.errors import InvalidSpec, one_line
@@ -287,7 +287,7 @@ class Intake(Part):
         needs: dict[UUID, Need] = {}
         if not queued:
             placing, unplaced, needs = view.plan(specs, ids, ADMISSION, self.store.node_ttl_s)
-        hub.admitting(dict.fromkeys(ids, len(ADMISSION) + 1))  # the version the walk gives
+        hub.admitting(dict.fromkeys(ids, fsm.walked_version(ADMISSION)))
         admitted = await self.store.tasks.admit_many(specs, ids, ADMISSION, traceparents, placing)
         new = [t for t, fresh in admitted if fresh]
         existing = {t.id: t for t, fresh in admitted if not fresh}

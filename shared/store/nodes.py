@@ -118,7 +118,7 @@ class Nodes:
         await self.db.execute(Q.set_node_ready, node_id, boot_id, ready)
 
     async def all(self) -> list[NodeRow]:
-        return [NodeRow.from_row(r) for r in await self.db.fetch(Q.nodes_with_usage, self.ttl_s)]
+        return (await self.read())[0]
 
     async def lock_and_read(self) -> tuple[list[NodeRow], Mode | None]:
         """Inside a transaction: lock the live nodes, then read every node with its usage, and

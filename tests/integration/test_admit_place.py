@@ -213,3 +213,16 @@ async def test_an_admission_that_waited_for_the_node_locks_sees_the_reservation_
         [late] = await asyncio.wait_for(b, timeout=10)
     assert (late.status, late.node) == (State.READY, None)
     assert {n.id: n.used_slots for n in await store.nodes.all()} == {"n": 1}
+
+
+async def test_a_node_planned_more_than_a_notification_lists_still_takes_them_all(
+    store: Store,
+) -> None:
+    """The node is told of at most 100 new attempts by notification; past that it learns of
+    them by their dispatch message alone — the moves themselves are all applied."""
+    await store.nodes.register("n", 200, 0.0, 0, 0, {}, uuid4())
+    boots = await boot_ids(store)
+    specs = [spec(f"t{i}") for i in range(101)]
+    tasks = await admit(store, specs, ["n"] * len(specs), boots)
+    assert {t.status for t in tasks} == {State.SCHEDULING}
+    assert {n.id: n.used_slots for n in await store.nodes.all()} == {"n": 101}

@@ -133,13 +133,13 @@ BEGIN
              AS m(id, version, from_status, to_status, reason, patch, i)
         WHERE m.id = ANY(fresh) AND m.patch::jsonb ->> 'node' = ANY(fit);
         IF m_ids IS NOT NULL THEN
-            PERFORM 1 FROM sked_transition(m_ids, m_versions, m_from, m_to, m_reasons,
-                                           m_patches, margin);
-            -- each node told of its new attempts by this commit (`placed_payload`): its
-            -- executor claims them on it, ahead of the dispatch message that follows
+            -- the moves, and each node told of its new attempts by this commit
+            -- (`placed_payload`, from the rows the CAS moved): its executor claims them on
+            -- it, ahead of the dispatch message that follows. A node given more than a
+            -- notification lists is told by that message alone
             PERFORM pg_notify({{placed_channel(t.node)}}, {{placed_payload}})
-            FROM tasks t
-            WHERE t.id = ANY(m_ids) AND t.status = 'scheduling'
+            FROM sked_transition(m_ids, m_versions, m_from, m_to, m_reasons, m_patches,
+                                 margin) t
             GROUP BY t.node
             HAVING count(*) <= 100;
         END IF;
