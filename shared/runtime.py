@@ -137,15 +137,27 @@ async def _settle_when_ready(service: Service) -> None:
     settle_memory()
 
 
+# Container objects allocated (net of those freed) between young collections, where Python's
+# default is 700. A task's life in a service allocates hundreds of objects that live for its
+# milliseconds in flight (messages, futures, rows, moves); at 700 the young collections walked
+# them again and again and promoted them to be walked again: 4.6 % of the services' CPU in a
+# burst of 8,000 tasks, 31-41 µs a task. At 10,000 most of them are gone by the next
+# collection (0.6-1.3 % at 5,000-20,000); cyclic garbage then waits a little longer for its
+# collection, a few MB at most (docs/performance.md, the sixteenth session).
+GC_YOUNG = 10_000
+
+
 def settle_memory() -> None:
     """Collect once, then move every object left (the modules, the settings, the clients and
     their pools: what a service builds to start and keeps) out of the cyclic collector's
     generations for good (gc.freeze). A full collection otherwise walked them all, ~65,000
     objects, each time: 60-160 ms during which the service served nothing, two to five times
     in a burst of 10,000 tasks (docs/performance.md). Only objects made after this are
-    collected as before; a service process calls it once, when it is ready."""
+    collected as before, the young ones less often (GC_YOUNG); a service process calls it
+    once, when it is ready."""
     gc.collect()
     gc.freeze()
+    gc.set_threshold(GC_YOUNG, *gc.get_threshold()[1:])
 
 
 def run_main(main: Callable[[], Awaitable[None]]) -> int:

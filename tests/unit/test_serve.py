@@ -29,10 +29,11 @@ class Toy:
         self.stopping.set()
 
 
-async def test_what_a_service_built_to_start_is_frozen_once_it_is_ready(
+async def test_what_a_service_built_to_start_is_frozen_once_it_is_ready_and_young_collections_thin(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     gc.unfreeze()
+    threshold = gc.get_threshold()
     settled = asyncio.Event()
 
     def settle_memory() -> None:
@@ -47,7 +48,9 @@ async def test_what_a_service_built_to_start_is_frozen_once_it_is_ready(
         await asyncio.wait_for(settled.wait(), 10)
         assert toy.frozen_at_ready == 0  # not before it was ready
         assert gc.get_freeze_count() > 1000  # the modules, at least
+        assert gc.get_threshold() == (runtime.GC_YOUNG, *threshold[1:])
     finally:
         toy.stop()
         await asyncio.wait_for(serving, 10)
         gc.unfreeze()
+        gc.set_threshold(*threshold)
