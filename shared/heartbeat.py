@@ -9,7 +9,6 @@ is higher than the last applied, so a beat of an older attempt, or a replay, cha
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from dataclasses import dataclass
 from enum import StrEnum
@@ -78,7 +77,7 @@ class ProbeAnswer(BaseModel):
 def token(secret: str, task_id: UUID, attempt: int) -> str:
     """The bearer token that lets one attempt's process heartbeat over HTTP, and no other."""
     message = f"{task_id}:{attempt}".encode()
-    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+    return hmac.digest(secret.encode(), message, "sha256").hex()  # one C call, as hmac.new's
 
 
 def token_ok(secret: str, task_id: UUID, attempt: int, presented: str) -> bool:

@@ -103,8 +103,22 @@ class _Attempts(Attempt):
             part.ended(ok, error)
 
 
+# What an attempt gets with no hook installed: one shared context that does nothing. Building
+# the generator, the exit stack and the list for every attempt cost ~3 µs of an executor's CPU
+# an attempt, to observe nothing.
+_UNSEEN: contextlib.nullcontext[Attempt] = contextlib.nullcontext(Attempt())
+
+
+def attempt(
+    task: Task, node: str, headers: Mapping[str, Any] | None
+) -> contextlib.AbstractContextManager[Attempt]:
+    if not installed:
+        return _UNSEEN
+    return _attempts(task, node, headers)
+
+
 @contextlib.contextmanager
-def attempt(task: Task, node: str, headers: Mapping[str, Any] | None) -> Iterator[Attempt]:
+def _attempts(task: Task, node: str, headers: Mapping[str, Any] | None) -> Iterator[Attempt]:
     with contextlib.ExitStack() as stack:
         yield _Attempts([stack.enter_context(h.attempt(task, node, headers)) for h in installed])
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from uuid import UUID
 
 import pytest
@@ -40,3 +42,11 @@ def test_tokens_are_per_attempt_and_per_secret() -> None:
     assert not heartbeat.token_ok("s", UUID(int=8), 2, token)
     assert not heartbeat.token_ok("other", task, 2, token)
     assert not heartbeat.token_ok("s", task, 2, token[:-1] + "0")
+
+
+def test_a_token_is_the_hmac_sha256_of_task_and_attempt() -> None:
+    task_id = UUID("12345678-1234-5678-1234-567812345678")
+    want = hmac.new(b"s" * 32, f"{task_id}:3".encode(), hashlib.sha256).hexdigest()
+    assert heartbeat.token("s" * 32, task_id, 3) == want
+    assert heartbeat.token_ok("s" * 32, task_id, 3, want)
+    assert not heartbeat.token_ok("s" * 32, task_id, 4, want)

@@ -54,3 +54,41 @@ async def test_what_a_service_built_to_start_is_frozen_once_it_is_ready_and_youn
         await asyncio.wait_for(serving, 10)
         gc.unfreeze()
         gc.set_threshold(*threshold)
+
+
+async def test_first_done_returns_on_the_first_and_cancels_none() -> None:
+    loop = asyncio.get_running_loop()
+    a, b = loop.create_future(), loop.create_future()
+    loop.call_soon(b.set_result, 2)
+    await asyncio.wait_for(runtime.first_done(a, b), 5)
+    assert b.done()
+    assert not a.done()
+    a.set_result(1)  # a later completion wakes nobody: the callbacks are gone
+    await asyncio.sleep(0)
+    await asyncio.wait_for(runtime.first_done(a, b), 5)  # done already: at once
+
+
+async def test_first_done_cancelled_leaves_what_it_waited_for() -> None:
+    loop = asyncio.get_running_loop()
+    a, b = loop.create_future(), loop.create_future()
+    waiting = asyncio.create_task(runtime.first_done(a, b))
+    await asyncio.sleep(0)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert not a.cancelled()
+    assert not b.cancelled()
+    a.set_result(None)
+    b.set_result(None)
+
+
+def test_an_attempt_with_no_hook_installed_is_observed_by_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from shared import hooks
+
+    monkeypatch.setattr(hooks, "installed", [])  # other tests install theirs for the process
+    with hooks.attempt(None, "n", None) as seen:  # type: ignore[arg-type]
+        seen.ended(False, "nobody hears this")
+    with hooks.attempt(None, "n", None) as again:  # type: ignore[arg-type]
+        assert again is seen  # one shared context, nothing built an attempt

@@ -34,6 +34,7 @@ from services.executor.backends.local.workers import (
     Worker,
 )
 from shared.models import CommandJob, HandlerJob
+from shared.runtime import first_done
 
 log = logging.getLogger(__name__)
 
@@ -373,8 +374,7 @@ class LocalBackend(OneNode):
     async def _verdict(worker: Worker, ticket: Ticket, stop: asyncio.Future[None]) -> Verdict:
         """The ticket's verdict; a stop asked meanwhile halts the job (or takes it back)."""
         if not ticket.done.done():
-            waits: set[asyncio.Future[Any]] = {ticket.done, stop}
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            await first_done(ticket.done, stop)
             if not ticket.done.done():
                 await worker.halt(ticket, "stopped")
         return ticket.done.result()
