@@ -330,11 +330,13 @@ class Starter:
         with one push, then acknowledged. Best effort: if a server is away, recovery's
         stuck-in-Scheduling sweep does it."""
         node = self.node
-        moves = [
-            fsm.plan(d, State.READY, reason)
-            for d in (item.dispatch for item in items)
-            if d is not None
-        ]
+        # one move a task: a node may hold two items of one attempt (the placement's
+        # notification and its dispatch message), or of two (the older one superseded)
+        newest: dict[UUID, Dispatch] = {}
+        for d in (item.dispatch for item in items):
+            if d is not None and (d.task_id not in newest or d.attempt > newest[d.task_id].attempt):
+                newest[d.task_id] = d
+        moves = [fsm.plan(d, State.READY, reason) for d in newest.values()]
         with contextlib.suppress(*TRANSIENT):
             moved = await node.store.tasks.transition_many(moves)
             await node.queue.push(moved)

@@ -370,6 +370,24 @@ async def test_a_batch_message_is_acknowledged_once_every_dispatch_in_it_is_sett
     assert (await store.tasks.get(runs.id)).status is State.SUCCESS
 
 
+async def test_held_dispatches_of_one_task_twice_go_back_to_ready_once() -> None:
+    """A node holds a placement's notification and then its dispatch message: two items for
+    one attempt, held side by side until a slot frees. Handed back (held too long, or the
+    executor stopping), the task moves back to Ready once, both are settled, and the
+    executor lives on (a batch moving a task twice was refused and stopped the executor)."""
+    store, backend = InMemoryStore(), StubBackend()
+    _, starter, _ = executor_parts(store, backend)
+    task = await scheduled(store)
+    told, message = dispatch_of(task), dispatch_of(task)
+    starter.held.extend([*items_of(told), *items_of(message)])  # type: ignore[arg-type]
+    await starter._hand_back_held(0.0)
+    back = await store.tasks.get(task.id)
+    assert back.status is State.READY
+    assert back.version == task.version + 1
+    assert told.acked + message.acked == 2
+    assert not starter.held
+
+
 def replace_node(task: Task, node: str) -> Task:
     from dataclasses import replace
 
