@@ -9,6 +9,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Container, Sequence
+from dataclasses import replace
 from uuid import UUID
 
 from services.executor.backends import Outcome
@@ -21,6 +22,7 @@ from shared.outcome import Report, end_move, retries, storable
 from shared.resilience import TRANSIENT, isolate, retrying
 from shared.runtime import next_batch, wait_any
 from shared.store.store import Tx
+from shared.store.tasks import Moved
 
 log = logging.getLogger(__name__)
 
@@ -128,27 +130,28 @@ class Finisher:
         if claims and self.starter is not None:
             self.starter.unclaimed(claims)
 
-    async def _end_and_claim(self, current: Written, claims: list[Received]) -> list[Task]:
+    async def _end_and_claim(self, current: Written, claims: list[Received]) -> Moved:
         """One statement: Running -> Success for these attempts, Scheduling -> Running for the
-        held dispatches that take their slots. Returns the tasks that moved."""
+        held dispatches that take their slots. Returns the tasks that moved: the claimed ones
+        as their rows, the ended ones by id alone."""
         assert self.starter is not None
-        moves = self._end_moves(current) + self.starter.claim_moves(claims)
+        moves = self._end_moves(current, read_back=False) + self.starter.claim_moves(claims)
         return await self.node.store.tasks.transition_many(moves)
 
     async def _ended_and_claimed(
         self,
         current: Written,
         claims: list[Received],
-        moved: list[Task],
+        moved: Moved,
         tries: int,
         sent_at: float,
     ) -> list[tuple[Task, Report]]:
         """After `_end_and_claim`: ends that lost their CAS set aside as late results, the
         claims won started (`Starter.settle`). Returns the late ones."""
         assert self.starter is not None
-        won = {t.id: t for t in moved}
-        late = await self._set_aside_lost(current, won)
-        claimed = [won[d.task_id] for d, _ in claims if d.task_id in won]
+        late = await self._set_aside_lost(current, moved.ids)
+        rows = {t.id: t for t in moved}
+        claimed = [rows[d.task_id] for d, _ in claims if d.task_id in rows]
         await self.starter.settle(claims, claimed, tries, sent_at)
         return late
 
@@ -182,22 +185,27 @@ class Finisher:
         transaction of its own. Otherwise one transaction holds it all: a failure and its
         retry commit together."""
         node = self.node
-        ends = self._end_moves(current)
         if _successes_alone(current, superseded):
-            won = {t.id for t in await node.store.tasks.transition_many(ends)}
-            return await self._set_aside_lost(current, won)
+            ends = self._end_moves(current, read_back=False)
+            moved = await node.store.tasks.transition_many(ends)
+            return await self._set_aside_lost(current, moved.ids)
+        ends = self._end_moves(current)  # a failure's row plans its retry
         async with node.store.transaction() as tx:
             ended = await tx.tasks.transition_many(ends)
             await tx.tasks.transition_many(retries(ended))
-            won = {t.id for t in ended}
-            lost = [(a.task, r) for a, r in current if a.task.id not in won]
+            lost = [(a.task, r) for a, r in current if a.task.id not in ended.ids]
             late = await self._set_aside(tx, lost, [(a.task, r) for a, r in superseded])
         self.readied += [t for t in ended if t.status is State.READY]
         return late
 
-    def _end_moves(self, current: Written) -> list[Move]:
+    def _end_moves(self, current: Written, read_back: bool = True) -> list[Move]:
+        """The attempts' ends; `read_back=False`: their rows are not read back (successes
+        alone: nothing after the statement reads them)."""
         boot_id = self.node.boot_id
-        return [end_move(a.task, r, f"ended on {a.task.node}", boot_id) for a, r in current]
+        return [
+            replace(end_move(a.task, r, f"ended on {a.task.node}", boot_id), read_back=read_back)
+            for a, r in current
+        ]
 
     async def _set_aside_lost(
         self, current: Written, won: Container[UUID]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID, uuid4
@@ -30,6 +30,14 @@ class QueuedRow:
     id: UUID
     priority: int
     queued_at: datetime | None
+
+
+class Moved(list[Task]):
+    """The tasks one statement moved, in the order of its moves, as their rows after it —
+    those whose moves asked for them back (fsm.Move.read_back); `ids` names every task it
+    moved, those too whose rows were not read back."""
+
+    ids: frozenset[UUID] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -210,21 +218,31 @@ class Tasks:
 
     async def transition(self, move: Move) -> Task | None:
         """Apply one planned move. Returns the task after it, or None if this caller lost."""
-        moved = await self.transition_many([move])
+        moved = await self.transition_many([replace(move, read_back=True)])
         return moved[0] if moved else None
 
-    async def transition_many(self, moves: Sequence[Move]) -> list[Task]:
+    async def transition_many(self, moves: Sequence[Move]) -> Moved:
         """Apply many moves in one statement; returns the tasks that moved (the CAS winners),
-        in the order of `moves`."""
+        in the order of `moves`: their rows, where the move asked for it back (`Moved`)."""
+        out = Moved()
         if not moves:
-            return []
+            return out
         started = time.time_ns()
-        rows = await self.db.fetch(Q.transition, *move_args(moves), self.db.lease_margin_s)
+        args = (*move_args(moves), self.db.lease_margin_s)
+        # a hook sees every moved task whole, so with one installed every row comes back
+        if hooks.installed or all(m.read_back for m in moves):
+            rows = await self.db.fetch(Q.transition, *args)
+        else:
+            rows = await self.db.fetch(Q.transition_thin, *args, [m.read_back for m in moves])
         won = {row["id"]: row for row in rows}
-        moved = [(task(won[m.task_id]), m) for m in moves if m.task_id in won]
+        out.ids = frozenset(won)
         if hooks.installed:
+            moved = [(task(won[m.task_id]), m) for m in moves if m.task_id in won]
             hooks.transitions(moved, started, time.time_ns())
-        return [t for t, _ in moved]
+            out.extend(t for (t, m) in moved if m.read_back)
+        else:
+            out.extend(task(won[m.task_id]) for m in moves if m.read_back and m.task_id in won)
+        return out
 
     # -- reads ------------------------------------------------------------------------------
 

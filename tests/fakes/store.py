@@ -15,6 +15,7 @@ from shared.degrade import DegradeState, Mode
 from shared.fsm import Move, State
 from shared.models import Task, TaskSpec
 from shared.store import NodeRow, Placing
+from shared.store.tasks import Moved
 
 _ENDS = frozenset(fsm.ALWAYS_TERMINAL | fsm.RETRYABLE)
 
@@ -137,11 +138,11 @@ class FakeTasks:
         self.d.events.append((task.id, move.source, to, moved.version, move.reason))
         return moved
 
-    async def transition_many(self, moves: Sequence[Move]) -> list[Task]:
+    async def transition_many(self, moves: Sequence[Move]) -> Moved:
         ids = [m.task_id for m in moves]
         if len(set(ids)) != len(ids):
             raise ValueError("a batch may move each task only once")
-        out = []
+        out, won = Moved(), set()
         for move in moves:
             task = self.d.tasks.get(move.task_id)
             if task is None or (task.version, task.status) != (move.version, move.source):
@@ -154,7 +155,10 @@ class FakeTasks:
             ):
                 continue
             self.d.tasks[task.id] = moved = self._apply(task, move)
-            out.append(moved)
+            won.add(task.id)
+            if move.read_back:
+                out.append(moved)
+        out.ids = frozenset(won)
         return out
 
     async def transition(self, move: Move) -> Task | None:

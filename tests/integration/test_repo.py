@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import replace
 from uuid import UUID
 
 import asyncpg
 import pytest
 
-from shared import fsm
+from shared import fsm, hooks
 from shared.errors import IllegalTransition, InvalidSpec, NotFound, StaleWrite, UnknownState
 from shared.fsm import State
 from shared.models import TaskSpec
@@ -134,6 +135,36 @@ async def test_batched_moves_return_only_winners(store: Store, pool: asyncpg.Poo
     assert all(t.status is State.PENDING and t.version == 2 for t in moved)
     _, events_after = await counts(pool)
     assert events_after - events_before == 90
+
+
+async def test_moves_that_want_no_row_back_are_named_by_id(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch mixing moves that want their rows back with moves that do not (an attempt's
+    end beside the claims taking its slot): every winner is named in `ids`, the rows come back
+    whole for the former only, and a loser is in neither. With a hook installed every row is
+    read (the hook sees each moved task whole), and still only the asked-for ones returned."""
+    for installed in ([], [hooks.Hook()]):
+        monkeypatch.setattr(hooks, "installed", installed)
+        tasks = await store.tasks.create_many([spec(f"r{i}") for i in range(6)])
+        stale = await store.tasks.transition_many([fsm.plan(tasks[5], State.PENDING)])
+        assert [t.id for t in stale] == [tasks[5].id]
+        moves = [
+            replace(fsm.plan(t, State.PENDING), read_back=i % 2 == 0) for i, t in enumerate(tasks)
+        ]
+        moved = await store.tasks.transition_many(moves)
+        assert moved.ids == {t.id for t in tasks[:5]}  # tasks[5] moved on: its CAS lost
+        assert [t.id for t in moved] == [tasks[0].id, tasks[2].id, tasks[4].id]
+        for row in moved:
+            assert row == await store.tasks.get(row.id)  # whole, as a read gives it
+            assert (row.status, row.version, row.spec.name) == (State.PENDING, 2, row.name)
+        for t in tasks[:5]:
+            assert (await store.tasks.get(t.id)).status is State.PENDING  # all were moved
+        # a single move returns its row whatever the move says
+        one = await store.tasks.transition(
+            replace(fsm.plan(moved[0], State.READY), read_back=False)
+        )
+        assert one is not None and one.status is State.READY
 
 
 async def test_patch_fields_and_retry_bookkeeping(store: Store) -> None:

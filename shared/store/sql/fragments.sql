@@ -14,6 +14,57 @@
 {{p}}lease_until, {{p}}schedule_timeout_s, {{p}}schedule_deadline, {{p}}launch_failures,
 {{p}}max_launch_failures
 
+-- fragment: task_columns_if(c)
+-- The columns of task_columns, each NULL where `c` is false but the id and the status: the
+-- rows a caller asked only whether they moved (fsm.Move.read_back) cost Postgres no output and
+-- the client no decoding. (tests/unit/test_queries.py checks that it names task_columns's
+-- columns, in their order.)
+id,
+CASE WHEN {{c}} THEN name END AS name,
+CASE WHEN {{c}} THEN kind END AS kind,
+CASE WHEN {{c}} THEN spec::text END AS spec_json,
+status,
+CASE WHEN {{c}} THEN status_reason END AS status_reason,
+CASE WHEN {{c}} THEN version END AS version,
+CASE WHEN {{c}} THEN attempt END AS attempt,
+CASE WHEN {{c}} THEN priority END AS priority,
+CASE WHEN {{c}} THEN retry_count END AS retry_count,
+CASE WHEN {{c}} THEN max_retries END AS max_retries,
+CASE WHEN {{c}} THEN next_retry_at END AS next_retry_at,
+CASE WHEN {{c}} THEN timeout_s END AS timeout_s,
+CASE WHEN {{c}} THEN heartbeat_timeout_s END AS heartbeat_timeout_s,
+CASE WHEN {{c}} THEN node END AS node,
+CASE WHEN {{c}} THEN idempotency_key END AS idempotency_key,
+CASE WHEN {{c}} THEN paused_by END AS paused_by,
+CASE WHEN {{c}} THEN paused_reason END AS paused_reason,
+CASE WHEN {{c}} THEN paused_at END AS paused_at,
+CASE WHEN {{c}} THEN result END AS result,
+CASE WHEN {{c}} THEN error END AS error,
+CASE WHEN {{c}} THEN created_at END AS created_at,
+CASE WHEN {{c}} THEN updated_at END AS updated_at,
+CASE WHEN {{c}} THEN queued_at END AS queued_at,
+CASE WHEN {{c}} THEN started_at END AS started_at,
+CASE WHEN {{c}} THEN finished_at END AS finished_at,
+CASE WHEN {{c}} THEN log_tail END AS log_tail,
+CASE WHEN {{c}} THEN cpu END AS cpu,
+CASE WHEN {{c}} THEN memory_mb END AS memory_mb,
+CASE WHEN {{c}} THEN gpu END AS gpu,
+CASE WHEN {{c}} THEN traceparent END AS traceparent,
+CASE WHEN {{c}} THEN hb_at END AS hb_at,
+CASE WHEN {{c}} THEN hb_deadline END AS hb_deadline,
+CASE WHEN {{c}} THEN hb_seq END AS hb_seq,
+CASE WHEN {{c}} THEN workflow_id END AS workflow_id,
+CASE WHEN {{c}} THEN wf_task END AS wf_task,
+CASE WHEN {{c}} THEN uses END AS uses,
+CASE WHEN {{c}} THEN inputs END AS inputs,
+CASE WHEN {{c}} THEN lease_owner END AS lease_owner,
+CASE WHEN {{c}} THEN lease_attempt END AS lease_attempt,
+CASE WHEN {{c}} THEN lease_until END AS lease_until,
+CASE WHEN {{c}} THEN schedule_timeout_s END AS schedule_timeout_s,
+CASE WHEN {{c}} THEN schedule_deadline END AS schedule_deadline,
+CASE WHEN {{c}} THEN launch_failures END AS launch_failures,
+CASE WHEN {{c}} THEN max_launch_failures END AS max_launch_failures
+
 -- fragment: event_columns
 -- Every column an Event is read from (models.Event).
 id, task_id, from_status, to_status, version, attempt, reason, at

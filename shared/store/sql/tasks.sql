@@ -160,6 +160,14 @@ SELECT {{task_columns()}}
 FROM sked_transition($1::uuid[], $2::int[], $3::text[], $4::text[], $5::text[], $6::text[],
                      $7::float8)
 
+-- name: transition_thin
+-- The CAS as `transition`, for moves some of which want no row back ($8, per move: its
+-- fsm.Move.read_back): their tasks come back as the id and the status alone.
+SELECT {{task_columns_if(k.keep)}}
+FROM sked_transition($1::uuid[], $2::int[], $3::text[], $4::text[], $5::text[], $6::text[],
+                     $7::float8)
+JOIN unnest($1::uuid[], $8::boolean[]) AS k(kept_id, keep) ON k.kept_id = id
+
 -- name: define_transition
 -- The CAS: each move applies only if the task is still at its version and state. `u.p` is
 -- the move's patch (a key present sets its column). The event row and the NOTIFY go in the
