@@ -164,7 +164,8 @@ async def test_moves_that_want_no_row_back_are_named_by_id(
         one = await store.tasks.transition(
             replace(fsm.plan(moved[0], State.READY), read_back=False)
         )
-        assert one is not None and one.status is State.READY
+        assert one is not None
+        assert one.status is State.READY
 
 
 async def test_patch_fields_and_retry_bookkeeping(store: Store) -> None:
