@@ -1,6 +1,8 @@
 """Benchmark (not a test): Celery and sked side by side, in one run on this machine.
 
-Per run (interleaved: Celery, then sked, each on a fresh stack; medians of --runs):
+Per run (interleaved, each on a fresh stack; Celery goes first in odd runs, sked in even ones,
+so that the host's drift within a run falls on both alike; medians of --runs, and the median of
+each run's own sked/Celery ratio beside the ratio of the medians):
   1. warm-up: 500 no-op tasks;
   2. submit -> start latency at a paced --rate (default 100 tasks/s) for --seconds: p50 / p99;
   3. sustained throughput: a burst of --tasks no-op tasks, from the wall time before the first
@@ -532,6 +534,12 @@ def summary(args: argparse.Namespace, results: dict[str, list[Result]]) -> None:
             f"sked/celery: throughput {sk.rate / ce.rate:.2f}x, CPU per task "
             f"{sum(sk.cpu.values()) / sum(ce.cpu.values()):.2f}x"
         )
+        # each run's own ratio (its two bursts minutes apart, on the same spell of the host)
+        ratios = [s.rate / c.rate for s, c in zip(results["sked"], results["celery"], strict=True)]
+        print(
+            f"sked/celery throughput by run: {', '.join(f'{r:.2f}x' for r in ratios)}; "
+            f"median {statistics.median(ratios):.2f}x"
+        )
     print("CPU µs/task by process (median; RabbitMQ and Redis are shared servers):")
     for system, m in med.items():
         print(f"  {system:7} {cpu_line(m.cpu)}")
@@ -547,13 +555,18 @@ def main(args: argparse.Namespace) -> None:
     stop_on_signals()
     results: dict[str, list[Result]] = {"celery": [], "sked": []}
     for run in range(args.runs):
-        if not args.skip_celery:
-            res = celery_run(args, run)
-            results["celery"].append(res)
-            print(run_line("celery", run, args, res, "subprocess(true) task"), flush=True)
-        res = asyncio.run(sked_run(args, run))
-        results["sked"].append(res)
-        print(run_line("sked", run, args, res, "`true` commands"), flush=True)
+        # who goes first alternates (Celery, sked; sked, Celery; ...): the host drifts within
+        # a run, and a fixed order would hand that drift to one system every time
+        for system in ("celery", "sked") if run % 2 == 0 else ("sked", "celery"):
+            if system == "celery" and not args.skip_celery:
+                res = celery_run(args, run)
+                print(run_line("celery", run, args, res, "subprocess(true) task"), flush=True)
+            elif system == "sked":
+                res = asyncio.run(sked_run(args, run))
+                print(run_line("sked", run, args, res, "`true` commands"), flush=True)
+            else:
+                continue
+            results[system].append(res)
     summary(args, results)
 
 
