@@ -234,8 +234,11 @@ class Move:
     read_back: bool = True
 
 
-def plan(task: TaskView, target: object, reason: str = "", **changes: Any) -> Move:
+def plan(
+    task: TaskView, target: object, reason: str = "", *, read_back: bool = True, **changes: Any
+) -> Move:
     """Check the move against the table and its guard; derive attempt and retry bookkeeping.
+    `read_back`: whether the statement returns the moved row (`Move.read_back`).
 
     Raises IllegalTransition (naming both states) before anything is written.
     """
@@ -264,7 +267,9 @@ def plan(task: TaskView, target: object, reason: str = "", **changes: Any) -> Mo
         patch["retry_count"] = task.max_retries
     if rule.spends_launch:
         patch["launch_failures"] = task.launch_failures + 1
-    return Move(task.id, task.version, rule.source, rule.target, reason or rule.trigger, patch)
+    return Move(
+        task.id, task.version, rule.source, rule.target, reason or rule.trigger, patch, read_back
+    )
 
 
 def walk(start: State, path: Sequence[State]) -> tuple[list[str | None], list[str], list[str]]:

@@ -9,7 +9,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Container, Sequence
-from dataclasses import replace
 from uuid import UUID
 
 from services.executor.backends import Outcome
@@ -178,7 +177,8 @@ class Finisher:
 
     async def write(self, current: Written, superseded: Written) -> list[tuple[Task, Report]]:
         """The current attempts' ends (and retries), the late results of the rest, their
-        leases given back. Returns the late ones.
+        leases given back; every report storable already (`storable`, as `finish` makes
+        them). Returns the late ones.
 
         Successes alone (the common case) need no transaction beyond their one statement:
         nothing is retried, and a task whose end lost its CAS is set aside as late in a
@@ -202,8 +202,9 @@ class Finisher:
         """The attempts' ends; `read_back=False`: their rows are not read back (successes
         alone: nothing after the statement reads them)."""
         boot_id = self.node.boot_id
+        # the reports are storable already: `finish` made them so to judge them
         return [
-            replace(end_move(a.task, r, f"ended on {a.task.node}", boot_id), read_back=read_back)
+            end_move(a.task, r, f"ended on {a.task.node}", boot_id, read_back, stored=True)
             for a, r in current
         ]
 
