@@ -15,7 +15,7 @@ from shared.fsm import State
 from shared.queues import ReadyQueue
 from shared.settings import Settings
 from shared.store import Store, parse_notify
-from shared.store.notify import NOTIFY_LIST_MAX, versions_of
+from shared.store.notify import NOTIFY_LIST_MAX, states_of, versions_of
 
 # A NOTIFY naming one of these states may have freed capacity on a node (or made a task Ready).
 FREES_CAPACITY = {
@@ -109,25 +109,29 @@ class Hub:
         self.dispatch.set()
 
     def task_notify(self, _c: object, _p: int, _ch: str, payload: str) -> None:
-        notice = parse_notify(payload)
-        states = notice.states
+        # The states first, without the ids: the ids are read (a UUID an entry) only where a
+        # decision needs them, and the marks `:w:` and `:d:` are looked for in the payload
+        # before that — most notifications (the ends of standalone tasks) need none of it.
+        states = states_of(payload)
+        listed = not payload.startswith("*:")
         # only a workflow's task has downstream tasks or upstreams to wait for: the others'
         # ends (almost all, under load) cost resolution nothing
-        if (states & DECIDES_DOWNSTREAM or State.PENDING.value in states) and (
-            notice.workflow_ids is None or notice.workflow_ids
-        ):
-            if notice.workflow_ids is None:
+        if states & DECIDES_DOWNSTREAM or State.PENDING.value in states:
+            if not listed:
                 self.resolve_all = True
-            else:
-                self.finished.update(notice.workflow_ids)
-            self.resolve.set()
-        if states & FREES_CAPACITY and not self._own_admission(notice.ids, states, payload):
+                self.resolve.set()
+            elif ":w:" in payload and (members := parse_notify(payload).workflow_ids):
+                self.finished.update(members)
+                self.resolve.set()
+        if states & FREES_CAPACITY and not self._own_admission(states, payload, listed):
             self.ends += 1
             self.unpark_resources.set()
             self.dispatch.set()
         if State.RETRY_WAIT.value in states:
             self.retry.set()
-        if State.READY.value in states and (notice.deadline_ids is None or notice.deadline_ids):
+        if State.READY.value in states and (
+            not listed or (":d:" in payload and parse_notify(payload).deadline_ids)
+        ):
             # only a task with a schedule deadline can bring the earliest one closer: the
             # others (most) cost the timeout loop no look at the index
             self.deadlines.set()
@@ -148,18 +152,18 @@ class Hub:
         for task_id in ids:
             self.admitted.pop(task_id, None)
 
-    def _own_admission(
-        self, ids: frozenset[UUID] | None, states: frozenset[str], payload: str
-    ) -> bool:
+    def _own_admission(self, states: frozenset[str], payload: str, listed: bool) -> bool:
         """Whether a notification is only the Ready of tasks this scheduler admitted, each at
         its admission's version (then forgotten)."""
         admitted = self.admitted
-        if ids is None or states != READY_ONLY or not ids <= admitted.keys():
+        if not listed or states != READY_ONLY or not admitted:
             return False
         versions = versions_of(payload)  # None: an entry that is not sked's (anyone may NOTIFY)
-        if versions is None or any(admitted[i] != v for i, v in versions.items()):
+        if not versions or not versions.keys() <= admitted.keys():
             return False
-        for task_id in ids:
+        if any(admitted[i] != v for i, v in versions.items()):
+            return False
+        for task_id in versions:
             del admitted[task_id]
         return True
 

@@ -16,6 +16,7 @@ from shared.fsm import State
 from shared.models import TaskSpec
 from shared.store import Store, Tx, parse_notify
 from shared.store.db import Db
+from shared.store.notify import states_of
 from shared.store.queries import Q
 from shared.views import is_done
 from tests.helpers import spec
@@ -329,6 +330,12 @@ def test_notify_payloads_parse() -> None:
     assert big.states == {"success", "failed"}
     assert big.workflow_ids is None  # not listed: any of them may be a workflow's
     assert big.deadline_ids is None
+    # the states alone, without a UUID built an entry: the same for sked's own payloads
+    for payload in (f"{a}:3:ready {b}:7:w:success {c}:2:d:w:ready", "*:500:success,failed"):
+        assert states_of(payload) == parse_notify(payload).states
+    # an entry that is not sked's counts there (a wake-up for nothing, never one missed)
+    assert states_of(f"{a}:3:ready x:1:success") == {"ready", "success"}
+    assert parse_notify(f"{a}:3:ready x:1:success").states == {"ready"}
 
 
 async def _blocked_on(pool: asyncpg.Pool, pid: int) -> bool:
