@@ -61,7 +61,7 @@ def end_move(
     if report.lost and task.status is State.RUNNING:
         # reported by the executor that holds the attempt's lease (`owner`): it may declare
         # its own attempt lost before the lease runs out, as its backend fences the next one
-        holder = {"lease_owner": str(owner)} if owner is not None else {}
+        holder: dict[str, Any] = {"lease_owner": str(owner)} if owner is not None else {}
         return fsm.plan(task, State.LOST, f"{why} (lost)", **changes, **holder)
     if report.unstarted and task.status is State.RUNNING:
         if fsm.has_launch_left(task):

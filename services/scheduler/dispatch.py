@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Mapping
 from typing import Any
 from uuid import UUID
 
@@ -23,6 +24,8 @@ from shared.resilience import TRANSIENT
 from shared.runtime import wait_any
 from shared.settings import Settings
 from shared.store import Store, Tx
+
+PLACED = "placed"  # the reason of a placement's move
 
 
 def need_of(task: Task) -> Need:
@@ -184,12 +187,18 @@ class Dispatcher(Part):
         placed, unplaced = place_many([(t.id, need_of(t)) for t in tasks], nodes)
         unplaced.update(blocked)
         unplaced.update(held_back)
+        # a hook sees the placed tasks whole; otherwise what a dispatch needs comes back alone
+        whole = bool(hooks.installed)
         moves = [
-            fsm.plan(t, State.SCHEDULING, "placed", node=placed[t.id])
+            fsm.plan(t, State.SCHEDULING, PLACED, read_back=whole, node=placed[t.id])
             for t in tasks
             if t.id in placed
         ]
-        return await tx.tasks.transition_many(moves), unplaced
+        moved = await tx.tasks.transition_many(moves)
+        if whole:
+            return moved, unplaced
+        after = moved.rows
+        return [_as_placed(t, after[t.id]) for t in tasks if t.id in after], unplaced
 
     def _degraded(self, tasks: list[Task], mode: Mode) -> tuple[list[Task], dict[UUID, Choice]]:
         """The tasks the mode lets through, and a reason for each held back (in line)."""
@@ -276,6 +285,23 @@ class Dispatcher(Part):
         await self.store.tasks.set_wait_reasons(
             {k: c.reason for k, c in waiting.items() if c.reason}
         )
+
+
+def _as_placed(before: Task, row: Mapping[str, Any]) -> Task:
+    """A task as its placement left it, from its row before the move and what the move's
+    statement returned (the status, version, attempt and node: what a dispatch carries and a
+    take-back plans from). Its other columns are as they were before the move — the time of
+    the move (updated_at) is not among them — so it is for sending its dispatch only. The
+    row the CAS returned whole is ~15 µs a task more for Postgres and the scheduler."""
+    placed = object.__new__(Task)
+    values = placed.__dict__
+    values.update(before.__dict__)
+    values["status"] = State(row["status"])
+    values["status_reason"] = PLACED
+    values["version"] = row["version"]
+    values["attempt"] = row["attempt"]
+    values["node"] = row["node"]
+    return placed
 
 
 def _dispatches(moved: list[Task], headers: list[dict[str, Any]]) -> list[Outgoing]:

@@ -27,7 +27,7 @@ class Claims:
         """Up to `limit` Ready tasks (highest priority, then oldest) into Scheduling, each with
         a new attempt number. (The scheduler places from its Redis queue; this is the plain
         Postgres way, kept for tools and tests.)"""
-        changes = {"node": node} if node is not None else {}
+        changes: dict[str, Any] = {"node": node} if node is not None else {}
         return await self._claim(
             Q.claim_runnable, lambda t: fsm.plan(t, State.SCHEDULING, "picked", **changes), limit
         )

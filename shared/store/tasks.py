@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from types import MappingProxyType
 from typing import Any
 from uuid import UUID, uuid4
 
@@ -35,9 +36,11 @@ class QueuedRow:
 class Moved(list[Task]):
     """The tasks one statement moved, in the order of its moves, as their rows after it —
     those whose moves asked for them back (fsm.Move.read_back); `ids` names every task it
-    moved, those too whose rows were not read back."""
+    moved, those too whose rows were not read back, and `rows` holds each one's row as
+    returned: where not read back, only its id, status, version, attempt and node."""
 
     ids: frozenset[UUID] = frozenset()
+    rows: Mapping[UUID, Mapping[str, Any]] = MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -236,6 +239,7 @@ class Tasks:
             rows = await self.db.fetch(Q.transition_thin, *args, [m.read_back for m in moves])
         won = {row["id"]: row for row in rows}
         out.ids = frozenset(won)
+        out.rows = won
         if hooks.installed:
             moved = [(task(won[m.task_id]), m) for m in moves if m.task_id in won]
             hooks.transitions(moved, started, time.time_ns())

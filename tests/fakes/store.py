@@ -143,6 +143,7 @@ class FakeTasks:
         if len(set(ids)) != len(ids):
             raise ValueError("a batch may move each task only once")
         out, won = Moved(), set()
+        rows: dict[UUID, dict[str, Any]] = {}
         for move in moves:
             task = self.d.tasks.get(move.task_id)
             if task is None or (task.version, task.status) != (move.version, move.source):
@@ -156,9 +157,15 @@ class FakeTasks:
                 continue
             self.d.tasks[task.id] = moved = self._apply(task, move)
             won.add(task.id)
+            # as the store returns them: whole where read back, else what a move decides
+            row = dict(moved.__dict__) if move.read_back else {}
+            row.update(id=moved.id, status=moved.status.value, version=moved.version)
+            row.update(attempt=moved.attempt, node=moved.node)
+            rows[task.id] = row
             if move.read_back:
                 out.append(moved)
         out.ids = frozenset(won)
+        out.rows = rows
         return out
 
     async def transition(self, move: Move) -> Task | None:

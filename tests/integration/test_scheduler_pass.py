@@ -13,6 +13,7 @@ import pytest
 
 from services.scheduler.service import Scheduler
 from shared import fsm
+from shared.dispatches import unpack
 from shared.fsm import State
 from shared.resilience import is_transient
 from shared.settings import Settings
@@ -62,6 +63,30 @@ async def test_a_pass_fills_a_full_nodes_backlog(settings: Settings) -> None:
         statuses = [t.status for t in await b.store.tasks.list_tasks()]
         assert statuses.count(State.SCHEDULING) == 5
         assert statuses.count(State.READY) == 2
+
+
+async def test_a_pass_dispatches_what_the_store_holds(settings: Settings) -> None:
+    """A placement's rows are not read back whole (fsm.Move.read_back): the dispatch it sends
+    still carries each attempt, version and node as the store holds them after the move —
+    what the executor's claim CAS is made against."""
+    async with backends(settings) as b:
+        scheduler = Scheduler(settings, b.store, b.bus, b.ready_queue)
+        queue = await b.bus.declare_node_queue(await b.bus.consumer_channel(4), "n1")
+        await b.store.nodes.register("n1", 4, 0.0, 0, 0, {}, uuid4(), prefetch=0)
+        ready = await b.store.tasks.create_many(
+            [spec(f"t{i}") for i in range(3)], walk=(State.PENDING, State.READY)
+        )
+        await scheduler.queue.push(ready)
+        assert await scheduler.dispatch.dispatch_once() == 3
+        message = await queue.get(timeout=5)
+        sent = {
+            e.dispatch.task_id: (e.dispatch.attempt, e.dispatch.version, e.dispatch.node)
+            for e in unpack(message.body)
+            if e.dispatch is not None
+        }
+        stored = await b.store.tasks.get_many([t.id for t in ready])
+        assert sent == {t.id: (t.attempt, t.version, t.node) for t in stored}
+        assert {(t.status, t.attempt, t.node) for t in stored} == {(State.SCHEDULING, 1, "n1")}
 
 
 async def test_a_dispatch_no_queue_takes_goes_back_to_ready_at_once(settings: Settings) -> None:

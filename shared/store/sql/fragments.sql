@@ -15,25 +15,26 @@
 {{p}}max_launch_failures
 
 -- fragment: task_columns_if(c)
--- The columns of task_columns, each NULL where `c` is false but the id and the status: the
--- rows a caller asked only whether they moved (fsm.Move.read_back) cost Postgres no output and
--- the client no decoding. (tests/unit/test_queries.py checks that it names task_columns's
--- columns, in their order.)
+-- The columns of task_columns, each NULL where `c` is false but the id, the status, the
+-- version, the attempt and the node (what a move decides about an attempt): the rows a caller
+-- asked only whether they moved, or where (fsm.Move.read_back), cost Postgres little output
+-- and the client little decoding. (tests/unit/test_queries.py checks that it names
+-- task_columns's columns, in their order.)
 id,
 CASE WHEN {{c}} THEN name END AS name,
 CASE WHEN {{c}} THEN kind END AS kind,
 CASE WHEN {{c}} THEN spec::text END AS spec_json,
 status,
 CASE WHEN {{c}} THEN status_reason END AS status_reason,
-CASE WHEN {{c}} THEN version END AS version,
-CASE WHEN {{c}} THEN attempt END AS attempt,
+version,
+attempt,
 CASE WHEN {{c}} THEN priority END AS priority,
 CASE WHEN {{c}} THEN retry_count END AS retry_count,
 CASE WHEN {{c}} THEN max_retries END AS max_retries,
 CASE WHEN {{c}} THEN next_retry_at END AS next_retry_at,
 CASE WHEN {{c}} THEN timeout_s END AS timeout_s,
 CASE WHEN {{c}} THEN heartbeat_timeout_s END AS heartbeat_timeout_s,
-CASE WHEN {{c}} THEN node END AS node,
+node,
 CASE WHEN {{c}} THEN idempotency_key END AS idempotency_key,
 CASE WHEN {{c}} THEN paused_by END AS paused_by,
 CASE WHEN {{c}} THEN paused_reason END AS paused_reason,
