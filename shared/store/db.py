@@ -4,7 +4,7 @@ connection of its own, in its own transaction) or one connection inside a transa
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 from uuid import UUID
@@ -82,6 +82,11 @@ class Db:
 
 def task(row: asyncpg.Record) -> Task:
     return Task.from_row(row)
+
+
+def tasks_of(rows: Sequence[asyncpg.Record]) -> list[Task]:
+    """The tasks of one statement's rows (`Task.from_rows`: their columns read once)."""
+    return Task.from_rows(rows)
 
 
 async def get_task(db: Db, task_id: UUID) -> Task:

@@ -20,7 +20,7 @@ from shared import fsm, hooks
 from shared.dag import effective_priorities
 from shared.fsm import Move, State
 from shared.models import Event, Task, TaskSpec
-from shared.store.db import Db, get_task, task
+from shared.store.db import Db, get_task, task, tasks_of
 from shared.store.queries import Q
 
 
@@ -176,7 +176,7 @@ class Tasks:
             [s.max_launch_failures for s in specs],
             *placed,
         )
-        created = {row["id"]: task(row) for row in rows}
+        created = {t.id: t for t in tasks_of(rows)}
         by_id: dict[UUID, Task] = {}
         by_key: dict[str, Task] = {}
         if len(created) < len(ids):
@@ -245,7 +245,8 @@ class Tasks:
             hooks.transitions(moved, started, time.time_ns())
             out.extend(t for (t, m) in moved if m.read_back)
         else:
-            out.extend(task(won[m.task_id]) for m in moves if m.read_back and m.task_id in won)
+            back = [won[m.task_id] for m in moves if m.read_back and m.task_id in won]
+            out.extend(tasks_of(back))
         return out
 
     # -- reads ------------------------------------------------------------------------------
@@ -254,7 +255,7 @@ class Tasks:
         return await get_task(self.db, task_id)
 
     async def get_many(self, ids: Sequence[UUID]) -> list[Task]:
-        return [task(row) for row in await self.db.fetch(Q.get_tasks, list(ids))]
+        return tasks_of(await self.db.fetch(Q.get_tasks, list(ids)))
 
     async def list_tasks(
         self, statuses: Iterable[object] | None = None, name: str | None = None, limit: int = 100

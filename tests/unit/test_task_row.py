@@ -44,3 +44,25 @@ def test_a_missing_column_is_named(extra: bool) -> None:
         row["_fenced"] = False  # as many keys as a whole row: still refused
     with pytest.raises(TypeError, match="version"):
         Task.from_row(row)
+
+
+def test_rows_of_one_statement_read_as_each_alone() -> None:
+    """Task.from_rows reads a statement's columns once: each task is what from_row makes of
+    its row, whether the rows are exactly a task's columns, carry the statement's own, or
+    lack defaulted ones; a missing column is refused there too."""
+    exact = [_row(), {**_row(), "status": "running", "version": 4}]
+    extra = [{**row, "_notified": 1} for row in exact]
+    short = [dict(row) for row in exact]
+    for row in short:
+        del row["launch_failures"]
+    for rows in (exact, extra, short):
+        tasks = Task.from_rows(rows)
+        assert tasks == [Task.from_row(row) for row in rows]
+        assert [t.status for t in tasks] == [State.READY, State.RUNNING]
+        assert not any(hasattr(t, "_notified") for t in tasks)
+    assert Task.from_rows([]) == []
+    broken = [dict(row) for row in exact]
+    for row in broken:
+        del row["version"]
+    with pytest.raises(TypeError, match="version"):
+        Task.from_rows(broken)
