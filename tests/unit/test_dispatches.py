@@ -36,6 +36,21 @@ def test_a_batch_comes_back_entry_by_entry_with_each_entrys_headers() -> None:
     assert unpack(entries[0].raw)[0].dispatch == sent[0][0]
 
 
+def test_a_batch_is_written_as_compact_json() -> None:
+    """pack writes what json.dumps would with compact separators (pydantic's encoder, for
+    its speed): the same bytes, so a reader of either kind sees one format."""
+    sent = [(dispatch(), {"traceparent": f"00-{i:032x}-{i:016x}-01"}) for i in range(1, 4)]
+    sent += [(entry_of(Task.from_row(task_row(node="n1"))), {})]
+    body = {
+        "schema_version": 1,
+        "dispatches": [
+            {"dispatch": d.model_dump(mode="json") if isinstance(d, Dispatch) else d, "headers": h}
+            for d, h in sent
+        ],
+    }
+    assert pack(sent) == json.dumps(body, separators=(",", ":")).encode()
+
+
 def test_a_single_dispatch_body_is_a_batch_of_one_with_the_messages_headers() -> None:
     d = dispatch()
     [entry] = unpack(d.model_dump_json().encode(), {"traceparent": "x"})
