@@ -187,17 +187,14 @@ class Dispatcher(Part):
         placed, unplaced = place_many([(t.id, need_of(t)) for t in tasks], nodes)
         unplaced.update(blocked)
         unplaced.update(held_back)
-        # a hook sees the placed tasks whole; otherwise what a dispatch needs comes back alone
-        whole = bool(hooks.installed)
+        # what a dispatch needs of each moved row comes back alone (the repository still
+        # hands a hook's `transitions` the rows whole)
         moves = [
-            fsm.plan(t, State.SCHEDULING, PLACED, read_back=whole, node=placed[t.id])
+            fsm.plan(t, State.SCHEDULING, PLACED, read_back=False, node=placed[t.id])
             for t in tasks
             if t.id in placed
         ]
-        moved = await tx.tasks.transition_many(moves)
-        if whole:
-            return moved, unplaced
-        after = moved.rows
+        after = (await tx.tasks.transition_many(moves)).rows
         return [_as_placed(t, after[t.id]) for t in tasks if t.id in after], unplaced
 
     def _degraded(self, tasks: list[Task], mode: Mode) -> tuple[list[Task], dict[UUID, Choice]]:
