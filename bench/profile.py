@@ -5,8 +5,10 @@ Runs the stack of bench/throughput.py, submits a burst (or, with --rate R, one t
 at R tasks/s: what a task costs when nothing batches), and reads each process's CPU time from
 /proc before and after: the services (by pid), every Postgres backend, RabbitMQ (beam.smp),
 Redis, and this client. With --py-spy DIR it records a py-spy profile of each service during
-the burst (speedscope JSON, one file per service; open at https://www.speedscope.app).
-Run: .venv/bin/python bench/profile.py [--tasks 5000] [--rate 100] [--py-spy /tmp/prof]
+the burst (speedscope JSON, one file per service; open at https://www.speedscope.app); with
+--perf FILE, a `perf record -a -g` of the whole machine, kernel included (`perf report -i FILE
+--sort comm,dso,sym`). Run: .venv/bin/python bench/profile.py [--tasks 5000] [--rate 100]
+[--py-spy /tmp/prof] [--perf /tmp/perf.data]
 """
 
 from __future__ import annotations
@@ -241,6 +243,14 @@ async def main(args: argparse.Namespace) -> None:
                         stderr=subprocess.DEVNULL,
                     )
                 )
+        perf = None
+        if args.perf:
+            # the whole machine, kernel included: where the syscalls of a send or a wake-up go
+            perf = subprocess.Popen(
+                ["perf", "record", "-a", "-g", "-F", "499", "-o", args.perf],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         statements = await _statements_on(pool)
         before, wall = snapshot(groups), time.perf_counter()
         busy = machine_busy_seconds()
@@ -253,9 +263,9 @@ async def main(args: argparse.Namespace) -> None:
         groups = groups_of(stack)  # again: with the processes born during the burst
         after = snapshot(groups)
         busy = machine_busy_seconds() - busy
-        for s in spies:
+        for s in spies if perf is None else [*spies, perf]:
             s.send_signal(2)
-        for s in spies:
+        for s in spies if perf is None else [*spies, perf]:
             s.wait(timeout=60)
         await settle(pool)
         total = 0.0
@@ -293,6 +303,9 @@ if __name__ == "__main__":
     parser.add_argument("--schedulers", type=int, default=1)
     parser.add_argument("--command", action="store_true", help="`true` commands, not handlers")
     parser.add_argument("--py-spy", metavar="DIR", help="record a py-spy profile per service")
+    parser.add_argument(
+        "--perf", metavar="FILE", help="`perf record -a -g` of the machine during the burst"
+    )
     parser.add_argument(
         "--rate", type=float, help="submit one task at a time at this rate (tasks/s), not a burst"
     )

@@ -1033,6 +1033,43 @@ async def test_a_handler_worker_is_frozen_with_its_attempt(
     assert (await job).stopped
 
 
+async def test_a_handler_job_started_late_keeps_its_leases_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lease a claim brought ends when it ends, however long the job then waited for its
+    worker (here one being started): the worker's shim is told that end, not the lease's
+    length counted again from the moment the job reached the worker."""
+    from services.executor.backends.local import process
+
+    b = LocalBackend(1, tmp_path / "state", warm_workers=0)
+    await b.start()
+    spawn = b._pool.spawn
+
+    async def slow_spawn() -> workers.Worker:
+        await asyncio.sleep(0.5)  # a busy host starting the slot's first worker
+        return await spawn()
+
+    told: list[float] = []  # the deadlines the shim was told, on the monotonic clock
+    send = process.Proc._send
+
+    def record(self: process.Proc, line: str) -> None:
+        word, _, seconds = line.partition(" ")
+        if word == "renew":
+            told.append(time.monotonic() + float(seconds))
+        send(self, line)
+
+    monkeypatch.setattr(b._pool, "spawn", slow_spawn)
+    monkeypatch.setattr(process.Proc, "_send", record)
+    try:
+        lease_ends = time.monotonic() + 5.0
+        outcome = await run(b, replace(handler("pid"), lease_s=5.0))
+        assert outcome.ok, outcome.error
+        assert told, "the worker's shim was never told the job's lease"
+        assert max(told) <= lease_ends + 0.05, f"told {max(told) - lease_ends:.3f} s too late"
+    finally:
+        await b.close()
+
+
 async def test_an_idle_workers_lease_is_dropped_before_it_lapses(tmp_path: Path) -> None:
     """A handler worker keeps its last job's lease while idle (its next job renews it anyway)
     but drops it shortly before it would run out: an idle worker is never frozen."""

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -64,18 +65,25 @@ class _Run:
         self.stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.task: asyncio.Task[Outcome]
         self.proc: Proc | None = None  # the command's tree, or the worker running the job
-        self.lease_s: float | None = None  # a lease renewed before the process was there
+        # Where the attempt's lease ends (time.monotonic()), as its claim or last renewal
+        # left it: kept as an end, not a length, so that a job which waits before its process
+        # is there (a worker being started) is not given the length again from then on.
+        self.lease_until: float | None = None
 
     def request_stop(self) -> None:
         if not self.stop.done():
             self.stop.set_result(None)
 
     def renew(self, seconds: float) -> None:
-        self.lease_s = seconds
+        self.lease_until = time.monotonic() + seconds
         if self.proc is not None:
             # lease_job: jobs waiting at one handler worker share its process, and are
             # renewed together; one renewal tells its shim for all of them
-            self.proc.lease_job(seconds)
+            self.proc.lease_job(self.lease_until)
+
+    def lease_s(self) -> float | None:
+        """What is left of the lease, from now."""
+        return None if self.lease_until is None else self.lease_until - time.monotonic()
 
 
 class LocalBackend(OneNode):
@@ -152,7 +160,8 @@ class LocalBackend(OneNode):
         run = self._runs.get(key)
         if run is None:
             run = self._runs[key] = _Run()
-            run.lease_s = launch.lease_s
+            if launch.lease_s is not None:
+                run.lease_until = time.monotonic() + launch.lease_s
             run.task = asyncio.create_task(self._attempt(run, launch))
         return await asyncio.shield(run.task)
 
@@ -263,7 +272,7 @@ class LocalBackend(OneNode):
                 env,
                 cwd=job.cwd,
                 log_path=log_path,
-                lease_s=run.lease_s,
+                lease_s=run.lease_s(),
                 freeze_max_s=self.freeze_max_s,
             )
         except SpawnError as exc:
@@ -338,8 +347,8 @@ class LocalBackend(OneNode):
                 assert worker.record is not None
                 self._records.link(key, worker.record)
                 run.proc = worker.proc
-                if run.lease_s is not None:
-                    worker.proc.lease_job(run.lease_s)
+                if run.lease_until is not None:
+                    worker.proc.lease_job(run.lease_until)
                 verdict = await self._verdict(worker, ticket, run.stop)
                 run.proc = None
                 if verdict.how == "returned":  # never started: on another worker, unless stopped

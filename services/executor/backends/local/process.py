@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +73,7 @@ class Proc:
         self.pid = 0
         self.start_time = 0
         self.frozen = False
-        self._expiry: float | None = None  # the lease's end as the shim was told (loop time)
+        self._expiry: float | None = None  # the lease's end as the shim was told (monotonic)
         self._unlease: asyncio.TimerHandle | None = None
         self._exit: Exit | None = None  # the exit reported, awaiting the report's end
         self._exit_wait: asyncio.TimerHandle | None = None
@@ -84,27 +85,26 @@ class Proc:
 
     # -- steering -----------------------------------------------------------------------------
 
-    def renew(self, seconds: float) -> None:
-        """The lease lasts `seconds` from now (thaws a frozen tree)."""
+    def renew(self, until: float) -> None:
+        """The lease lasts until `until` (time.monotonic()); thaws a frozen tree. The shim is
+        told what is left of it as it is sent."""
         self._cancel_unlease()
-        seconds = max(seconds, 0.0)
-        self._send(f"renew {seconds:.3f}")
-        self._expiry = asyncio.get_running_loop().time() + seconds
+        self._send(f"renew {max(until - time.monotonic(), 0.0):.3f}")
+        self._expiry = until
 
-    def lease_job(self, seconds: float) -> None:
-        """A handler worker's next job, whose lease lasts `seconds` from now. The shim still
-        holds what it was told for the worker's previous job; when that ends no later than
-        this job's lease and at most JOB_SLACK_S sooner, it is left as it is: the shim then
-        freezes no later than this lease allows, and the executor's renewals (every quarter
-        of a lease at most) extend it long before. Under load a worker takes jobs
-        milliseconds apart: this saves a write, and a wake of the shim, per job."""
+    def lease_job(self, until: float) -> None:
+        """A handler worker's next job, whose lease lasts until `until` (time.monotonic()).
+        The shim still holds what it was told for the worker's previous job; when that ends
+        no later than this job's lease and at most JOB_SLACK_S sooner, it is left as it is:
+        the shim then freezes no later than this lease allows, and the executor's renewals
+        (every quarter of a lease at most) extend it long before. Under load a worker takes
+        jobs milliseconds apart, most of them claimed by one statement and so with one lease
+        end: this saves a write, and a wake of the shim, per job."""
         self._cancel_unlease()
-        seconds = max(seconds, 0.0)
-        ends = asyncio.get_running_loop().time() + seconds
-        slack = min(JOB_SLACK * seconds, JOB_SLACK_S)
+        slack = min(JOB_SLACK * max(until - time.monotonic(), 0.0), JOB_SLACK_S)
         told = self._expiry
-        if told is None or self.frozen or not ends - slack <= told <= ends:
-            self.renew(seconds)
+        if told is None or self.frozen or not until - slack <= told <= until:
+            self.renew(until)
 
     def unlease(self) -> None:
         """No lease is kept (an idle handler worker): never frozen."""
@@ -119,9 +119,8 @@ class Proc:
         executor frozen) is frozen idle, and thawed by its next job's renewal."""
         if self._expiry is None or self._unlease is not None:
             return
-        loop = asyncio.get_running_loop()
-        delay = max(0.0, self._expiry - loop.time() - UNLEASE_AHEAD_S)
-        self._unlease = loop.call_later(delay, self.unlease)
+        delay = max(0.0, self._expiry - time.monotonic() - UNLEASE_AHEAD_S)
+        self._unlease = asyncio.get_running_loop().call_later(delay, self.unlease)
 
     def _cancel_unlease(self) -> None:
         if self._unlease is not None:
