@@ -93,7 +93,13 @@ def read_pid(path: Path) -> int | None:
 
 
 def records(state: Path) -> list[Path]:
+    """The command attempts' records."""
     return sorted((state / "running").glob("*.json"))
+
+
+def worker_records(state: Path) -> list[Path]:
+    """The handler workers' records (a handler job has none of its own)."""
+    return sorted((state / "running").glob("*.worker"))
 
 
 # --- commands --------------------------------------------------------------------------------
@@ -319,7 +325,8 @@ async def test_stop_a_running_handler(backend: LocalBackend, tmp_path: Path) -> 
     running = asyncio.create_task(run(backend, launch))
     await until(marker.exists, "the handler to start")
     assert backend.running() == {(launch.task_id, 1)}
-    assert len(records(backend.state_dir)) == 1
+    assert records(backend.state_dir) == []  # its worker's record names its group
+    assert worker_records(backend.state_dir)
 
     assert await backend.stop_task(launch.task_id, 1)
     outcome = await running
@@ -754,10 +761,10 @@ async def start_two_attempts(tmp_path: Path, script: str) -> tuple[Any, UUID, li
             raise AssertionError((tmp_path / "executor.out").read_text())
         both = read_pid(tmp_path / "command.pid") and read_pid(tmp_path / "handler.pid")
         # a process may write its pid before the executor has written its record
-        return bool(both) and len(records(state)) >= 2
+        return bool(both) and bool(records(state)) and bool(worker_records(state))
 
     await until(started, "the executor to start and record both attempts", timeout=30)
-    leaders = [json.loads(p.read_text())["pid"] for p in records(state)]
+    leaders = [json.loads(p.read_text())["pid"] for p in records(state) + worker_records(state)]
     assert len(leaders) == 2
     return executor, task_id, leaders
 
@@ -782,7 +789,8 @@ async def test_a_killed_executor_takes_its_whole_trees_with_it(tmp_path: Path) -
 async def test_orphans_of_an_executor_killed_with_its_warden_are_reaped(tmp_path: Path) -> None:
     """SIGKILL the executor, its warden and its shims at once: the attempts' leaders die
     (parent-death signal), what they left in their process groups is killed by the next
-    executor on this state_dir, from its records."""
+    executor on this state_dir, from its records: the command attempt's, and the handler
+    worker's (a handler job has no record of its own)."""
     command_pid = tmp_path / "command.pid"
     script = f"sleep 60 & echo $! > {command_pid}; wait"
     executor, task_id, leaders = await start_two_attempts(tmp_path, script)
@@ -800,12 +808,14 @@ async def test_orphans_of_an_executor_killed_with_its_warden_are_reaped(tmp_path
     grandchildren = [read_pid(command_pid), read_pid(tmp_path / "handler.pid")]
     assert not any(gone(pid) for pid in grandchildren if pid)
 
+    old_workers = worker_records(tmp_path / "state")
     b = LocalBackend(1, tmp_path / "state")
     await b.start()
     try:
-        assert sorted(b.reaped) == [(task_id, 1), (task_id, 2)]
+        assert b.reaped == [(task_id, 1)]  # the command; the handler's worker is not named
         await until(lambda: all(gone(p) for p in grandchildren if p), "the orphans to be reaped")
         assert records(tmp_path / "state") == []
+        assert not set(old_workers) & set(worker_records(tmp_path / "state"))
     finally:
         await b.close()
 
@@ -839,6 +849,24 @@ async def test_reaping_checks_the_start_time(tmp_path: Path, same_process: bool)
             assert proc.wait(timeout=10) == -signal.SIGKILL
         else:
             assert proc.poll() is None  # a later process that got the pid: left alone
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+async def test_a_dead_executors_handler_worker_group_is_reaped(tmp_path: Path) -> None:
+    """A handler job has no record of its own: its worker's record names the group that what
+    the job started lives in, and the next executor on the state_dir kills it, busy or idle."""
+    state = tmp_path / "state"
+    proc = leftover(state, (UUID(int=7), 4), 0)
+    try:
+        (state / "running" / f"{UUID(int=7)}-4.json").rename(state / "running" / "w1.worker")
+        b = LocalBackend(0, state)
+        await b.start()
+        await b.close()
+        assert b.reaped == []  # no attempt named: the worker's job is not known here
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+        assert worker_records(state) == []
     finally:
         proc.kill()
         proc.wait(timeout=10)

@@ -344,8 +344,6 @@ class LocalBackend(OneNode):
                     return Outcome.failed("could not start a handler worker: it died at once")
                 continue
             try:
-                assert worker.record is not None
-                self._records.link(key, worker.record)
                 run.proc = worker.proc
                 if run.lease_until is not None:
                     worker.proc.lease_job(run.lease_until)
@@ -364,7 +362,6 @@ class LocalBackend(OneNode):
                     return Outcome.failed(str(answer.get("error")), tail)
                 tail = await self._keep_output(worker, Path(log_name)) if verdict.first else ""
             finally:
-                self._records.remove(key)
                 self._pool.release(worker)
             if verdict.how == "halted":
                 return self._cut_short(launch, verdict.why == "stopped", tail)

@@ -7,7 +7,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import signal
 from pathlib import Path
 from typing import Any
@@ -33,8 +32,12 @@ def _boot_id() -> str | None:
 
 
 class Records:
-    """state_dir/running: `<task_id>-<attempt>.json` per attempt in flight, naming the process
-    group to kill should this executor die; `<name>.worker` per handler worker."""
+    """state_dir/running: the process groups to kill should this executor die with its warden
+    and shims: `<task_id>-<attempt>.json` per command attempt in flight, `<name>.worker` per
+    handler worker. A handler job has no record of its own: its worker's names its group,
+    which is killed at the next start whether the worker was busy or idle (an idle worker's
+    group held only the worker, gone with it). A record per job, a hard link made and removed
+    around each, cost ~7 % of an executor's CPU in a burst of no-op handlers."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -64,27 +67,13 @@ class Records:
         self._write(path, pid, start_time)
         return path
 
-    def link(self, key: Key, worker_record: Path) -> None:
-        """Record a handler attempt as a hard link to its worker's record.
-
-        A link costs a fraction of creating a file (an inode), which was most of a no-op
-        handler's round trip (docs/performance.md).
-        """
-        path = self._path(key)
-        try:
-            os.link(worker_record, path)
-        except FileExistsError:
-            os.unlink(path)
-            os.link(worker_record, path)
-        except OSError:  # a file system without hard links
-            shutil.copyfile(worker_record, path)
-
     def remove(self, key: Key) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._path(key))
 
     def reap(self) -> list[Key]:
-        """Kill what the attempts recorded by a dead executor left running; drop the records."""
+        """Kill what the command attempts and handler workers recorded by a dead executor left
+        running; drop the records. Returns the command attempts reaped."""
         reaped = []
         for path in sorted(self.root.iterdir()):
             if path.suffix == ".json":
@@ -103,8 +92,21 @@ class Records:
                         extra={"task_id": key[0], "attempt": key[1]},
                     )
                     reaped.append(key)
-            # Worker records and stray .tmp files: an idle worker dies with its executor.
-            path.unlink(missing_ok=True)
+            elif path.suffix == ".worker":
+                try:
+                    record = json.loads(path.read_text())
+                    killed = self._kill_leftover(record)
+                except (OSError, ValueError, KeyError, TypeError) as exc:
+                    log.warning("dropping unreadable worker record %s: %s", path, exc)
+                else:
+                    if killed:
+                        log.warning(
+                            "reaped handler worker %s left by a previous executor: killed "
+                            "process group %s (what its last job started)",
+                            path.stem,
+                            record["pgid"],
+                        )
+            path.unlink(missing_ok=True)  # and stray .tmp files
         return reaped
 
     def _kill_leftover(self, record: dict[str, Any]) -> bool:
