@@ -64,6 +64,12 @@ def sleep(seconds: float, marker: str | None = None) -> str:
     return "woke"
 
 
+def leave_writer(after_s: float, text: str) -> None:
+    """Leave behind a process that prints `text` to the job's output after `after_s`, once
+    this job has ended."""
+    subprocess.Popen(["sh", "-c", f"sleep {after_s}; echo {text}"])
+
+
 def spawn_sleeper(pidfile: str) -> None:
     """Start a grandchild `sleep 60` in the worker's process group, then wait forever."""
     child = subprocess.Popen(["sleep", "60"])

@@ -319,6 +319,22 @@ async def test_handler_timeout(backend: LocalBackend) -> None:
     assert (await run(backend, handler("add", [1, 1]))).result == 2
 
 
+async def test_output_left_by_an_earlier_job_is_not_the_next_jobs(tmp_path: Path) -> None:
+    """What a process an earlier job left running prints into the worker's output file after
+    that job ended is cut before the next job starts: it is not in the next job's log."""
+    b = LocalBackend(1, tmp_path / "state")
+    await b.start()
+    try:
+        first = await run(b, handler("leave_writer", [0.2, "late"]))
+        assert first.ok, first.error
+        await asyncio.sleep(0.6)  # the late line is written into the worker's output file
+        second = await run(b, handler("echo", {"x": 1}))
+        assert second.ok, second.error
+        assert "late" not in second.log_tail, second.log_tail
+    finally:
+        await b.close()
+
+
 async def test_stop_a_running_handler(backend: LocalBackend, tmp_path: Path) -> None:
     marker = tmp_path / "marker"
     launch = handler("sleep", [60, str(marker)])

@@ -203,7 +203,12 @@ class Worker:
             handler, job_env = job["handler"], job.get("env") or {}
         except (ValueError, TypeError, KeyError, AttributeError):
             return _failure("not a job", show=False)  # names no job: the executor kills us
-        os.ftruncate(self.out, 0)  # O_APPEND: the next write lands at the start again
+        if os.fstat(self.out).st_size:  # what a process an earlier job left running wrote
+            # O_APPEND: the next write lands at the start again. Only when there is something
+            # to cut: a truncation rewrites the file's times, an inode update the file
+            # system journals, once per job; most jobs find the file as the last one left it,
+            # emptied (its output moved to its log) or never written.
+            os.ftruncate(self.out, 0)
         self.env.use(job_env)
         os.dup2(self.out, 1)
         os.dup2(self.out, 2)
