@@ -14,6 +14,17 @@ if TYPE_CHECKING:
     from shared.fsm import Move
     from shared.models import Task
 
+# What `transitions` may read of a moved task whose move did not ask for its row back
+# (fsm.Move.read_back): the statement reads these columns back for the hooks and no more, so
+# that metrics or tracing do not bring back the whole rows the callers did without (the
+# fragment task_columns_at, level 1; tests/unit/test_queries.py holds the two equal).
+SEEN = frozenset(
+    {
+        *("id", "status", "version", "attempt", "node"),  # what every move reads back
+        *("name", "traceparent", "created_at", "queued_at", "started_at", "finished_at"),
+    }
+)
+
 
 class Attempt:
     """What an attempt's hooks learn while it runs."""
@@ -24,7 +35,8 @@ class Attempt:
 
 class Hook:
     def transitions(self, moved: Sequence[tuple[Task, Move]], start_ns: int, end_ns: int) -> None:
-        """Tasks moved by one statement that ran from `start_ns` to `end_ns`."""
+        """Tasks moved by one statement that ran from `start_ns` to `end_ns`: of a task whose
+        move did not ask for its row back, the columns in SEEN only (the rest are None)."""
 
     def received(
         self, queue: str, task_ids: Sequence[UUID], parents: Sequence[str | None]

@@ -45,6 +45,11 @@ class Moved(list[Task]):
     rows: Mapping[UUID, Mapping[str, Any]] = MappingProxyType({})
 
 
+# The levels a moved row comes back at (fragment task_columns_at): what the move decided (id,
+# status, version, attempt, node), that and what a hook reads (hooks.SEEN), or all of it.
+_DECIDED, _SEEN_BY_HOOKS, _WHOLE = 0, 1, 2
+
+
 @dataclass(frozen=True)
 class Placing:
     """Placements planned for tasks an admission is about to create (`Tasks.admit_many`):
@@ -247,16 +252,21 @@ class Tasks:
             return out
         started = time.time_ns()
         args = (*move_args(moves), self.db.lease_margin_s)
-        # a hook sees every moved task whole, so with one installed every row comes back
-        if hooks.installed or all(m.read_back for m in moves):
+        if all(m.read_back for m in moves):
             rows = await self.db.fetch(Q.transition, *args)
         else:
-            rows = await self.db.fetch(Q.transition_thin, *args, [m.read_back for m in moves])
+            # the row of a move not read back: what a move decides, and with a hook installed
+            # what a hook reads too (hooks.SEEN), not the whole row (fragment task_columns_at)
+            bare = _SEEN_BY_HOOKS if hooks.installed else _DECIDED
+            levels = [_WHOLE if m.read_back else bare for m in moves]
+            rows = await self.db.fetch(Q.transition_thin, *args, levels)
         won = {row["id"]: row for row in rows}
         out.ids = frozenset(won)
         out.rows = won
         if hooks.installed:
-            moved = [(task(won[m.task_id]), m) for m in moves if m.task_id in won]
+            won_moves = [m for m in moves if m.task_id in won]
+            tasks = tasks_of([won[m.task_id] for m in won_moves])
+            moved = list(zip(tasks, won_moves, strict=True))
             hooks.transitions(moved, started, time.time_ns())
             out.extend(t for (t, m) in moved if m.read_back)
         else:

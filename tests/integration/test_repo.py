@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 from dataclasses import replace
 from uuid import UUID
 
@@ -13,7 +14,7 @@ import pytest
 from shared import fsm, hooks
 from shared.errors import IllegalTransition, InvalidSpec, NotFound, StaleWrite, UnknownState
 from shared.fsm import State
-from shared.models import TaskSpec
+from shared.models import Task, TaskSpec
 from shared.store import Store, Tx, parse_notify
 from shared.store.db import Db
 from shared.store.notify import states_of
@@ -138,18 +139,33 @@ async def test_batched_moves_return_only_winners(store: Store, pool: asyncpg.Poo
     assert events_after - events_before == 90
 
 
+class _Seeing(hooks.Hook):
+    """Records what `transitions` hands a hook."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[Task, fsm.Move]] = []
+
+    def transitions(
+        self, moved: Sequence[tuple[Task, fsm.Move]], start_ns: int, end_ns: int
+    ) -> None:
+        self.seen.extend(moved)
+
+
 async def test_moves_that_want_no_row_back_are_named_by_id(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A batch mixing moves that want their rows back with moves that do not (an attempt's
     end beside the claims taking its slot): every winner is named in `ids`, the rows come back
-    whole for the former only, and a loser is in neither. With a hook installed every row is
-    read (the hook sees each moved task whole), and still only the asked-for ones returned."""
-    for installed in ([], [hooks.Hook()]):
-        monkeypatch.setattr(hooks, "installed", installed)
+    whole for the former only, and a loser is in neither. With a hook installed the hook sees
+    every moved task: whole where its move asked for it, else the columns of hooks.SEEN —
+    the rest is not read back for the hook either (metrics or tracing on cost no whole rows)."""
+    for hook in (None, _Seeing()):
+        monkeypatch.setattr(hooks, "installed", [] if hook is None else [hook])
         tasks = await store.tasks.create_many([spec(f"r{i}") for i in range(6)])
         stale = await store.tasks.transition_many([fsm.plan(tasks[5], State.PENDING)])
         assert [t.id for t in stale] == [tasks[5].id]
+        if hook is not None:
+            hook.seen.clear()
         moves = [
             replace(fsm.plan(t, State.PENDING), read_back=i % 2 == 0) for i, t in enumerate(tasks)
         ]
@@ -161,6 +177,16 @@ async def test_moves_that_want_no_row_back_are_named_by_id(
             assert (row.status, row.version, row.spec.name) == (State.PENDING, 2, row.name)
         for t in tasks[:5]:
             assert (await store.tasks.get(t.id)).status is State.PENDING  # all were moved
+        if hook is not None:
+            assert [(t.id, m) for t, m in hook.seen] == [(m.task_id, m) for m in moves[:5]]
+            for seen, move in hook.seen:
+                whole = await store.tasks.get(seen.id)
+                if move.read_back:
+                    assert seen == whole
+                    continue
+                for column in Task.__dataclass_fields__:
+                    expected = getattr(whole, column) if column in hooks.SEEN else None
+                    assert getattr(seen, column) == expected, column
         # a single move returns its row whatever the move says
         one = await store.tasks.transition(
             replace(fsm.plan(moved[0], State.READY), read_back=False)

@@ -14,57 +14,60 @@
 {{p}}lease_until, {{p}}schedule_timeout_s, {{p}}schedule_deadline, {{p}}launch_failures,
 {{p}}max_launch_failures
 
--- fragment: task_columns_if(c)
--- The columns of task_columns, each NULL where `c` is false but the id, the status, the
--- version, the attempt and the node (what a move decides about an attempt): the rows a caller
--- asked only whether they moved, or where (fsm.Move.read_back), cost Postgres little output
--- and the client little decoding. (tests/unit/test_queries.py checks that it names
--- task_columns's columns, in their order.)
+-- fragment: task_columns_at(level)
+-- The columns of task_columns, read back at a level (`level`, per row; shared.store.tasks
+-- names them): 0, the id, the status, the version, the attempt and the node (what a move
+-- decides about an attempt) and NULL for the rest; 1, those and what a hook reads of a moved
+-- task (shared.hooks.SEEN: its name, trace parent and times); 2, the whole row. The rows a
+-- caller asked only whether they moved, or where (fsm.Move.read_back), cost Postgres little
+-- output and the client little decoding, with metrics or tracing on too. (tests/unit/
+-- test_queries.py checks that it names task_columns's columns, in their order, and that
+-- level 1 is hooks.SEEN.)
 id,
-CASE WHEN {{c}} THEN name END AS name,
-CASE WHEN {{c}} THEN kind END AS kind,
-CASE WHEN {{c}} THEN spec::text END AS spec_json,
+CASE WHEN {{level}} >= 1 THEN name END AS name,
+CASE WHEN {{level}} >= 2 THEN kind END AS kind,
+CASE WHEN {{level}} >= 2 THEN spec::text END AS spec_json,
 status,
-CASE WHEN {{c}} THEN status_reason END AS status_reason,
+CASE WHEN {{level}} >= 2 THEN status_reason END AS status_reason,
 version,
 attempt,
-CASE WHEN {{c}} THEN priority END AS priority,
-CASE WHEN {{c}} THEN retry_count END AS retry_count,
-CASE WHEN {{c}} THEN max_retries END AS max_retries,
-CASE WHEN {{c}} THEN next_retry_at END AS next_retry_at,
-CASE WHEN {{c}} THEN timeout_s END AS timeout_s,
-CASE WHEN {{c}} THEN heartbeat_timeout_s END AS heartbeat_timeout_s,
+CASE WHEN {{level}} >= 2 THEN priority END AS priority,
+CASE WHEN {{level}} >= 2 THEN retry_count END AS retry_count,
+CASE WHEN {{level}} >= 2 THEN max_retries END AS max_retries,
+CASE WHEN {{level}} >= 2 THEN next_retry_at END AS next_retry_at,
+CASE WHEN {{level}} >= 2 THEN timeout_s END AS timeout_s,
+CASE WHEN {{level}} >= 2 THEN heartbeat_timeout_s END AS heartbeat_timeout_s,
 node,
-CASE WHEN {{c}} THEN idempotency_key END AS idempotency_key,
-CASE WHEN {{c}} THEN paused_by END AS paused_by,
-CASE WHEN {{c}} THEN paused_reason END AS paused_reason,
-CASE WHEN {{c}} THEN paused_at END AS paused_at,
-CASE WHEN {{c}} THEN result END AS result,
-CASE WHEN {{c}} THEN error END AS error,
-CASE WHEN {{c}} THEN created_at END AS created_at,
-CASE WHEN {{c}} THEN updated_at END AS updated_at,
-CASE WHEN {{c}} THEN queued_at END AS queued_at,
-CASE WHEN {{c}} THEN started_at END AS started_at,
-CASE WHEN {{c}} THEN finished_at END AS finished_at,
-CASE WHEN {{c}} THEN log_tail END AS log_tail,
-CASE WHEN {{c}} THEN cpu END AS cpu,
-CASE WHEN {{c}} THEN memory_mb END AS memory_mb,
-CASE WHEN {{c}} THEN gpu END AS gpu,
-CASE WHEN {{c}} THEN traceparent END AS traceparent,
-CASE WHEN {{c}} THEN hb_at END AS hb_at,
-CASE WHEN {{c}} THEN hb_deadline END AS hb_deadline,
-CASE WHEN {{c}} THEN hb_seq END AS hb_seq,
-CASE WHEN {{c}} THEN workflow_id END AS workflow_id,
-CASE WHEN {{c}} THEN wf_task END AS wf_task,
-CASE WHEN {{c}} THEN uses END AS uses,
-CASE WHEN {{c}} THEN inputs END AS inputs,
-CASE WHEN {{c}} THEN lease_owner END AS lease_owner,
-CASE WHEN {{c}} THEN lease_attempt END AS lease_attempt,
-CASE WHEN {{c}} THEN lease_until END AS lease_until,
-CASE WHEN {{c}} THEN schedule_timeout_s END AS schedule_timeout_s,
-CASE WHEN {{c}} THEN schedule_deadline END AS schedule_deadline,
-CASE WHEN {{c}} THEN launch_failures END AS launch_failures,
-CASE WHEN {{c}} THEN max_launch_failures END AS max_launch_failures
+CASE WHEN {{level}} >= 2 THEN idempotency_key END AS idempotency_key,
+CASE WHEN {{level}} >= 2 THEN paused_by END AS paused_by,
+CASE WHEN {{level}} >= 2 THEN paused_reason END AS paused_reason,
+CASE WHEN {{level}} >= 2 THEN paused_at END AS paused_at,
+CASE WHEN {{level}} >= 2 THEN result END AS result,
+CASE WHEN {{level}} >= 2 THEN error END AS error,
+CASE WHEN {{level}} >= 1 THEN created_at END AS created_at,
+CASE WHEN {{level}} >= 2 THEN updated_at END AS updated_at,
+CASE WHEN {{level}} >= 1 THEN queued_at END AS queued_at,
+CASE WHEN {{level}} >= 1 THEN started_at END AS started_at,
+CASE WHEN {{level}} >= 1 THEN finished_at END AS finished_at,
+CASE WHEN {{level}} >= 2 THEN log_tail END AS log_tail,
+CASE WHEN {{level}} >= 2 THEN cpu END AS cpu,
+CASE WHEN {{level}} >= 2 THEN memory_mb END AS memory_mb,
+CASE WHEN {{level}} >= 2 THEN gpu END AS gpu,
+CASE WHEN {{level}} >= 1 THEN traceparent END AS traceparent,
+CASE WHEN {{level}} >= 2 THEN hb_at END AS hb_at,
+CASE WHEN {{level}} >= 2 THEN hb_deadline END AS hb_deadline,
+CASE WHEN {{level}} >= 2 THEN hb_seq END AS hb_seq,
+CASE WHEN {{level}} >= 2 THEN workflow_id END AS workflow_id,
+CASE WHEN {{level}} >= 2 THEN wf_task END AS wf_task,
+CASE WHEN {{level}} >= 2 THEN uses END AS uses,
+CASE WHEN {{level}} >= 2 THEN inputs END AS inputs,
+CASE WHEN {{level}} >= 2 THEN lease_owner END AS lease_owner,
+CASE WHEN {{level}} >= 2 THEN lease_attempt END AS lease_attempt,
+CASE WHEN {{level}} >= 2 THEN lease_until END AS lease_until,
+CASE WHEN {{level}} >= 2 THEN schedule_timeout_s END AS schedule_timeout_s,
+CASE WHEN {{level}} >= 2 THEN schedule_deadline END AS schedule_deadline,
+CASE WHEN {{level}} >= 2 THEN launch_failures END AS launch_failures,
+CASE WHEN {{level}} >= 2 THEN max_launch_failures END AS max_launch_failures
 
 -- fragment: event_columns
 -- Every column an Event is read from (models.Event).

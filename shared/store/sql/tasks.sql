@@ -161,12 +161,12 @@ FROM sked_transition($1::uuid[], $2::int[], $3::text[], $4::text[], $5::text[], 
                      $7::float8)
 
 -- name: transition_thin
--- The CAS as `transition`, for moves some of which want no row back ($8, per move: its
--- fsm.Move.read_back): their tasks come back as the id and the status alone.
-SELECT {{task_columns_if(k.keep)}}
+-- The CAS as `transition`, for moves some of which want no row back: $8, per move, the
+-- level of task_columns_at its row comes back at (2 for a move's fsm.Move.read_back).
+SELECT {{task_columns_at(k.level)}}
 FROM sked_transition($1::uuid[], $2::int[], $3::text[], $4::text[], $5::text[], $6::text[],
                      $7::float8)
-JOIN unnest($1::uuid[], $8::boolean[]) AS k(kept_id, keep) ON k.kept_id = id
+JOIN unnest($1::uuid[], $8::int[]) AS k(kept_id, level) ON k.kept_id = id
 
 -- name: define_transition
 -- The CAS: each move applies only if the task is still at its version and state. `u.p` is
