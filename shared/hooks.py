@@ -89,10 +89,17 @@ def received(
     return contexts, handles
 
 
+def _overriding(name: str) -> list[Hook]:
+    """The installed hooks that implement `name` (the base class's does nothing): a seam run
+    per task or per attempt skips the others, such as metrics at an attempt's start."""
+    base = getattr(Hook, name)
+    return [hook for hook in installed if getattr(type(hook), name) is not base]
+
+
 def dispatching(tasks: Sequence[Task]) -> tuple[list[dict[str, Any]], list[Any]]:
     headers: list[dict[str, Any]] = [{} for _ in tasks]
     handles: list[Any] = []
-    for hook in installed:
+    for hook in _overriding("dispatching"):
         more_headers, more = hook.dispatching(tasks)
         for mine, theirs in zip(headers, more_headers, strict=True):
             mine.update(theirs)
@@ -126,13 +133,18 @@ def attempt(
 ) -> contextlib.AbstractContextManager[Attempt]:
     if not installed:
         return _UNSEEN
-    return _attempts(task, node, headers)
+    hooks = _overriding("attempt")
+    if not hooks:  # metrics alone: nothing to do around an attempt
+        return _UNSEEN
+    return _attempts(hooks, task, node, headers)
 
 
 @contextlib.contextmanager
-def _attempts(task: Task, node: str, headers: Mapping[str, Any] | None) -> Iterator[Attempt]:
+def _attempts(
+    hooks: list[Hook], task: Task, node: str, headers: Mapping[str, Any] | None
+) -> Iterator[Attempt]:
     with contextlib.ExitStack() as stack:
-        yield _Attempts([stack.enter_context(h.attempt(task, node, headers)) for h in installed])
+        yield _Attempts([stack.enter_context(h.attempt(task, node, headers)) for h in hooks])
 
 
 def dispatch_pass(seconds: float, placed: int) -> None:
