@@ -133,18 +133,18 @@ def attempt(
 ) -> contextlib.AbstractContextManager[Attempt]:
     if not installed:
         return _UNSEEN
-    hooks = _overriding("attempt")
-    if not hooks:  # metrics alone: nothing to do around an attempt
+    around = _overriding("attempt")
+    if not around:  # metrics alone: nothing to do around an attempt
         return _UNSEEN
-    return _attempts(hooks, task, node, headers)
+    return _attempts(around, task, node, headers)
 
 
 @contextlib.contextmanager
 def _attempts(
-    hooks: list[Hook], task: Task, node: str, headers: Mapping[str, Any] | None
+    around: list[Hook], task: Task, node: str, headers: Mapping[str, Any] | None
 ) -> Iterator[Attempt]:
     with contextlib.ExitStack() as stack:
-        yield _Attempts([stack.enter_context(h.attempt(task, node, headers)) for h in hooks])
+        yield _Attempts([stack.enter_context(h.attempt(task, node, headers)) for h in around])
 
 
 def dispatch_pass(seconds: float, placed: int) -> None:

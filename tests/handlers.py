@@ -64,10 +64,11 @@ def sleep(seconds: float, marker: str | None = None) -> str:
     return "woke"
 
 
-def leave_writer(after_s: float, text: str) -> None:
+def leave_writer(after_s: float, text: str, marker: str) -> None:
     """Leave behind a process that prints `text` to the job's output after `after_s`, once
-    this job has ended."""
-    subprocess.Popen(["sh", "-c", f"sleep {after_s}; echo {text}"])
+    this job has ended, and then touches `marker` (so a test knows it was written)."""
+    script = 'sleep "$0"; echo "$1"; touch "$2"'  # values as arguments, never as shell text
+    subprocess.Popen(["sh", "-c", script, str(after_s), text, marker])
 
 
 def spawn_sleeper(pidfile: str) -> None:

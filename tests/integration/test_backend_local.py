@@ -325,9 +325,14 @@ async def test_output_left_by_an_earlier_job_is_not_the_next_jobs(tmp_path: Path
     b = LocalBackend(1, tmp_path / "state")
     await b.start()
     try:
-        first = await run(b, handler("leave_writer", [0.2, "late"]))
+        written = tmp_path / "written"
+        first = await run(b, handler("leave_writer", [0.2, "late", str(written)]))
         assert first.ok, first.error
-        await asyncio.sleep(0.6)  # the late line is written into the worker's output file
+
+        async def late_line_written() -> bool:  # into the worker's output file
+            return written.exists()
+
+        await eventually(late_line_written, timeout=10, what="the late line")
         second = await run(b, handler("echo", {"x": 1}))
         assert second.ok, second.error
         assert "late" not in second.log_tail, second.log_tail
