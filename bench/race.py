@@ -16,7 +16,10 @@ each run's own sked/Celery ratio beside the ratio of the medians):
      labelled as such, a task that runs subprocess.run(["true"]) -- Celery has no command tasks.
 
 sked: bench/throughput.py's Stack (scheduler, relay, --executors x --slots, each a process;
-throwaway database, RabbitMQ vhost, Redis db 15). Submits with SkedClient.submit_many in chunks of
+throwaway database, RabbitMQ vhost, Redis db 15). Default: one executor with 32 slots -- one
+node on the machine, the shape of Celery's one worker process with 32 threads; the same 32 slots
+split over two executors (--executors 2 --slots 16) cost ~15 % more CPU a task on 2 cores
+(docs/performance.md has both). Submits with SkedClient.submit_many in chunks of
 500 (the burst) and SkedClient.submit per task (the paced run), every message confirmed.
 
 Celery (the `bench` extra: pip install -e '.[dev,bench]'): the same RabbitMQ on a throwaway
@@ -578,8 +581,8 @@ if __name__ == "__main__":
     parser.add_argument("--rate", type=float, default=100, help="paced latency run, tasks/s")
     parser.add_argument("--seconds", type=float, default=10, help="paced latency run length")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--executors", type=int, default=2)
-    parser.add_argument("--slots", type=int, default=16)
+    parser.add_argument("--executors", type=int, default=1)
+    parser.add_argument("--slots", type=int, default=32)
     parser.add_argument(
         "--prefetch", type=int, default=None, help="SKED_PREFETCH per executor (default: unset)"
     )
