@@ -9,7 +9,8 @@ attempt's time goes:
   spawn   executor asks the warden -> the shim reports the program's pid (fork, fork, exec)
   run     pid reported -> the shim reports its exit (`true` itself, the shim's reaping)
   total   run() called -> returned (the rest: the log tail, the running record, files)
-Run: .venv/bin/python bench/launch.py [--attempts 2000] [--concurrency 16] [--runs 3]
+Run, from the checkout (bench is a package, not installed):
+    .venv/bin/python -m bench.launch [--attempts 2000] [--concurrency 16] [--runs 3]
 """
 
 from __future__ import annotations

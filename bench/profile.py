@@ -7,8 +7,9 @@ at R tasks/s: what a task costs when nothing batches), and reads each process's 
 Redis, and this client. With --py-spy DIR it records a py-spy profile of each service during
 the burst (speedscope JSON, one file per service; open at https://www.speedscope.app); with
 --perf FILE, a `perf record -a -g` of the whole machine, kernel included (`perf report -i FILE
---sort comm,dso,sym`). Run: .venv/bin/python bench/profile.py [--tasks 5000] [--rate 100]
-[--py-spy /tmp/prof] [--perf /tmp/perf.data]
+--sort comm,dso,sym`). Run, from the checkout (bench is a package, not installed):
+    .venv/bin/python -m bench.profile [--tasks 5000] [--rate 100] [--executors 1 --slots 32]
+        [--py-spy /tmp/prof] [--perf /tmp/perf.data]
 """
 
 from __future__ import annotations
