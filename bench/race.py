@@ -4,7 +4,8 @@ Per run (interleaved, each on a fresh stack; Celery goes first in odd runs, sked
 so that the host's drift within a run falls on both alike; medians of --runs, and the median of
 each run's own sked/Celery ratio beside the ratio of the medians):
   1. warm-up: 500 no-op tasks;
-  2. submit -> start latency at a paced --rate (default 100 tasks/s) for --seconds: p50 / p99;
+  2. submit -> start latency at a paced --rate (default 100 tasks/s) for --seconds: p50 / p99,
+     and how busy the machine was meanwhile (near 100 %, every stage waits for a core);
   3. sustained throughput: a burst of --tasks no-op tasks, from the wall time before the first
      submit to the last task finished *as the system recorded it*: sked's max(finished_at) of
      the burst's tasks (one count query on Postgres every 100 ms, on the burst's distinct task
@@ -108,6 +109,9 @@ class Result:
     failed: int = 0
     # the machine's busy fraction when the latency run and the burst began (quiet())
     quiet: list[float] = field(default_factory=list)
+    # the machine's busy fraction during the latency run: near 1, each stage of a task's way
+    # waits for a core, and the latency is that queue's more than the system's
+    paced_busy: float = 0.0
 
 
 # --- CPU, per process, from /proc ---
@@ -126,6 +130,19 @@ def quiet(window: float = 0.5, busy: float = 0.15, timeout: float = 30.0) -> flo
         seen = (machine_busy_seconds() - before) / (time.monotonic() - start) / cpus
         if seen < busy or time.monotonic() >= deadline:
             return seen
+
+
+class Busy:
+    """The machine's busy fraction (of all its CPUs) over a `with` block."""
+
+    def __enter__(self) -> Busy:
+        self.before, self.start = machine_busy_seconds(), time.monotonic()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        cpus = os.cpu_count() or 1
+        elapsed = time.monotonic() - self.start
+        self.fraction = (machine_busy_seconds() - self.before) / elapsed / cpus
 
 
 def used_us(before: Snapshot, after_groups: Groups, tasks: int) -> dict[str, float]:
@@ -299,7 +316,9 @@ def celery_run(args: argparse.Namespace, run: int) -> Result:
     with celery_stack(args, run) as cs:
         celery_burst(cs, CELERY_NOOP, f"warm-{run}", WARMUP)
         res.quiet.append(quiet())
-        lat = celery_paced(cs, args.rate, args.seconds, f"lat-{run}")
+        with Busy() as busy:
+            lat = celery_paced(cs, args.rate, args.seconds, f"lat-{run}")
+        res.paced_busy = busy.fraction
         res.p50, res.p99 = pct(lat, 50), pct(lat, 99)
         groups = {
             "celery worker": with_children(cs.worker.pid),
@@ -439,7 +458,9 @@ async def _sked_run(args: argparse.Namespace, run: int, stop: AsyncStop) -> Resu
         await sked_burst(client, pool, NOOP, f"race-warm-{run}", WARMUP)
         await settle(pool)
         res.quiet.append(quiet())
-        lat = await sked_paced(client, pool, args.rate, args.seconds, f"race-lat-{run}")
+        with Busy() as busy:
+            lat = await sked_paced(client, pool, args.rate, args.seconds, f"race-lat-{run}")
+        res.paced_busy = busy.fraction
         res.p50, res.p99 = pct(lat, 50), pct(lat, 99)
         await settle(pool)
         res.quiet.append(quiet())
@@ -482,7 +503,8 @@ def cpu_line(cpu: dict[str, float]) -> str:
 
 def run_line(system: str, run: int, args: argparse.Namespace, res: Result, cmd: str) -> str:
     line = f"run {run + 1}/{args.runs} {system}: submit->start at {args.rate:g}/s p50 "
-    line += f"{res.p50:.1f} ms, p99 {res.p99:.1f} ms; burst of {args.tasks}: "
+    line += f"{res.p50:.1f} ms, p99 {res.p99:.1f} ms ({res.paced_busy:.0%} busy); "
+    line += f"burst of {args.tasks}: "
     line += f"{res.rate:,.0f} tasks/s; CPU µs/task: {cpu_line(res.cpu)}"
     if res.commands is not None:
         line += f"; {cmd}: {res.commands:,.0f} tasks/s"
@@ -505,6 +527,7 @@ def median_of(results: list[Result]) -> Result:
         cpu=cpu,
         commands=statistics.median(commands) if commands else None,
         failed=sum(r.failed for r in results),
+        paced_busy=statistics.median(r.paced_busy for r in results),
     )
 
 
@@ -543,6 +566,8 @@ def summary(args: argparse.Namespace, results: dict[str, list[Result]]) -> None:
             f"sked/celery throughput by run: {', '.join(f'{r:.2f}x' for r in ratios)}; "
             f"median {statistics.median(ratios):.2f}x"
         )
+    busy = ", ".join(f"{system} {m.paced_busy:.0%}" for system, m in med.items())
+    print(f"the machine busy during the paced run, of its {os.cpu_count()} CPUs (median): {busy}")
     print("CPU µs/task by process (median; RabbitMQ and Redis are shared servers):")
     for system, m in med.items():
         print(f"  {system:7} {cpu_line(m.cpu)}")
