@@ -70,6 +70,10 @@ class Settings(BaseSettings):
     submit_batch: int = Field(default=500, ge=1, le=10_000)
     dispatch_batch: int = Field(default=500, ge=1, le=10_000)
     reconcile_s: float = Field(default=5.0, gt=0, description="queue/Postgres consistency check")
+    # How long the dispatch message of an attempt placed at admission waits: its node is told
+    # by the placement's commit and claims it from there; the message goes out only if the
+    # attempt is still unclaimed after this (services/scheduler/follow.py). 0: at once.
+    dispatch_follow_s: float = Field(default=0.5, ge=0, le=10)
     node_ttl_s: float = Field(default=10.0, gt=0, description="a node silent this long is gone")
 
     # Heartbeats and recovery.

@@ -17,6 +17,7 @@ from aio_pika.abc import AbstractIncomingMessage
 
 from services.scheduler.ahead import NodeView
 from services.scheduler.dispatch import Dispatcher
+from services.scheduler.follow import Follower, told
 from services.scheduler.hub import Hub, Part
 from shared import fsm, hooks, workflows
 from shared.bus import BATCH_KEY, SUBMIT_KEY, SUBMIT_QUEUE, WORKFLOW_KEY, AmqpBus
@@ -41,6 +42,7 @@ from shared.resilience import TRANSIENT, isolate
 from shared.runtime import both, next_batch
 from shared.settings import Settings
 from shared.store import Placing, Store
+from shared.store.notify import PLACED_LIST_MAX
 
 log = logging.getLogger(__name__)
 
@@ -104,12 +106,18 @@ class Intake(Part):
         self.inbox: asyncio.Queue[AbstractIncomingMessage | None] = asyncio.Queue()
         self._sending: set[asyncio.Task[None]] = set()  # dispatches awaiting their confirms
         self._view: NodeView | None = None  # the nodes placement ahead plans on
+        # the dispatch messages of placements their nodes were told of by the commit
+        self.follower = Follower(store, settings.dispatch_follow_s, dispatcher.send)
 
     async def run(self) -> None:
         """Take submissions in batches: wait for the first, then whatever else has arrived."""
         try:
             while (batch := await next_batch(self.inbox, self.settings.submit_batch)) is not None:
                 await self.accept(batch)
+            # stopping: the placements the follower holds are dispatched now if unclaimed, the
+            # last admissions' included (its own loop may have ended before them)
+            with contextlib.suppress(*TRANSIENT):
+                await self.follower.send_due(None)
         finally:
             if self._sending:  # the dispatches of the last admissions, still unconfirmed
                 await asyncio.wait(self._sending)
@@ -305,13 +313,20 @@ class Intake(Part):
         return new, existing
 
     async def _send_soon(self, moved: list[Task]) -> None:
-        """Send the dispatches of what was just placed without waiting for RabbitMQ's confirms:
-        the next submissions are admitted meanwhile. Alone at 100 tasks/s the confirm was a
+        """The dispatch messages of what was just placed: those whose nodes the commit told
+        wait for the follower (`follow.py`: most are claimed from the notification, and then
+        need none); the rest are sent now.
+
+        Sent without waiting for RabbitMQ's confirms: the next submissions are admitted
+        meanwhile. Alone at 100 tasks/s the confirm was a
         third of a submission's admission, and the next one queued behind it. Nothing waits
         for it that needs to: the placement is committed (a submission redelivered now finds
         its task and places nothing again), and a dispatch that is not confirmed is taken back
         to Ready by `send` itself. At most MAX_SENDING are in flight; the tasks left waiting
         were queued before, so a later submission cannot pass them."""
+        if self.settings.dispatch_follow_s > 0:
+            notified, moved = told(moved, PLACED_LIST_MAX)
+            self.follower.follow(notified)
         if not moved:
             return
         while len(self._sending) >= MAX_SENDING:

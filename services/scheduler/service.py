@@ -1,6 +1,7 @@
 """The scheduler: one replica of any number, against the same Postgres, Redis and RabbitMQ.
 
 intake     submissions in batches -> Created -> Pending -> Ready (intake.py)
+follow-up  the dispatch messages of admissions' placements their nodes did not claim (follow.py)
 dispatch   pop by aged priority, place under the nodes' locks, send each attempt (dispatch.py)
 retries    RetryWait tasks whose backoff ran out -> Ready (retries.py)
 timeouts   tasks not started within their schedule timeout -> Failed, final (timeouts.py)
@@ -58,6 +59,7 @@ class Scheduler(Service):
         stop = self.stopping
         return [
             ("intake", self.intake.run),
+            ("dispatch follow-up", functools.partial(self.intake.follower.run, stop)),
             ("dispatch", functools.partial(self.dispatch.run, stop)),
             ("retry sweep", functools.partial(self.retries.run, stop)),
             ("schedule timeouts", functools.partial(self.timeouts.run, stop)),

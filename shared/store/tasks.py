@@ -321,6 +321,15 @@ class Tasks:
         if reasons:
             await self.db.execute(Q.set_wait_reasons, list(reasons), list(reasons.values()))
 
+    async def still_placed(self, attempts: Sequence[tuple[UUID, int, str]]) -> set[UUID]:
+        """Of these (task id, attempt, node), the tasks still Scheduling in that attempt on
+        that node: placed, and not claimed by its executor yet."""
+        if not attempts:
+            return set()
+        wanted = set(attempts)
+        rows = await self.db.fetch(Q.still_placed, [a[0] for a in attempts])
+        return {r["id"] for r in rows if (r["id"], r["attempt"], r["node"]) in wanted}
+
     async def ended_with(self, attempts: Sequence[tuple[UUID, int]], reason: str) -> set[UUID]:
         """Of these (task id, version while Running), the tasks whose very next move left
         Running with a reason starting with `reason`: an end this writer already applied."""

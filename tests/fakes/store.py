@@ -249,6 +249,14 @@ class FakeTasks:
             return None
         return (first.schedule_deadline - _now()).total_seconds()
 
+    async def still_placed(self, attempts: Sequence[tuple[UUID, int, str]]) -> set[UUID]:
+        return {
+            i
+            for i, attempt, node in attempts
+            if (t := self.d.tasks.get(i)) is not None
+            and (t.status, t.attempt, t.node) == (State.SCHEDULING, attempt, node)
+        }
+
     async def ended_with(self, attempts: Sequence[tuple[UUID, int]], reason: str) -> set[UUID]:
         wanted = {(i, v + 1) for i, v in attempts}
         return {

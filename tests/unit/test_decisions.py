@@ -33,6 +33,8 @@ from shared.settings import Settings
 from tests.fakes import FakeReadyQueue, InMemoryStore, StubBus, StubMessage, new_task
 
 SETTINGS = Settings(heartbeat_secret="unit-test-secret-0123456789", node_id="n1")
+# dispatch messages sent with their placement, not after the follower's wait (follow.py)
+AT_ONCE = SETTINGS.model_copy(update={"dispatch_follow_s": 0.0})
 
 
 def spec(name: str = "t", **kw: Any) -> TaskSpec:
@@ -196,12 +198,14 @@ class GatedBus(StubBus):
 async def test_intake_admits_the_next_submission_while_a_dispatch_awaits_its_confirm() -> None:
     """A placed submission's dispatch is confirmed in the background: accept() returns (and
     acknowledges the submission) with the task committed Scheduling; the dispatch goes out
-    once RabbitMQ answers. One that fails to go out is taken back to Ready and queued."""
+    once RabbitMQ answers. One that fails to go out is taken back to Ready and queued. (Sent
+    at once, not after the follower's wait: what its node is told by notification is the
+    next test's.)"""
     store = InMemoryStore()
     store.nodes.add("a", slots=4)
     queue, bus, hub = FakeReadyQueue(), GatedBus(), Hub()
-    dispatcher = Dispatcher(SETTINGS, store, bus, queue, hub)  # type: ignore[arg-type]
-    intake = Intake(SETTINGS, store, bus, queue, hub, dispatcher)  # type: ignore[arg-type]
+    dispatcher = Dispatcher(AT_ONCE, store, bus, queue, hub)  # type: ignore[arg-type]
+    intake = Intake(AT_ONCE, store, bus, queue, hub, dispatcher)  # type: ignore[arg-type]
     job = {"name": "x", "job": {"kind": "command", "argv": ["true"]}}
     first = StubMessage(json.dumps(job).encode(), "submit", str(uuid4()))
     [task] = await asyncio.wait_for(intake.accept([first]), 5)  # type: ignore[list-item]
@@ -228,12 +232,13 @@ async def test_intake_rides_out_a_long_confirm_wait_and_then_pushes_back() -> No
     """RabbitMQ's confirms of persistent dispatches now and then take 100-200 ms (an fsync):
     at 100 submissions a second intake keeps admitting through such a wait (bound 8 once
     stopped it, a p99 of 100-200 ms); only MAX_SENDING admissions awaiting their confirms at
-    once stop it, until one comes back."""
+    once stop it, until one comes back. (Sent at once, as to a node a notification did not
+    tell, or with SKED_DISPATCH_FOLLOW_S=0.)"""
     store = InMemoryStore()
     store.nodes.add("a", slots=MAX_SENDING + 1)
     queue, bus, hub = FakeReadyQueue(), GatedBus(), Hub()
-    dispatcher = Dispatcher(SETTINGS, store, bus, queue, hub)  # type: ignore[arg-type]
-    intake = Intake(SETTINGS, store, bus, queue, hub, dispatcher)  # type: ignore[arg-type]
+    dispatcher = Dispatcher(AT_ONCE, store, bus, queue, hub)  # type: ignore[arg-type]
+    intake = Intake(AT_ONCE, store, bus, queue, hub, dispatcher)  # type: ignore[arg-type]
 
     def submission(i: int) -> StubMessage:
         job = {"name": f"t{i}", "job": {"kind": "command", "argv": ["true"]}}

@@ -287,6 +287,11 @@ SELECT row_to_json(t)::text FROM (SELECT {{task_columns()}} FROM tasks WHERE id 
 -- Tasks by id.
 SELECT {{task_columns()}} FROM tasks WHERE id = ANY($1::uuid[])
 
+-- name: still_placed
+-- Of these tasks, those still Scheduling, with the attempt and node they are placed in
+-- (services/scheduler/follow.py: placements no executor has claimed yet). By primary key.
+SELECT id, attempt, node FROM tasks WHERE id = ANY($1::uuid[]) AND status = 'scheduling'
+
 -- name: get_ready
 -- Those of these tasks still Ready; `_fenced`: an earlier attempt still holds a lease (paused
 -- while its executor could not hear it), so this one may not start yet. $2: the lease margin.
