@@ -65,7 +65,7 @@ async def dispatch_of(message: AbstractIncomingMessage) -> Dispatch:
 async def test_an_unclaimed_placement_is_dispatched_to_its_node_once_the_wait_is_over(
     settings: Settings,
 ) -> None:
-    async with rig(settings, 1.0) as r:
+    async with rig(settings, 2.0) as r:  # sent from a second after the admission on
         [task], _ = await r.scheduler.intake.admit([spec("t1")], [uuid4()])
         assert (task.status, task.node) == (State.SCHEDULING, "n1")
         await asyncio.sleep(0.1)
