@@ -3,15 +3,15 @@
 An admission that places its tasks at once tells each node of them by its commit
 (`sked_admit`'s NOTIFY on the node's channel), and the node's executor claims them from there
 within milliseconds. The dispatch message is then only a second copy the executor settles
-unclaimed: at 100 tasks/s it was ~10 % of a task's CPU over the stack (the scheduler's publish
-and confirm, RabbitMQ's persistence and delivery, the executor's wake-up) and ~30 % of its
-submit -> start latency on a slow host (docs/performance.md, 2026-12-06). So those messages
-wait `SKED_DISPATCH_FOLLOW_S` and go out only for the attempts still Scheduling then (one
-statement for all that came due): a notification missed (the executor's LISTEN reconnecting,
-its process restarting, a cluster's executor, which takes dispatches by message only) or an
-attempt held in a full node's backlog. Durability is unchanged — the placement is committed
-before anything is told, and an attempt whose notification and message were both lost (the
-node missed the NOTIFY and this scheduler died within the wait) goes back to Ready by the
+unclaimed: at 100 tasks/s it was 6-13 % of a task's CPU over the stack (the scheduler's publish
+and confirm, RabbitMQ's persistence and delivery, the executor's wake-up) and a fifth to a
+quarter of its submit -> start p50 on a slow host (docs/performance.md, 2026-12-06). So those
+messages wait `SKED_DISPATCH_FOLLOW_S` and go out only for the attempts still Scheduling then
+(one statement for all that came due): a notification missed (the executor's LISTEN
+reconnecting, its process restarting, a cluster's executor, which takes dispatches by message
+only) or an attempt held in a full node's backlog. Durability is unchanged — the placement is
+committed before anything is told, and an attempt whose notification and message were both lost
+(the node missed the NOTIFY and this scheduler died within the wait) goes back to Ready by the
 stuck-in-Scheduling sweep, as an attempt whose message was lost always has.
 """
 
