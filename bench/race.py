@@ -117,21 +117,6 @@ class Result:
 # --- CPU, per process, from /proc ---
 
 
-def quiet(window: float = 0.5, busy: float = 0.15, timeout: float = 30.0) -> float:
-    """Wait until the machine has been nearly idle (under `busy` of its CPUs over `window`
-    seconds), at most `timeout`; returns the busy fraction last seen. Each measurement starts
-    from a quiet machine rather than inside the previous phase's after-effects (a checkpoint,
-    an autovacuum, RabbitMQ deleting the last stack's vhost), for both systems alike."""
-    cpus = os.cpu_count() or 1
-    deadline = time.monotonic() + timeout
-    while True:
-        before, start = machine_busy_seconds(), time.monotonic()
-        time.sleep(window)
-        seen = (machine_busy_seconds() - before) / (time.monotonic() - start) / cpus
-        if seen < busy or time.monotonic() >= deadline:
-            return seen
-
-
 class Busy:
     """The machine's busy fraction (of all its CPUs) over a `with` block."""
 
@@ -143,6 +128,19 @@ class Busy:
         cpus = os.cpu_count() or 1
         elapsed = time.monotonic() - self.start
         self.fraction = (machine_busy_seconds() - self.before) / elapsed / cpus
+
+
+def quiet(window: float = 0.5, busy: float = 0.15, timeout: float = 30.0) -> float:
+    """Wait until the machine has been nearly idle (under `busy` of its CPUs over `window`
+    seconds), at most `timeout`; returns the busy fraction last seen. Each measurement starts
+    from a quiet machine rather than inside the previous phase's after-effects (a checkpoint,
+    an autovacuum, RabbitMQ deleting the last stack's vhost), for both systems alike."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with Busy() as seen:
+            time.sleep(window)
+        if seen.fraction < busy or time.monotonic() >= deadline:
+            return seen.fraction
 
 
 def used_us(before: Snapshot, after_groups: Groups, tasks: int) -> dict[str, float]:

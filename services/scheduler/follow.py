@@ -27,6 +27,7 @@ from shared.models import Task
 from shared.resilience import TRANSIENT
 from shared.runtime import wait_any
 from shared.store import Store
+from shared.store.notify import PLACED_LIST_MAX
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +48,17 @@ class Follower:
     def __len__(self) -> int:
         return sum(len(tasks) for _, tasks in self._due)
 
-    def follow(self, placed: list[Task]) -> None:
-        """Send these placements' dispatch messages later, if they are still needed then."""
-        if placed:
-            self._due.append((time.monotonic() + self.wait_s, placed))
+    def hold(self, moved: list[Task]) -> list[Task]:
+        """An admission's placements: those its commit told their nodes of are held, their
+        dispatch messages sent later if still needed then; returns the rest, to send now (all
+        of them without a wait)."""
+        if self.wait_s <= 0:
+            return moved
+        notified, rest = told(moved, PLACED_LIST_MAX)
+        if notified:
+            self._due.append((time.monotonic() + self.wait_s, notified))
             self._added.set()
+        return rest
 
     async def run(self, stopping: asyncio.Event) -> None:
         """Until stopping: send what came due. Then whatever still waits, at once."""

@@ -17,7 +17,7 @@ from aio_pika.abc import AbstractIncomingMessage
 
 from services.scheduler.ahead import NodeView
 from services.scheduler.dispatch import Dispatcher
-from services.scheduler.follow import Follower, told
+from services.scheduler.follow import Follower
 from services.scheduler.hub import Hub, Part
 from shared import fsm, hooks, workflows
 from shared.bus import BATCH_KEY, SUBMIT_KEY, SUBMIT_QUEUE, WORKFLOW_KEY, AmqpBus
@@ -42,7 +42,6 @@ from shared.resilience import TRANSIENT, isolate
 from shared.runtime import both, next_batch
 from shared.settings import Settings
 from shared.store import Placing, Store
-from shared.store.notify import PLACED_LIST_MAX
 
 log = logging.getLogger(__name__)
 
@@ -318,15 +317,13 @@ class Intake(Part):
         need none); the rest are sent now.
 
         Sent without waiting for RabbitMQ's confirms: the next submissions are admitted
-        meanwhile. Alone at 100 tasks/s the confirm was a
-        third of a submission's admission, and the next one queued behind it. Nothing waits
+        meanwhile. Alone at 100 tasks/s the confirm was a third of a submission's admission,
+        and the next one queued behind it. Nothing waits
         for it that needs to: the placement is committed (a submission redelivered now finds
         its task and places nothing again), and a dispatch that is not confirmed is taken back
         to Ready by `send` itself. At most MAX_SENDING are in flight; the tasks left waiting
         were queued before, so a later submission cannot pass them."""
-        if self.settings.dispatch_follow_s > 0:
-            notified, moved = told(moved, PLACED_LIST_MAX)
-            self.follower.follow(notified)
+        moved = self.follower.hold(moved)
         if not moved:
             return
         while len(self._sending) >= MAX_SENDING:

@@ -8,11 +8,12 @@ drifts from them shows up as a unit test that passes where an integration test f
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
-from uuid import UUID
+from uuid import UUID, uuid4
 
 from shared.bus import UNROUTABLE, Outgoing
 from shared.outcome import Report
@@ -26,6 +27,7 @@ __all__ = [
     "StubMessage",
     "new_task",
     "report",
+    "submission",
 ]
 
 
@@ -135,6 +137,12 @@ class StubMessage:
 
     async def nack(self, multiple: bool = False, requeue: bool = True) -> None:
         self.nacked += 1
+
+
+def submission(name: str) -> StubMessage:
+    """A `submit` message of a `true` command named `name`, with a message id of its own."""
+    job = {"name": name, "job": {"kind": "command", "argv": ["true"]}}
+    return StubMessage(json.dumps(job).encode(), "submit", str(uuid4()))
 
 
 def report(ok: bool = True, result: Any = None, error: str | None = None) -> Report:

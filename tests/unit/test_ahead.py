@@ -5,7 +5,6 @@ view is dropped), never a slot twice."""
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 from typing import Any
 from unittest import mock
@@ -23,7 +22,7 @@ from shared.models import Task
 from shared.placement import Need
 from shared.settings import Settings
 from shared.store import Placing
-from tests.fakes import FakeReadyQueue, InMemoryStore, StubBus, StubMessage, new_task
+from tests.fakes import FakeReadyQueue, InMemoryStore, StubBus, new_task, submission
 from tests.helpers import spec
 
 SETTINGS = Settings(heartbeat_secret="x" * 32)
@@ -98,11 +97,6 @@ def parts(store: InMemoryStore) -> tuple[Intake, FakeReadyQueue, Hub]:
     queue, bus, hub = FakeReadyQueue(), StubBus(), Hub()
     dispatcher = Dispatcher(SETTINGS, store, bus, queue, hub)  # type: ignore[arg-type]
     return Intake(SETTINGS, store, bus, queue, hub, dispatcher), queue, hub  # type: ignore[arg-type]
-
-
-def submission(name: str) -> Any:
-    job = {"name": name, "job": {"kind": "command", "argv": ["true"]}}
-    return StubMessage(json.dumps(job).encode(), "submit", str(uuid4()))
 
 
 async def test_intake_places_on_a_view_and_keeps_it_for_the_next_submission() -> None:

@@ -7,7 +7,6 @@ test_dispatch_follow.py.)"""
 from __future__ import annotations
 
 import asyncio
-import json
 from uuid import uuid4
 
 import pytest
@@ -20,7 +19,7 @@ from shared.fsm import State
 from shared.models import Task
 from shared.settings import Settings
 from shared.store.notify import PLACED_LIST_MAX
-from tests.fakes import FakeReadyQueue, InMemoryStore, StubBus, StubMessage, new_task
+from tests.fakes import FakeReadyQueue, InMemoryStore, StubBus, new_task, submission
 from tests.helpers import spec
 from tests.unit.test_decisions import dispatched
 
@@ -31,11 +30,6 @@ def intake_on(store: InMemoryStore, settings: Settings = SETTINGS) -> tuple[Inta
     queue, bus, hub = FakeReadyQueue(), StubBus(), Hub()
     dispatcher = Dispatcher(settings, store, bus, queue, hub)  # type: ignore[arg-type]
     return Intake(settings, store, bus, queue, hub, dispatcher), bus  # type: ignore[arg-type]
-
-
-def submission(name: str) -> StubMessage:
-    job = {"name": name, "job": {"kind": "command", "argv": ["true"]}}
-    return StubMessage(json.dumps(job).encode(), "submit", str(uuid4()))
 
 
 async def test_a_placement_claimed_from_its_notification_gets_no_dispatch_message() -> None:
