@@ -31,7 +31,9 @@ from shared.models import SCHEMA_VERSION, Dispatch, Task
 MAX_DISPATCHES = 1000  # entries one message may carry; a pass places dispatch_batch at most
 MAX_HEADERS = 16  # trace headers are a handful: traceparent, tracestate, baggage
 MAX_HEADER_CHARS = 1024
-MAX_PLACED = 100  # entries a placement notification carries at most (sql: placed_payload)
+# entries a placement notification carries at most (sql: placed_payload); a node given more
+# by one admission is told by its dispatch message alone (sked_admit: `HAVING count(*) <= 100`)
+MAX_PLACED = 100
 # A full message of MAX_DISPATCHES entries with their trace headers is ~0.5 MB.
 MAX_BODY_BYTES = 4 << 20
 

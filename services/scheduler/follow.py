@@ -23,11 +23,11 @@ import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Sequence
 
+from shared.dispatches import MAX_PLACED
 from shared.models import Task
 from shared.resilience import TRANSIENT
 from shared.runtime import wait_any
 from shared.store import Store
-from shared.store.notify import PLACED_LIST_MAX
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class Follower:
         of them without a wait)."""
         if self.wait_s <= 0:
             return moved
-        notified, rest = told(moved, PLACED_LIST_MAX)
+        notified, rest = told(moved, MAX_PLACED)
         if notified:
             self._due.append((time.monotonic() + self.wait_s, notified))
             self._added.set()

@@ -35,9 +35,6 @@ NOTIFY_LIST_MAX = 100
 # (sql/fragments.sql, `placed_channel`, `placed_payload`), by the commit that placed them: its
 # executor claims them from there, ahead of the dispatch message (shared.dispatches.placed).
 PLACED_PREFIX = "sked_placed_"
-# A node given more attempts than this by one admission is told by the dispatch message alone
-# (sql/tasks.sql, sked_admit: `HAVING count(*) <= 100`).
-PLACED_LIST_MAX = 100
 
 
 def placed_channel(node_id: str) -> str:

@@ -15,10 +15,10 @@ from services.scheduler.dispatch import Dispatcher
 from services.scheduler.follow import told
 from services.scheduler.hub import Hub
 from services.scheduler.intake import Intake
+from shared.dispatches import MAX_PLACED
 from shared.fsm import State
 from shared.models import Task
 from shared.settings import Settings
-from shared.store.notify import PLACED_LIST_MAX
 from tests.fakes import FakeReadyQueue, InMemoryStore, StubBus, new_task, submission
 from tests.helpers import spec
 from tests.unit.test_decisions import dispatched
@@ -138,7 +138,7 @@ def placed_on(node: str, n: int) -> list[Task]:
 
 
 def test_a_node_given_more_than_a_notification_lists_is_told_by_message_alone() -> None:
-    few, many = placed_on("a", PLACED_LIST_MAX), placed_on("b", PLACED_LIST_MAX + 1)
-    notified, rest = told(many[:1] + few + many[1:], PLACED_LIST_MAX)
-    assert [t.node for t in notified] == ["a"] * PLACED_LIST_MAX
+    few, many = placed_on("a", MAX_PLACED), placed_on("b", MAX_PLACED + 1)
+    notified, rest = told(many[:1] + few + many[1:], MAX_PLACED)
+    assert [t.node for t in notified] == ["a"] * MAX_PLACED
     assert {t.id for t in rest} == {t.id for t in many}
