@@ -235,6 +235,11 @@ def run_service(
         except ValueError as exc:
             print(f"sked service {service}: {exc}", file=sys.stderr)  # noqa: T201
             return 2
+    from shared.store.db import named_dsn  # asyncpg: a service's import, not the CLI's
+
+    # every session of this process shows as sked-<service> in pg_stat_activity
+    dsn = named_dsn(settings.database_url, f"sked-{service}")
+    settings = settings.model_copy(update={"database_url": dsn})
     configure_logging(settings, log_as or service)
     telemetry.setup(f"sked-{service}")
     metrics.setup(settings, service)

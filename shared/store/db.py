@@ -7,6 +7,7 @@ import json
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from uuid import UUID
 
 import asyncpg
@@ -14,6 +15,20 @@ import asyncpg
 from shared.errors import NotFound
 from shared.store.queries import Q, Query
 from shared.task import Task
+
+
+def named_dsn(dsn: str, name: str) -> str:
+    """The database URL with its sessions named `name` (pg_stat_activity.application_name,
+    `%a` in Postgres's log lines), so an operator can tell a scheduler's sessions from an
+    executor's; a URL that names them already is left as it is. asyncpg passes a query
+    parameter it does not know to the server as a setting, and libpq reads this one too."""
+    parts = urlsplit(dsn)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if parts.scheme not in ("postgresql", "postgres") or any(
+        key == "application_name" for key, _ in query
+    ):
+        return dsn  # not a URL asyncpg reads (it would refuse it as it is), or named already
+    return urlunsplit(parts._replace(query=urlencode([*query, ("application_name", name)])))
 
 
 async def init_connection(conn: asyncpg.Connection) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncpg
+
 from shared.client import SkedClient
 from shared.errors import NotFound
 from shared.fsm import State
@@ -9,7 +11,9 @@ from tests.e2e.conftest import Deployment
 from tests.helpers import eventually
 
 
-async def test_one_command_and_one_handler(deployment: Deployment, client: SkedClient) -> None:
+async def test_one_command_and_one_handler(
+    deployment: Deployment, client: SkedClient, pool: asyncpg.Pool
+) -> None:
     await deployment.start("scheduler")
     await deployment.start("relay")
     await deployment.executor("n1", 2)
@@ -36,6 +40,11 @@ async def test_one_command_and_one_handler(deployment: Deployment, client: SkedC
         State.RUNNING,
         State.SUCCESS,
     ]
+    # each service's sessions are named after it (pg_stat_activity.application_name)
+    names = await pool.fetch(
+        "SELECT DISTINCT application_name FROM pg_stat_activity WHERE datname = current_database()"
+    )
+    assert {"sked-scheduler", "sked-relay", "sked-executor"} <= {r[0] for r in names}
 
 
 async def test_the_log_of_a_running_attempt_is_read_from_its_executor(
