@@ -7,7 +7,7 @@ import json
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 from uuid import UUID
 
 import asyncpg
@@ -28,7 +28,9 @@ def named_dsn(dsn: str, name: str) -> str:
         key == "application_name" for key, _ in query
     ):
         return dsn  # not a URL asyncpg reads (it would refuse it as it is), or named already
-    return urlunsplit(parts._replace(query=urlencode([*query, ("application_name", name)])))
+    # appended to the query as written: the operator's parameters are not re-encoded
+    ours = urlencode({"application_name": name}, quote_via=quote)
+    return urlunsplit(parts._replace(query=f"{parts.query}&{ours}" if parts.query else ours))
 
 
 async def init_connection(conn: asyncpg.Connection) -> None:

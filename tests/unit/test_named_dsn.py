@@ -33,3 +33,8 @@ def test_a_name_the_operator_gave_is_left_alone() -> None:
 
 def test_what_is_not_a_postgres_url_is_left_alone() -> None:
     assert named_dsn("host=db dbname=sked", "sked-api") == "host=db dbname=sked"
+
+
+def test_the_operators_query_is_kept_as_written() -> None:
+    given = "postgresql://db/sked?options=-c%20statement_timeout%3D5000"
+    assert named_dsn(given, "sked-relay") == f"{given}&application_name=sked-relay"
