@@ -7,7 +7,7 @@ import json
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
-from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qs, quote, urlsplit, urlunsplit
 from uuid import UUID
 
 import asyncpg
@@ -23,13 +23,12 @@ def named_dsn(dsn: str, name: str) -> str:
     executor's; a URL that names them already is left as it is. asyncpg passes a query
     parameter it does not know to the server as a setting, and libpq reads this one too."""
     parts = urlsplit(dsn)
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    if parts.scheme not in ("postgresql", "postgres") or any(
-        key == "application_name" for key, _ in query
-    ):
-        return dsn  # not a URL asyncpg reads (it would refuse it as it is), or named already
+    if parts.scheme not in ("postgresql", "postgres"):
+        return dsn  # not a URL asyncpg reads: it would refuse it as it is
+    if "application_name" in parse_qs(parts.query, keep_blank_values=True):
+        return dsn
     # appended to the query as written: the operator's parameters are not re-encoded
-    ours = urlencode({"application_name": name}, quote_via=quote)
+    ours = f"application_name={quote(name)}"
     return urlunsplit(parts._replace(query=f"{parts.query}&{ours}" if parts.query else ours))
 
 
