@@ -285,7 +285,8 @@ class Tasks:
     async def list_tasks(
         self, statuses: Iterable[object] | None = None, name: str | None = None, limit: int = 100
     ) -> list[Task]:
-        wanted = None if statuses is None else [State.parse(s).value for s in statuses]
+        states = State if statuses is None else statuses
+        wanted = list(dict.fromkeys(State.parse(s).value for s in states))
         return [task(row) for row in await self.db.fetch(Q.list_tasks, wanted, name, limit)]
 
     async def history(self, task_id: UUID) -> list[Event]:

@@ -291,6 +291,29 @@ async def test_reads(store: Store) -> None:
         await store.tasks.history(UUID(int=0))
 
 
+async def test_list_merges_the_states_newest_first(store: Store, pool: asyncpg.Pool) -> None:
+    """list_tasks reads each state's newest from its index and merges them: the order is by
+    creation across states, a state named twice lists its tasks once, and the limit and the
+    name hold over the merge."""
+    made = [await store.tasks.create(spec("a" if i % 2 else "b")) for i in range(6)]
+    for t in made[::3]:
+        await fsm.apply(store.tasks, t, State.PENDING)
+    # creation times interleaved across the two states, newest last
+    await pool.execute(
+        "UPDATE tasks SET created_at = now() - make_interval(secs => 60 - u.i)"
+        " FROM unnest($1::uuid[]) WITH ORDINALITY AS u(id, i) WHERE tasks.id = u.id",
+        [t.id for t in made],
+    )
+    newest_first = [t.id for t in reversed(made)]
+    assert [t.id for t in await store.tasks.list_tasks()] == newest_first
+    assert [t.id for t in await store.tasks.list_tasks(limit=4)] == newest_first[:4]
+    both = ["Pending", "created", "pending"]
+    assert [t.id for t in await store.tasks.list_tasks(statuses=both)] == newest_first
+    named = [t.id for t in await store.tasks.list_tasks(name="a", limit=2)]
+    assert named == [t for t in newest_first if t in {m.id for m in made[1::2]}][:2]
+    assert await store.tasks.list_tasks(statuses=[]) == []
+
+
 async def test_a_move_with_a_wrong_source_loses(store: Store) -> None:
     """The SQL guards status too: a Move built from a wrong snapshot cannot jump states."""
     task = await store.tasks.create(spec())

@@ -332,11 +332,19 @@ WHERE id = ANY($1::uuid[])
        OR (status IN ({{retryable_states}}) AND retry_count >= max_retries))
 
 -- name: list_tasks
--- Tasks, newest first, optionally of some states ($1) and one name ($2).
-SELECT {{task_columns()}} FROM tasks
-WHERE ($1::text[] IS NULL OR status = ANY($1))
-  AND ($2::text IS NULL OR name = $2)
-ORDER BY created_at DESC, id
+-- Tasks of the states $1 (the caller passes every state for "any"), newest first, optionally
+-- of one name ($2). Each state's newest are read from tasks_status_created and merged, so the
+-- cost is that of $3 rows a state whatever the table holds; one ORDER BY over the table (or
+-- status = ANY($1)) sorted every row of it: 200 ms at 300,000 tasks, against ~2 ms this way.
+SELECT {{task_columns(t.)}}
+FROM unnest($1::text[]) AS s(status)
+CROSS JOIN LATERAL (
+    SELECT * FROM tasks
+    WHERE tasks.status = s.status AND ($2::text IS NULL OR tasks.name = $2)
+    ORDER BY tasks.created_at DESC, tasks.id
+    LIMIT $3
+) AS t
+ORDER BY t.created_at DESC, t.id
 LIMIT $3
 
 -- name: history
