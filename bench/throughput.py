@@ -77,7 +77,9 @@ class Stack:
         if getattr(self.args, "prefetch", None) is not None:
             env["SKED_PREFETCH"] = str(self.args.prefetch)
         schedulers = [["scheduler"]] * getattr(self.args, "schedulers", 1)
-        services = [*schedulers, ["relay"]] + [
+        # the two services a burst of short tasks never needs, for benches that watch all
+        watchers = [["heartbeat-monitor"], ["recovery"]] if getattr(self.args, "all", False) else []
+        services = [*schedulers, ["relay"], *watchers] + [
             ["executor", "--node-id", f"bench-{i}", "--slots", str(self.args.slots)]
             for i in range(self.args.executors)
         ]
