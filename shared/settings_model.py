@@ -63,6 +63,9 @@ class Settings(BaseSettings):
     # consumes them), so they may wait a little: at 100 tasks/s, 100 ms rather than 20 ms
     # halves the relay's CPU a task and the Postgres and RabbitMQ work its passes cost.
     relay_linger_s: float = Field(default=0.1, ge=0, description="batching window after a wake")
+    # A relay vacuums the outbox after deleting this many rows (0: never, autovacuum's alone):
+    # the deleted rows' key entries are walked by every read until a vacuum (shared.relay).
+    relay_vacuum_rows: int = Field(default=10_000, ge=0, description="outbox rows between vacuums")
 
     # Scheduler.
     aging_s: float = Field(default=5.0, ge=0, description="waiting this long = +1 priority")

@@ -22,7 +22,9 @@ class Relay(Service):
 
     def __init__(self, settings: Settings, store: Store, bus: AmqpBus) -> None:
         super().__init__(settings, store)
-        self.outbox = OutboxRelay(store, bus, settings.relay_batch)
+        self.outbox = OutboxRelay(
+            store, bus, settings.relay_batch, vacuum_rows=settings.relay_vacuum_rows
+        )
 
     def channels(self) -> Sequence[tuple[str, Handler]]:
         # every event's outbox row: the starts told apart on a channel of their own too

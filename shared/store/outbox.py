@@ -42,3 +42,8 @@ class Outbox:
 
     async def mark_published(self, ids: Sequence[int]) -> None:
         await self.db.execute(Q.mark_published, list(ids))
+
+    async def vacuum(self) -> None:
+        """VACUUM the outbox (sql/outbox.sql, vacuum_outbox): never inside a transaction."""
+        assert not self.db.in_transaction, "VACUUM cannot run inside a transaction"
+        await self.db.execute(Q.vacuum_outbox)
