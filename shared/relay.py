@@ -73,10 +73,10 @@ class OutboxRelay:
             await tx.outbox.mark_published([e.id for e in events])
         self.published += len(events)
         self._deleted += len(events)
-        await self.vacuumed()
+        await self.vacuum_when_due()
         return len(events)
 
-    async def vacuumed(self) -> None:
+    async def vacuum_when_due(self) -> None:
         """Vacuum the outbox once this relay has deleted `vacuum_rows` rows since it last did
         (and `vacuum_min_s` has passed). Each read walks the key entries of every row deleted
         before the last vacuum (sql/outbox.sql, vacuum_outbox), so without one a relay's pass

@@ -21,10 +21,10 @@ LIMIT $2
 DELETE FROM outbox WHERE id = ANY($1::bigint[])
 
 -- name: vacuum_outbox
--- Make room of the rows relays deleted (shared.relay.OutboxRelay.vacuumed). Until a vacuum,
--- their primary key entries stay at the head of the key, and `unpublished` walks every one of
--- them on every pass: ~2 ms a pass after 300,000 deleted rows, however few are left, and on a
--- server whose autovacuum is off (or slow to come round) without bound. Another relay's
--- vacuum under way is skipped, not waited for. Outside a transaction only. A role that does
--- not own the table gets a warning and no vacuum: then it is autovacuum's to do.
+-- Make room of the rows relays deleted (shared.relay.OutboxRelay.vacuum_when_due). Until a
+-- vacuum, their primary key entries stay at the head of the key, and `unpublished` walks
+-- every one of them on every pass: ~2 ms a pass after 300,000 deleted rows, however few are
+-- left, and on a server whose autovacuum is off (or slow to come round) without bound.
+-- Another relay's vacuum under way is skipped, not waited for. Outside a transaction only. A
+-- role that does not own the table gets a warning and no vacuum: then it is autovacuum's.
 VACUUM (SKIP_LOCKED) outbox
