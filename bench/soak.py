@@ -11,7 +11,8 @@ task it should not; a read whose buffers grow with the rounds is a statement tha
 history. Bursts stay under the backlog that enters partial degrade mode
 (SKED_DEGRADE_WAITING, 10,000). The development server runs with autovacuum off: `--vacuum`
 vacuums between rounds as a working autovacuum would, `--reset` empties the task tables
-between rounds (the control: every round on young tables).
+between rounds (the control: every round on young tables), `--paced R` measures submit ->
+start at R tasks/s after the rounds.
 
 Run, from the checkout: .venv/bin/python -m bench.soak [--rounds 10] [--tasks 5000]
 """
@@ -27,7 +28,8 @@ from pathlib import Path
 import asyncpg
 
 from bench.profile import children
-from bench.throughput import Stack, burst, settle
+from bench.race import Busy
+from bench.throughput import Stack, burst, paced, pct, settle
 from shared.client import SkedClient
 from shared.store.db import create_pool
 
@@ -86,6 +88,16 @@ async def main(args: argparse.Namespace) -> None:
                     + _cells(now, first),
                     flush=True,
                 )
+            if args.paced:
+                with Busy() as busy:
+                    latency = await paced(client, args.paced, 10.0)
+                print(
+                    f"submit -> start at {args.paced:g}/s after the rounds: p50 "
+                    f"{pct(latency, 50):.1f} ms, p99 {pct(latency, 99):.1f} ms, "
+                    f"the machine {busy.fraction:.0%} busy",
+                    flush=True,
+                )
+                await settle(pool)
             print(await churned_reads(pool))
             tasks = await pool.fetchval("SELECT count(*) FROM tasks") or 1
             rows = await pool.fetch(
@@ -161,6 +173,13 @@ if __name__ == "__main__":
         "--reset",
         action="store_true",
         help="empty the task tables after each round: the control, every round on young tables",
+    )
+    parser.add_argument(
+        "--paced",
+        type=float,
+        default=0,
+        help="after the rounds, submit one task at a time at this rate for 10 s: what a task's"
+        " latency is on the tables the rounds left",
     )
     parser.add_argument("--executors", type=int, default=1)
     parser.add_argument("--slots", type=int, default=32)
