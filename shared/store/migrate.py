@@ -25,6 +25,14 @@ log = logging.getLogger(__name__)
 # they are always those of the code that migrated last (CREATE OR REPLACE: idempotent).
 FUNCTIONS = ("define_transition", "define_nodes", "define_admit")
 
+# What `sked migrate` says on a server without autovacuum (tests/integration/test_migrate.py).
+AUTOVACUUM_OFF = (
+    "autovacuum is off on this server: every move of a task leaves a dead version of its row"
+    " (~1 KB a task) that stays until a VACUUM, and the tasks table grows by it; turn"
+    " autovacuum on or VACUUM tasks on a schedule (relays vacuum the outbox themselves:"
+    " SKED_RELAY_VACUUM_ROWS)"
+)
+
 _DB_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
@@ -90,6 +98,8 @@ async def migrate(dsn: str) -> int:
                 done.add(migration.version)
             for function in FUNCTIONS:  # after the files: they name the tables' row types
                 await conn.execute(Q[function].sql)
+            if not await conn.fetchval(Q.autovacuum_on.sql):
+                log.warning(AUTOVACUUM_OFF)
             return max(done, default=0)
         finally:
             await conn.execute(Q.unlock_migrations.sql)

@@ -32,6 +32,7 @@ async def test_two_concurrent_migrates_leave_one_version() -> None:
     name = f"{RUN}_migrate_race"
     admin = await asyncpg.connect(PG_ADMIN)
     await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    autovacuum = await admin.fetchval("SHOW autovacuum")
     await admin.close()
     env = {**os.environ, "SKED_DATABASE_URL": f"{PG_BASE}/{name}"}
     try:
@@ -48,6 +49,8 @@ async def test_two_concurrent_migrates_leave_one_version() -> None:
         outs = await asyncio.wait_for(asyncio.gather(*(p.communicate() for p in procs)), 60)
         for proc, (out, _) in zip(procs, outs, strict=True):
             assert proc.returncode == 0, out.decode()
+            # the operator is told when nothing will reclaim the tasks' dead row versions
+            assert (migrate_module.AUTOVACUUM_OFF in out.decode()) == (autovacuum == "off")
         latest = migrate_module.available()[-1].version
         conn = await asyncpg.connect(f"{PG_BASE}/{name}")
         try:

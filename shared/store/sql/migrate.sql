@@ -16,6 +16,10 @@ SELECT version FROM schema_migrations
 -- Record one applied migration.
 INSERT INTO schema_migrations (version, name) VALUES ($1, $2)
 
+-- name: autovacuum_on
+-- Whether autovacuum runs on this server (`sked migrate` warns when it does not).
+SELECT current_setting('autovacuum')::boolean
+
 -- name: lock_migrations
 -- Serialise `sked migrate` runs (a session lock; any constant nothing else uses).
 SELECT pg_advisory_lock(1559035905)
