@@ -49,6 +49,7 @@ class OutboxRelay:
         self.vacuum_rows = vacuum_rows  # 0: never vacuum
         self.vacuum_min_s = vacuum_min_s
         self.vacuums = 0
+        self._may_vacuum: bool | None = None  # this role may (asked before the first vacuum)
         self._deleted = 0  # outbox rows deleted since this relay's last vacuum
         self._vacuumed_at = -float("inf")  # time.monotonic() of it
 
@@ -83,8 +84,9 @@ class OutboxRelay:
         costs more with every event it ever published; this keeps that under ~`vacuum_rows`
         entries, for ~0.5 µs of Postgres's CPU a row vacuumed (docs/performance.md). Not left
         to autovacuum alone: it may be off, as on the development server, or a minute away,
-        ~500,000 rows at a burst's rate. A failure is logged and tried again later: the
-        events are published and their rows deleted either way."""
+        ~500,000 rows at a burst's rate. A role that may not vacuum the table is told once, and
+        the relay stops trying. A failure is logged and tried again later: the events are
+        published and their rows deleted either way."""
         if not self.vacuum_rows or self._deleted < self.vacuum_rows:
             return
         now = time.monotonic()
@@ -92,6 +94,16 @@ class OutboxRelay:
             return
         self._vacuumed_at = now
         try:
+            if self._may_vacuum is None:
+                self._may_vacuum = await self.store.outbox.may_vacuum()
+            if not self._may_vacuum:
+                log.warning(
+                    "this relay's database role does not own the outbox and cannot vacuum it:"
+                    " its reads slow with every event until autovacuum (or the owner) does;"
+                    " see SKED_RELAY_VACUUM_ROWS"
+                )
+                self.vacuum_rows = 0  # said once; not tried again
+                return
             await self.store.outbox.vacuum()
         except (asyncpg.PostgresError, *TRANSIENT) as exc:
             log.warning("vacuuming the outbox failed (tried again later): %s", exc)

@@ -43,6 +43,9 @@ class Outbox:
     async def mark_published(self, ids: Sequence[int]) -> None:
         await self.db.execute(Q.mark_published, list(ids))
 
+    async def may_vacuum(self) -> bool:
+        return bool(await self.db.fetchval(Q.may_vacuum_outbox))
+
     async def vacuum(self) -> None:
         """VACUUM the outbox (sql/outbox.sql, vacuum_outbox): never inside a transaction."""
         assert not self.db.in_transaction, "VACUUM cannot run inside a transaction"

@@ -26,5 +26,11 @@ DELETE FROM outbox WHERE id = ANY($1::bigint[])
 -- every one of them on every pass: ~2 ms a pass after 300,000 deleted rows, however few are
 -- left, and on a server whose autovacuum is off (or slow to come round) without bound.
 -- Another relay's vacuum under way is skipped, not waited for. Outside a transaction only. A
--- role that does not own the table gets a warning and no vacuum: then it is autovacuum's.
+-- role that does not own the table would vacuum nothing (Postgres only logs a warning of its
+-- own): relays ask `may_vacuum_outbox` first.
 VACUUM (SKIP_LOCKED) outbox
+
+-- name: may_vacuum_outbox
+-- Whether this session's role may vacuum the outbox: it owns the table, or is a member of
+-- the role that does (a superuser is a member of every role).
+SELECT pg_has_role(c.relowner, 'MEMBER') FROM pg_class c WHERE c.oid = 'outbox'::regclass
