@@ -100,10 +100,15 @@ def used(before: Snapshot, after: Snapshot) -> dict[str, float]:
     return out
 
 
+def label(proc: subprocess.Popen[bytes], sep: str = " ") -> str:
+    """A stack process's name: its service, and an executor's node id ("executor bench-0")."""
+    return sep.join(proc.args[2:5:2])  # type: ignore[index]
+
+
 def groups_of(stack: Stack) -> dict[str, list[int]]:
     groups: dict[str, list[int]] = {}
     for proc in stack.procs:
-        name = " ".join(proc.args[2:5:2])  # type: ignore[index]
+        name = label(proc)
         if name in groups:  # a second scheduler
             name = f"{name} {sum(n.startswith(name) for n in groups) + 1}"
         groups[name] = [proc.pid]
@@ -233,7 +238,7 @@ async def main(args: argparse.Namespace) -> None:
             out.mkdir(parents=True, exist_ok=True)
             spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
             for proc in stack.procs:
-                name = "-".join(proc.args[2:5:2])  # type: ignore[index]
+                name = label(proc, "-")
                 spies.append(
                     subprocess.Popen(
                         [

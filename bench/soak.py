@@ -27,11 +27,12 @@ from pathlib import Path
 
 import asyncpg
 
-from bench.profile import children
+from bench.profile import children, label
 from bench.race import Busy
 from bench.throughput import Stack, burst, paced, pct, settle
 from shared.client import SkedClient
 from shared.store.db import create_pool
+from shared.store.queries import Q
 
 
 def pss_mib(pids: list[int]) -> float:
@@ -53,7 +54,7 @@ def memory(stack: Stack) -> dict[str, float]:
     """MiB by process: each service, and an executor's handler workers as one figure."""
     out: dict[str, float] = {}
     for proc in stack.procs:
-        name = " ".join(proc.args[2:5:2])  # type: ignore[index]
+        name = label(proc)
         out[name] = pss_mib([proc.pid])
         kids = children(proc.pid)
         if kids:
@@ -118,8 +119,8 @@ async def main(args: argparse.Namespace) -> None:
 # them until a vacuum: the relay's (the outbox along its primary key, from its start) and
 # placement's usage (tasks_active_by_node, which every attempt enters and leaves).
 CHURNED = {
-    "relay's read": "SELECT id FROM outbox WHERE shard = ANY($1::smallint[]) ORDER BY id LIMIT 500",
-    "placement's usage": "SELECT * FROM sked_nodes(3600, false)",
+    "relay's read": (Q.unpublished.sql, (list(range(16)), 1000)),
+    "placement's usage": (Q.nodes_with_usage.sql, (3600.0,)),
 }
 
 
@@ -129,8 +130,7 @@ async def churned_reads(pool: asyncpg.Pool) -> str:
     for when in ("as left", "after VACUUM"):
         if when != "as left":
             await pool.execute("VACUUM tasks, outbox")
-        for name, sql in CHURNED.items():
-            args = [list(range(16))] if "$1" in sql else []
+        for name, (sql, args) in CHURNED.items():
             async with pool.acquire() as conn:
                 await conn.fetch(sql, *args)  # marks what is dead as such
                 start = time.perf_counter()

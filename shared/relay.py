@@ -49,7 +49,7 @@ class OutboxRelay:
         self.vacuum_rows = vacuum_rows  # 0: never vacuum
         self.vacuum_min_s = vacuum_min_s
         self.vacuums = 0
-        self._may_vacuum: bool | None = None  # this role may (asked before the first vacuum)
+        self._role_checked = False  # whether this role may vacuum, asked before the first
         self._deleted = 0  # outbox rows deleted since this relay's last vacuum
         self._vacuumed_at = -float("inf")  # time.monotonic() of it
 
@@ -94,16 +94,16 @@ class OutboxRelay:
             return
         self._vacuumed_at = now
         try:
-            if self._may_vacuum is None:
-                self._may_vacuum = await self.store.outbox.may_vacuum()
-            if not self._may_vacuum:
-                log.warning(
-                    "this relay's database role does not own the outbox and cannot vacuum it:"
-                    " its reads slow with every event until autovacuum (or the owner) does;"
-                    " see SKED_RELAY_VACUUM_ROWS"
-                )
-                self.vacuum_rows = 0  # said once; not tried again
-                return
+            if not self._role_checked:
+                if not await self.store.outbox.may_vacuum():
+                    log.warning(
+                        "this relay's database role does not own the outbox and cannot vacuum"
+                        " it: its reads slow with every event until autovacuum (or the owner)"
+                        " does; see SKED_RELAY_VACUUM_ROWS"
+                    )
+                    self.vacuum_rows = 0  # said once; not tried again
+                    return
+                self._role_checked = True
             await self.store.outbox.vacuum()
         except (asyncpg.PostgresError, *TRANSIENT) as exc:
             log.warning("vacuuming the outbox failed (tried again later): %s", exc)
