@@ -161,9 +161,11 @@ class ApiClient:
     async def get(self, task_id: UUID | str) -> Task:
         return task_of(await self.call("GET", f"/v1/tasks/{task_id}"))
 
-    async def tasks(self, statuses: Iterable[object] | None = None, limit: int = 100) -> list[Task]:
+    async def tasks(
+        self, statuses: Iterable[object] | None = None, limit: int = 100, after: UUID | None = None
+    ) -> list[Task]:
         wanted = None if statuses is None else [State.parse(s).value for s in statuses]
-        found = await self.call("GET", "/v1/tasks", status=wanted, limit=limit)
+        found = await self.call("GET", "/v1/tasks", status=wanted, limit=limit, after=after)
         return [task_of(t) for t in found]
 
     async def history(self, task_id: UUID | str) -> list[Event]:

@@ -1,6 +1,6 @@
 """The producer SDK: submit tasks over RabbitMQ, read them and wait for them in Postgres.
 
-    from shared.client import SkedClient, SyncSkedClient
+    from shared.client import SkedClient
 
     async with SkedClient() as sked:          # reads SKED_* like every sked process
         task_id = await sked.submit({"name": "hello", "job": {"kind": "command",
@@ -8,7 +8,8 @@
         task = await sked.wait(task_id)
 
 `submit` returns as soon as RabbitMQ has confirmed the message: the task id is chosen here (the
-message id), so a redelivered submission can never become a second task.
+message id), so a redelivered submission can never become a second task. Code without an event
+loop uses shared.sync_client.SyncSkedClient, the same calls.
 """
 
 from __future__ import annotations
@@ -247,9 +248,12 @@ class SkedClient:
     async def history(self, task_id: UUID | str) -> list[Event]:
         return await (await self._db()).tasks.history(UUID(str(task_id)))
 
-    async def tasks(self, statuses: Iterable[object] | None = None, limit: int = 100) -> list[Task]:
-        """Tasks, newest first, optionally only those in `statuses`."""
-        return await (await self._db()).tasks.list_tasks(statuses=statuses, limit=limit)
+    async def tasks(
+        self, statuses: Iterable[object] | None = None, limit: int = 100, after: UUID | None = None
+    ) -> list[Task]:
+        """Tasks, newest first, optionally only those in `statuses`; `after` (the last task of
+        the page before) gives the next page."""
+        return await (await self._db()).tasks.list_tasks(statuses, None, limit, after)
 
     async def degrade_status(self) -> DegradeState:
         """The degrade mode every scheduler obeys."""
@@ -348,53 +352,3 @@ class SkedClient:
         finally:
             stop.set()
             await listening
-
-
-class SyncSkedClient:
-    """The same calls for code without an event loop: each runs on a private loop."""
-
-    def __init__(self, settings: Settings | None = None) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._client = SkedClient(settings)
-
-    def submit(self, spec: TaskSpec | dict[str, Any]) -> UUID:
-        return self._loop.run_until_complete(self._client.submit(spec))
-
-    def submit_many(self, specs: Sequence[TaskSpec | dict[str, Any]]) -> list[UUID]:
-        return self._loop.run_until_complete(self._client.submit_many(specs))
-
-    def get(self, task_id: UUID | str) -> Task:
-        return self._loop.run_until_complete(self._client.get(task_id))
-
-    def history(self, task_id: UUID | str) -> list[Event]:
-        return self._loop.run_until_complete(self._client.history(task_id))
-
-    def wait(self, task_id: UUID | str, timeout: float | None = None) -> Task:
-        return self._loop.run_until_complete(self._client.wait(task_id, timeout))
-
-    def pause(self, task_id: UUID | str, reason: str, by: str | None = None) -> Task:
-        return self._loop.run_until_complete(self._client.pause(task_id, reason, by))
-
-    def resume(self, task_id: UUID | str) -> Task:
-        return self._loop.run_until_complete(self._client.resume(task_id))
-
-    def cancel(self, task_id: UUID | str, reason: str = "", by: str | None = None) -> Task:
-        return self._loop.run_until_complete(self._client.cancel(task_id, reason, by))
-
-    def set_priority(self, task_id: UUID | str, priority: int) -> list[Task]:
-        return self._loop.run_until_complete(self._client.set_priority(task_id, priority))
-
-    def wait_all(
-        self, task_ids: Iterable[UUID | str], timeout: float | None = None
-    ) -> dict[UUID, Task]:
-        return self._loop.run_until_complete(self._client.wait_all(task_ids, timeout))
-
-    def close(self) -> None:
-        self._loop.run_until_complete(self._client.close())
-        self._loop.close()
-
-    def __enter__(self) -> SyncSkedClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

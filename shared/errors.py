@@ -37,6 +37,19 @@ class InvalidSpec(SkedError, ValueError):
     """Input that fails validation; the message says which field and why."""
 
 
+# undefined_table, undefined_function: what a database sked never migrated answers
+_NOT_MIGRATED = frozenset({"42P01", "42883"})
+
+
+def postgres_refused(message: str, sqlstate: str | None) -> str:
+    """Postgres's refusal as an operator should read it: its message's first line, and for a
+    table or function that is not there, where they come from."""
+    first = message.strip().splitlines()[0] if message.strip() else "unknown error"
+    if sqlstate in _NOT_MIGRATED:
+        return f"{first} (is the database migrated? `sked migrate` creates its tables)"
+    return first
+
+
 def one_line(exc: BaseException) -> str:
     """`ValueError: bad`, on one line: for reasons that go into events, logs and headers."""
     text = " ".join(str(exc).split())

@@ -8,6 +8,7 @@ Control goes through shared.control like the CLI's, with the token named as `by`
 from __future__ import annotations
 
 from typing import Any
+from uuid import UUID
 
 from aiohttp import web
 
@@ -28,6 +29,7 @@ from services.api.ops import (
 )
 from shared.auth import Role
 from shared.dag import WorkflowSpec
+from shared.errors import NotFound
 from shared.fsm import State
 from shared.models import Event, Task, TaskSpec
 from shared.views import WorkflowView
@@ -42,6 +44,12 @@ STATUS = Param(
 )
 LIMIT = Param("limit", {"type": "integer", "minimum": 1, "maximum": MAX_LIST}, "at most (100)")
 WORKFLOW = Param("workflow", {"type": "string", "format": "uuid"}, "only this workflow's tasks")
+AFTER = Param(
+    "after",
+    {"type": "string", "format": "uuid"},
+    "the next page: the tasks after this one, the last of the page before (a full page's "
+    'Link header, rel="next", names it)',
+)
 
 
 def _limit(request: web.Request) -> int:
@@ -69,6 +77,15 @@ def _tasks(tasks: list[Task]) -> web.Response:
     return reply([t.as_json() for t in tasks])
 
 
+def _page(request: web.Request, tasks: list[Task], limit: int) -> web.Response:
+    """A page of a listing; a full one links to the next (RFC 8288), which may be empty."""
+    response = _tasks(tasks)
+    if tasks and len(tasks) == limit:
+        following = request.rel_url.update_query(after=str(tasks[-1].id))
+        response.headers["Link"] = f'<{following}>; rel="next"'
+    return response
+
+
 @op(
     "GET",
     "/v1/tasks",
@@ -77,15 +94,27 @@ def _tasks(tasks: list[Task]) -> web.Response:
     "tasks",
     response=schemas.TaskView,
     many=True,
-    query=(STATUS, LIMIT, WORKFLOW),
+    query=(STATUS, LIMIT, WORKFLOW, AFTER),
 )
 async def list_tasks(request: web.Request) -> web.StreamResponse:
     wanted = [State.parse(s) for v in request.query.getall("status", []) for s in v.split(",") if s]
     limit = _limit(request)
+    after = None
+    if "after" in request.query:
+        try:
+            after = UUID(request.query["after"])
+        except ValueError:
+            raise ApiError(400, f"after must be a task id: {request.query['after']!r}") from None
     if "workflow" in request.query:
         view = await client(request).workflow(parse_uuid(request.query["workflow"]))
-        return _tasks([t for t in view.tasks if not wanted or t.status in wanted][:limit])
-    return _tasks(await client(request).tasks(wanted or None, limit))
+        listed = [t for t in view.tasks if not wanted or t.status in wanted]
+        if after is not None:
+            ids = [t.id for t in listed]
+            if after not in ids:
+                raise NotFound(f"task {after} is not among the tasks listed (after)")
+            listed = listed[ids.index(after) + 1 :]
+        return _page(request, listed[:limit], limit)
+    return _page(request, await client(request).tasks(wanted or None, limit, after), limit)
 
 
 @op(

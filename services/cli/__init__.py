@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from services.cli import degrade, nodes, tokens
-from shared.errors import SkedError
+from shared.errors import SkedError, postgres_refused
 
 # `sked service NAME`: the module whose run(argv) is that service's main.
 SERVICES: dict[str, str] = {
@@ -50,6 +50,13 @@ def command(name: str, is_async: bool = True, module: str = "services.cli.comman
 
 
 # -- parser ----------------------------------------------------------------------------------
+
+
+def _page_size(text: str) -> int:
+    """A listing's --limit: the operator API's bounds (services.api.tasks.MAX_LIST)."""
+    if not text.isdigit() or not 1 <= int(text) <= 1000:
+        raise argparse.ArgumentTypeError(f"an integer from 1 to 1000: {text!r}")
+    return int(text)
 
 
 def _reader(sub: Any, name: str, text: str, func: Command) -> argparse.ArgumentParser:
@@ -144,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("list", help="tasks, newest first")
     p.add_argument("--status", action="append", help="filter by state (repeatable)")
-    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--limit", type=_page_size, default=50, help="at most (1 to 1000; 50)")
+    p.add_argument("--after", metavar="ID", help="the next page: the tasks after this one")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=command("_list"))
 
@@ -198,6 +206,16 @@ def _not_allowed(exc: SkedError) -> bool:
     return control is not None and isinstance(exc, control.NotAllowed)
 
 
+def _postgres_said(exc: Exception) -> str | None:
+    """What Postgres answered, when `exc` is its refusal through asyncpg: no such database, no
+    such table (not migrated), not allowed. Looked up like _not_allowed: only a command that
+    used asyncpg can have raised one."""
+    asyncpg = sys.modules.get("asyncpg")
+    if asyncpg is None or not isinstance(exc, asyncpg.PostgresError | asyncpg.InterfaceError):
+        return None
+    return postgres_refused(str(exc), getattr(exc, "sqlstate", None))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     func: Command = args.func
@@ -208,6 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if _not_allowed(exc) else 2
     except OSError as exc:  # a server not there (refused, unresolvable), a file not readable
         print(f"sked: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        said = _postgres_said(exc)
+        if said is None:
+            raise
+        print(f"sked: Postgres: {said}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -14,10 +14,12 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 
-from shared.errors import SkedError
+from shared.errors import SkedError, postgres_refused
 
 CONNECTION_OK = 0
 PGRES_TUPLES_OK = 2
+PG_DIAG_SQLSTATE = ord("C")  # PQresultErrorField's codes (postgres_ext.h)
+PG_DIAG_MESSAGE_PRIMARY = ord("M")
 _NAMES = ("libpq.so.5", "libpq.5.dylib", "libpq.so", "libpq.dylib")
 
 
@@ -53,6 +55,7 @@ def _load() -> ctypes.CDLL:
         "PQexecParams": (p, [p, s, i, p, ctypes.POINTER(s), p, p, i]),
         "PQresultStatus": (i, [p]),
         "PQresultErrorMessage": (s, [p]),
+        "PQresultErrorField": (s, [p, i]),
         "PQntuples": (i, [p]),
         "PQgetisnull": (i, [p, i, i]),
         "PQgetvalue": (s, [p, i, i]),
@@ -91,7 +94,10 @@ def fetch_text(dsn: str, sql: str, params: Sequence[str]) -> str | None:
             raise SkedError(f"query failed: {_message(lib.PQerrorMessage(conn))}")
         try:
             if lib.PQresultStatus(result) != PGRES_TUPLES_OK:
-                raise SkedError(f"query failed: {_message(lib.PQresultErrorMessage(result))}")
+                said = _message(lib.PQresultErrorField(result, PG_DIAG_MESSAGE_PRIMARY))
+                code = lib.PQresultErrorField(result, PG_DIAG_SQLSTATE)
+                sqlstate = code.decode() if code else None
+                raise SkedError(f"Postgres: {postgres_refused(said, sqlstate)}")
             if lib.PQntuples(result) == 0 or lib.PQgetisnull(result, 0, 0):
                 return None
             value: bytes = lib.PQgetvalue(result, 0, 0)

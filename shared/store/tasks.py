@@ -20,6 +20,7 @@ from pydantic_core import PydanticSerializationError, to_json
 
 from shared import fsm, hooks
 from shared.dag import effective_priorities
+from shared.errors import NotFound
 from shared.fsm import Move, State
 from shared.models import Event, Task, TaskSpec
 from shared.store.db import Db, get_task, task, tasks_of
@@ -283,11 +284,23 @@ class Tasks:
         return tasks_of(await self.db.fetch(Q.get_tasks, list(ids)))
 
     async def list_tasks(
-        self, statuses: Iterable[object] | None = None, name: str | None = None, limit: int = 100
+        self,
+        statuses: Iterable[object] | None = None,
+        name: str | None = None,
+        limit: int = 100,
+        after: UUID | None = None,
     ) -> list[Task]:
+        """Tasks newest first; with `after`, those that follow that task (the last of the page
+        before) in this order. Raises NotFound for an unknown `after`."""
         states = State if statuses is None else statuses
         wanted = list(dict.fromkeys(State.parse(s).value for s in states))
-        return [task(row) for row in await self.db.fetch(Q.list_tasks, wanted, name, limit)]
+        rows = await self.db.fetch(Q.list_tasks, wanted, name, limit, after)
+        if not rows and after is not None:
+            try:
+                await self.get(after)
+            except NotFound:
+                raise NotFound(f"no task {after} to list after") from None
+        return [task(row) for row in rows]
 
     async def history(self, task_id: UUID) -> list[Event]:
         rows = await self.db.fetch(Q.history, task_id)

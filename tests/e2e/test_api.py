@@ -11,6 +11,7 @@ import asyncio
 import json
 import re
 import subprocess
+import uuid
 from typing import Any
 
 import aiohttp
@@ -143,6 +144,22 @@ async def test_the_operator_api(
         out = sked(via_api, "list", "--json")
         assert out.returncode == 0, out.stderr
         assert {hello, nap} <= {t["id"] for t in json.loads(out.stdout)}
+        # pages: a full one links to the next, after its last task (the API, then the CLI)
+        code, first = await api("GET", "/v1/tasks", viewer, limit="1", status="success,running")
+        assert (code, [t["id"] for t in first]) == (200, [nap]), first
+        following = re.fullmatch(r'<(/v1/tasks\?[^>]+)>; rel="next"', api.headers["Link"])
+        assert following, api.headers["Link"]
+        code, second = await api("GET", following[1], viewer)
+        assert (code, [t["id"] for t in second]) == (200, [hello]), second
+        code, body = await api("GET", "/v1/tasks", viewer, after=str(uuid.uuid4()))
+        assert code == 404, body
+        assert "to list after" in body["error"]
+        out = sked(via_api, "list", "--limit", "1", "--status", "success", "--status", "running")
+        assert (out.returncode, out.stdout.split()[:1]) == (0, [nap]), out.stderr
+        more = re.search(r"more: sked list (.*)", out.stderr)
+        assert more, out.stderr
+        out = sked(via_api, "list", *more[1].split(), "--json")
+        assert [t["id"] for t in json.loads(out.stdout)] == [hello], out.stderr
         out = sked(via_api, "cancel", nap, "--reason", "enough")
         assert out.returncode == 0, out.stderr
         assert await api.status(nap, ops) == "canceled"

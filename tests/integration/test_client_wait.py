@@ -11,6 +11,7 @@ from shared.fsm import State
 from shared.models import Task
 from shared.settings import Settings
 from shared.store import Store
+from shared.sync_client import SyncSkedClient
 from tests.helpers import spec
 
 
@@ -57,3 +58,22 @@ async def test_a_waiter_asks_about_a_task_only_when_it_moves_into_an_end(
         done = await asyncio.wait_for(waiting, 10)
     assert done[moving.id].status is State.SUCCESS
     assert done[idle.id].status is State.CANCELED
+
+
+async def test_the_sync_client_reads_and_pages_without_a_loop(
+    settings: Settings, store: Store
+) -> None:
+    """SyncSkedClient, as code without an event loop (here a thread) calls it: a listing in
+    pages of two, a task, its history."""
+    made = await store.tasks.create_many([spec(name=f"s{i}") for i in range(3)])
+
+    def reads() -> tuple[list[Task], Task, int]:
+        with SyncSkedClient(settings) as sked:
+            first = sked.tasks(limit=2)
+            rest = sked.tasks(limit=2, after=first[-1].id)
+            return [*first, *rest], sked.get(made[0].id), len(sked.history(made[0].id))
+
+    listed, got, events = await asyncio.to_thread(reads)
+    newest_first = sorted(made, key=lambda t: (-t.created_at.timestamp(), t.id))
+    assert [t.id for t in listed] == [t.id for t in newest_first]
+    assert (got.id, got.name, events) == (made[0].id, "s0", 1)

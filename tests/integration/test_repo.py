@@ -314,6 +314,46 @@ async def test_list_merges_the_states_newest_first(store: Store, pool: asyncpg.P
     assert await store.tasks.list_tasks(statuses=[]) == []
 
 
+async def test_pages_list_every_task_once_in_order(store: Store, pool: asyncpg.Pool) -> None:
+    """Keyset paging: each page goes on after the last task of the one before, so the pages
+    of any size join into the whole listing — across states, and through tasks that share a
+    creation instant (a batch admitted in one statement), which only the id orders. A task
+    created meanwhile shifts nothing; the cursor may be a task the filter leaves out; an
+    unknown cursor is an error, not an empty page."""
+    made = [await store.tasks.create(spec("a" if i % 2 else "b")) for i in range(9)]
+    for t in made[::3]:
+        await fsm.apply(store.tasks, t, State.PENDING)
+    # three instants, three tasks each: ties inside each, and both states in each
+    await pool.execute(
+        "UPDATE tasks SET created_at = now() - make_interval(secs => 60 - (u.i - 1) / 3)"
+        " FROM unnest($1::uuid[]) WITH ORDINALITY AS u(id, i) WHERE tasks.id = u.id",
+        [t.id for t in made],
+    )
+    for statuses in (None, ["Created"], ["Pending", "Created"]):
+        for size in (1, 2, 4, 9):
+            whole = [t.id for t in await store.tasks.list_tasks(statuses=statuses)]
+            pending = {t.id for t in made[::3]}
+            mine = {t.id for t in made if statuses != ["Created"] or t.id not in pending}
+            assert mine <= set(whole)
+            paged: list[UUID] = []
+            after = None
+            while page := await store.tasks.list_tasks(statuses, limit=size, after=after):
+                assert len(page) <= size
+                paged.extend(t.id for t in page)
+                after = page[-1].id
+                if len(paged) == 3:
+                    await store.tasks.create(spec("meanwhile"))  # newer: on no page after
+            assert paged == whole, (statuses, size)
+    everything = await store.tasks.list_tasks()
+    cursor = next(t for t in everything[3:] if t.status is State.CREATED)  # not listed below
+    later = everything[everything.index(cursor) + 1 :]
+    after_it = await store.tasks.list_tasks(statuses=["Pending"], after=cursor.id)
+    assert after_it == [t for t in later if t.status is State.PENDING]
+    assert after_it
+    with pytest.raises(NotFound, match="to list after"):
+        await store.tasks.list_tasks(after=UUID(int=7))
+
+
 async def test_a_move_with_a_wrong_source_loses(store: Store) -> None:
     """The SQL guards status too: a Move built from a wrong snapshot cannot jump states."""
     task = await store.tasks.create(spec())

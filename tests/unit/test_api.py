@@ -28,6 +28,7 @@ from shared.placement import Need, NodeState, choose
 from shared.settings import Settings
 from shared.store import NodeRow
 from shared.store.tokens import TokenRow
+from shared.views import WorkflowView
 from tests.fakes.store import new_task
 from tests.helpers import spec
 
@@ -139,9 +140,20 @@ class FakeTokens:
 
 
 class FakeClient:
-    """Task 0 is unknown; task 1 is terminal."""
+    """Task 0 is unknown; task 1 is terminal; LISTED are the tasks, newest first, and one
+    workflow's (the store's paging is tests/integration/test_repo.py's)."""
 
     settings = Settings()
+    LISTED = [new_task(spec(f"t{i}")) for i in range(5)]
+
+    async def tasks(self, statuses: Any, limit: int, after: UUID | None) -> list[Any]:
+        ids = [t.id for t in self.LISTED]
+        if after is not None and after not in ids:
+            raise NotFound(f"no task {after} to list after")
+        return self.LISTED[ids.index(after) + 1 if after else 0 :][:limit]
+
+    async def workflow(self, workflow_id: UUID) -> WorkflowView:
+        return WorkflowView(workflow_id, "w", self.LISTED, [])
 
     async def get(self, task_id: UUID) -> Any:
         raise NotFound(f"no task {task_id}")
@@ -213,6 +225,38 @@ async def test_errors_are_json_with_their_status(
     ) as r:
         assert r.status == 400
     assert tokens.audited == []  # nothing was changed, so nothing recorded
+
+
+async def test_a_full_page_links_to_the_next(
+    api: tuple[TestClient[Any, Any], FakeTokens],
+) -> None:
+    """Listing pages by the last task seen: a full page's Link header (rel="next") repeats the
+    query with `after` its last task, a short one has none; a cursor is checked."""
+    client, _ = api
+    listed = [str(t.id) for t in FakeClient.LISTED]
+    for base in ("/v1/tasks?status=created&status=ready", f"/v1/tasks?workflow={uuid4()}"):
+        seen: list[str] = []
+        path: str | None = f"{base}&limit=2"
+        while path is not None:
+            async with client.get(path, headers=auth("reader")) as r:
+                assert r.status == 200, await r.text()
+                page = [t["id"] for t in await r.json()]
+                seen += page
+                link = r.headers.get("Link")
+            if len(page) < 2:
+                assert link is None
+                path = None
+            else:
+                assert link is not None
+                path = link.removeprefix("<").removesuffix('>; rel="next"')
+                assert path.startswith(base), path
+                assert path.endswith(f"&after={page[-1]}"), path
+        assert seen == listed, base
+    for bad, status in ((f"after={uuid4()}", 404), ("after=3", 400)):
+        for base in ("/v1/tasks?", f"/v1/tasks?workflow={uuid4()}&"):
+            async with client.get(base + bad, headers=auth("reader")) as r:
+                assert r.status == status, (base, bad)
+                assert "after" in (await r.json())["error"]
 
 
 async def test_health_and_the_document_need_no_token(

@@ -1,0 +1,75 @@
+"""The producer SDK for code without an event loop: SkedClient's calls, each run to its end on
+a private loop.
+
+    from sked import SyncSkedClient
+
+    with SyncSkedClient() as sked:
+        task = sked.wait(sked.submit({"name": "hello", "job": {"kind": "command",
+                                                             "argv": ["echo", "hi"]}}))
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from typing import Any
+from uuid import UUID
+
+from shared.client import SkedClient
+from shared.models import Event, Task, TaskSpec
+from shared.settings import Settings
+
+
+class SyncSkedClient:
+    """The same calls for code without an event loop: each runs on a private loop."""
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._client = SkedClient(settings)
+
+    def submit(self, spec: TaskSpec | dict[str, Any]) -> UUID:
+        return self._loop.run_until_complete(self._client.submit(spec))
+
+    def submit_many(self, specs: Sequence[TaskSpec | dict[str, Any]]) -> list[UUID]:
+        return self._loop.run_until_complete(self._client.submit_many(specs))
+
+    def get(self, task_id: UUID | str) -> Task:
+        return self._loop.run_until_complete(self._client.get(task_id))
+
+    def history(self, task_id: UUID | str) -> list[Event]:
+        return self._loop.run_until_complete(self._client.history(task_id))
+
+    def tasks(
+        self, statuses: Iterable[object] | None = None, limit: int = 100, after: UUID | None = None
+    ) -> list[Task]:
+        return self._loop.run_until_complete(self._client.tasks(statuses, limit, after))
+
+    def wait(self, task_id: UUID | str, timeout: float | None = None) -> Task:
+        return self._loop.run_until_complete(self._client.wait(task_id, timeout))
+
+    def pause(self, task_id: UUID | str, reason: str, by: str | None = None) -> Task:
+        return self._loop.run_until_complete(self._client.pause(task_id, reason, by))
+
+    def resume(self, task_id: UUID | str) -> Task:
+        return self._loop.run_until_complete(self._client.resume(task_id))
+
+    def cancel(self, task_id: UUID | str, reason: str = "", by: str | None = None) -> Task:
+        return self._loop.run_until_complete(self._client.cancel(task_id, reason, by))
+
+    def set_priority(self, task_id: UUID | str, priority: int) -> list[Task]:
+        return self._loop.run_until_complete(self._client.set_priority(task_id, priority))
+
+    def wait_all(
+        self, task_ids: Iterable[UUID | str], timeout: float | None = None
+    ) -> dict[UUID, Task]:
+        return self._loop.run_until_complete(self._client.wait_all(task_ids, timeout))
+
+    def close(self) -> None:
+        self._loop.run_until_complete(self._client.close())
+        self._loop.close()
+
+    def __enter__(self) -> SyncSkedClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
