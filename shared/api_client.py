@@ -162,10 +162,16 @@ class ApiClient:
         return task_of(await self.call("GET", f"/v1/tasks/{task_id}"))
 
     async def tasks(
-        self, statuses: Iterable[object] | None = None, limit: int = 100, after: UUID | None = None
+        self,
+        statuses: Iterable[object] | None = None,
+        limit: int = 100,
+        after: UUID | None = None,
+        name: str | None = None,
     ) -> list[Task]:
         wanted = None if statuses is None else [State.parse(s).value for s in statuses]
-        found = await self.call("GET", "/v1/tasks", status=wanted, limit=limit, after=after)
+        found = await self.call(
+            "GET", "/v1/tasks", status=wanted, limit=limit, after=after, name=name
+        )
         return [task_of(t) for t in found]
 
     async def history(self, task_id: UUID | str) -> list[Event]:

@@ -249,11 +249,15 @@ class SkedClient:
         return await (await self._db()).tasks.history(UUID(str(task_id)))
 
     async def tasks(
-        self, statuses: Iterable[object] | None = None, limit: int = 100, after: UUID | None = None
+        self,
+        statuses: Iterable[object] | None = None,
+        limit: int = 100,
+        after: UUID | None = None,
+        name: str | None = None,
     ) -> list[Task]:
-        """Tasks, newest first, optionally only those in `statuses`; `after` (the last task of
-        the page before) gives the next page."""
-        return await (await self._db()).tasks.list_tasks(statuses, None, limit, after)
+        """Tasks, newest first, optionally only those in `statuses` or of `name`; `after` (the
+        last task of the page before) gives the next page."""
+        return await (await self._db()).tasks.list_tasks(statuses, name, limit, after)
 
     async def degrade_status(self) -> DegradeState:
         """The degrade mode every scheduler obeys."""

@@ -40,9 +40,13 @@ class SyncSkedClient:
         return self._loop.run_until_complete(self._client.history(task_id))
 
     def tasks(
-        self, statuses: Iterable[object] | None = None, limit: int = 100, after: UUID | None = None
+        self,
+        statuses: Iterable[object] | None = None,
+        limit: int = 100,
+        after: UUID | None = None,
+        name: str | None = None,
     ) -> list[Task]:
-        return self._loop.run_until_complete(self._client.tasks(statuses, limit, after))
+        return self._loop.run_until_complete(self._client.tasks(statuses, limit, after, name))
 
     def wait(self, task_id: UUID | str, timeout: float | None = None) -> Task:
         return self._loop.run_until_complete(self._client.wait(task_id, timeout))

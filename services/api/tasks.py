@@ -44,6 +44,7 @@ STATUS = Param(
 )
 LIMIT = Param("limit", {"type": "integer", "minimum": 1, "maximum": MAX_LIST}, "at most (100)")
 WORKFLOW = Param("workflow", {"type": "string", "format": "uuid"}, "only this workflow's tasks")
+NAME = Param("name", {"type": "string"}, "only tasks of this name")
 AFTER = Param(
     "after",
     {"type": "string", "format": "uuid"},
@@ -94,7 +95,7 @@ def _page(request: web.Request, tasks: list[Task], limit: int) -> web.Response:
     "tasks",
     response=schemas.TaskView,
     many=True,
-    query=(STATUS, LIMIT, WORKFLOW, AFTER),
+    query=(STATUS, NAME, LIMIT, WORKFLOW, AFTER),
 )
 async def list_tasks(request: web.Request) -> web.StreamResponse:
     wanted = [State.parse(s) for v in request.query.getall("status", []) for s in v.split(",") if s]
@@ -105,16 +106,21 @@ async def list_tasks(request: web.Request) -> web.StreamResponse:
             after = UUID(request.query["after"])
         except ValueError:
             raise ApiError(400, f"after must be a task id: {request.query['after']!r}") from None
+    name = request.query.get("name")
     if "workflow" in request.query:
         view = await client(request).workflow(parse_uuid(request.query["workflow"]))
-        listed = [t for t in view.tasks if not wanted or t.status in wanted]
+        listed = [
+            t
+            for t in view.tasks
+            if (not wanted or t.status in wanted) and (name is None or t.name == name)
+        ]
         if after is not None:
             ids = [t.id for t in listed]
             if after not in ids:
                 raise NotFound(f"task {after} is not among the tasks listed (after)")
             listed = listed[ids.index(after) + 1 :]
         return _page(request, listed[:limit], limit)
-    return _page(request, await client(request).tasks(wanted or None, limit, after), limit)
+    return _page(request, await client(request).tasks(wanted or None, limit, after, name), limit)
 
 
 @op(

@@ -151,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("list", help="tasks, newest first")
     p.add_argument("--status", action="append", help="filter by state (repeatable)")
+    p.add_argument("--name", help="only tasks of this name")
     p.add_argument("--limit", type=_page_size, default=50, help="at most (1 to 1000; 50)")
     p.add_argument("--after", metavar="ID", help="the next page: the tasks after this one")
     p.add_argument("--json", action="store_true")

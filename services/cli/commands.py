@@ -161,17 +161,17 @@ async def _submitted(
 async def _list(args: argparse.Namespace) -> int:
     after = None if args.after is None else parse_task_id(args.after)
     async with connect() as client:
-        tasks = await client.tasks(statuses=args.status, limit=args.limit, after=after)
+        tasks = await client.tasks(args.status, args.limit, after, args.name)
     if args.json:
         print_json([t.as_json() for t in tasks])
         return 0
     for t in tasks:
         print(f"{t.id}  {t.status.label:<10}  {t.attempt:>3}  {t.priority:>5}  {t.name}")
     if len(tasks) == args.limit:  # on stderr: what a pipe reads stays the listing
-        again = [
-            *(f"--status {shlex.quote(s)}" for s in args.status or ()),
-            f"--limit {args.limit}",
-        ]
+        again = [f"--status {shlex.quote(s)}" for s in args.status or ()]
+        if args.name is not None:
+            again.append(f"--name {shlex.quote(args.name)}")
+        again.append(f"--limit {args.limit}")
         print(f"more: sked list {' '.join(again)} --after {tasks[-1].id}", file=sys.stderr)
     return 0
 

@@ -160,6 +160,8 @@ async def test_the_operator_api(
         assert more, out.stderr
         out = sked(via_api, "list", *more[1].split(), "--json")
         assert [t["id"] for t in json.loads(out.stdout)] == [hello], out.stderr
+        out = sked(via_api, "list", "--name", "hello", "--json")
+        assert [t["id"] for t in json.loads(out.stdout)] == [hello], out.stderr
         out = sked(via_api, "cancel", nap, "--reason", "enough")
         assert out.returncode == 0, out.stderr
         assert await api.status(nap, ops) == "canceled"

@@ -24,9 +24,11 @@ def refused(done: subprocess.CompletedProcess[str], says: str) -> None:
 
 
 async def test_list_pages_through_every_task(store: Store, service_env: dict[str, str]) -> None:
-    made = [await store.tasks.create(spec(f"t{i}")) for i in range(5)]
+    """Each full page says how to ask for the next, the filters kept."""
+    made = [await store.tasks.create(spec("t")) for _ in range(5)]
+    await store.tasks.create(spec("other"))
     seen: list[str] = []
-    args = ["list", "--limit", "2"]
+    args = ["list", "--limit", "2", "--name", "t"]
     while True:
         done = sked(service_env, *args)
         assert done.returncode == 0, done.stderr

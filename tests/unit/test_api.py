@@ -146,11 +146,14 @@ class FakeClient:
     settings = Settings()
     LISTED = [new_task(spec(f"t{i}")) for i in range(5)]
 
-    async def tasks(self, statuses: Any, limit: int, after: UUID | None) -> list[Any]:
-        ids = [t.id for t in self.LISTED]
+    async def tasks(
+        self, statuses: Any, limit: int, after: UUID | None, name: str | None
+    ) -> list[Any]:
+        named = [t for t in self.LISTED if name is None or t.name == name]
+        ids = [t.id for t in named]
         if after is not None and after not in ids:
             raise NotFound(f"no task {after} to list after")
-        return self.LISTED[ids.index(after) + 1 if after else 0 :][:limit]
+        return named[ids.index(after) + 1 if after else 0 :][:limit]
 
     async def workflow(self, workflow_id: UUID) -> WorkflowView:
         return WorkflowView(workflow_id, "w", self.LISTED, [])
@@ -252,6 +255,9 @@ async def test_a_full_page_links_to_the_next(
                 assert path.startswith(base), path
                 assert path.endswith(f"&after={page[-1]}"), path
         assert seen == listed, base
+    for base in ("/v1/tasks?", f"/v1/tasks?workflow={uuid4()}&"):
+        async with client.get(f"{base}name=t3", headers=auth("reader")) as r:
+            assert [t["name"] for t in await r.json()] == ["t3"]
     for bad, status in ((f"after={uuid4()}", 404), ("after=3", 400)):
         for base in ("/v1/tasks?", f"/v1/tasks?workflow={uuid4()}&"):
             async with client.get(base + bad, headers=auth("reader")) as r:
