@@ -271,6 +271,7 @@ class SkedClient:
         from shared import modes
         from shared.alerts import Alerter
 
+        modes.check_duration(for_s)  # before connecting anywhere
         bus = await self._publisher()
         alerter = Alerter(bus, self.settings.alertmanager_url)
         try:

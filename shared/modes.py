@@ -13,12 +13,13 @@ from typing import Any
 from shared.alerts import Alert, Alerter, Publisher
 from shared.bus import EVENTS_EXCHANGE, Outgoing
 from shared.degrade import DegradeState, Mode
-from shared.errors import SkedError, one_line
+from shared.errors import InvalidSpec, SkedError, one_line
 from shared.store.degrade import Degrade
 
 log = logging.getLogger(__name__)
 
 DEGRADE_KEY = "scheduler.degrade"
+MAX_FOR_S = 1e9  # ~31 years: far inside a Postgres interval, and longer than any spell
 
 
 class ModeChanged(SkedError):
@@ -94,6 +95,15 @@ async def announce(
     await alerter.send(alerts(before, after), after.since)
 
 
+def check_duration(for_s: float | None) -> None:
+    """Raises InvalidSpec unless `for_s` is None (until lifted) or a positive number of seconds
+    Postgres can add to a time (NaN, infinities and negatives are not)."""
+    if for_s is not None and not 0 < for_s <= MAX_FOR_S:  # NaN fails it too
+        raise InvalidSpec(
+            f"a degrade mode's duration must be above 0 and at most {MAX_FOR_S:.0e} s, not {for_s}"
+        )
+
+
 async def change(
     degrade: Degrade,
     mode: Mode,
@@ -105,7 +115,9 @@ async def change(
     automatic: bool = False,
 ) -> tuple[DegradeState, DegradeState]:
     """Set the mode (CAS against the row as just read); announce it. Returns (before, after).
-    Raises ModeChanged if it changed between the read and the write."""
+    Raises ModeChanged if it changed between the read and the write, InvalidSpec for a
+    duration that is not a positive number of seconds Postgres can hold."""
+    check_duration(for_s)
     before = await degrade.read()
     after = await degrade.set(mode, reason, by, for_s, before.version, automatic)
     if after is None:

@@ -217,6 +217,21 @@ def _postgres_said(exc: Exception) -> str | None:
     return postgres_refused(str(exc), getattr(exc, "sqlstate", None))
 
 
+def _rabbitmq_said(exc: Exception) -> str | None:
+    """What RabbitMQ's refusal means, when `exc` is one (looked up like _not_allowed). A
+    connection it closes as it opens (no such vhost, a user not allowed on it) reaches aiormq
+    as a frame it did not expect, which says nothing of why."""
+    aiormq = sys.modules.get("aiormq")
+    if aiormq is None or not isinstance(exc, aiormq.exceptions.AMQPError):
+        return None
+    if isinstance(exc, aiormq.exceptions.InvalidFrameError) and "Connection.Close" in str(exc):
+        return (
+            "it closed the connection as it opened: is the vhost in SKED_RABBITMQ_URL there, "
+            "and may its user use it?"
+        )
+    return str(exc) or type(exc).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     func: Command = args.func
@@ -229,10 +244,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sked: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
-        said = _postgres_said(exc)
-        if said is None:
+        postgres, rabbitmq = _postgres_said(exc), _rabbitmq_said(exc)
+        if postgres is None and rabbitmq is None:
             raise
-        print(f"sked: Postgres: {said}", file=sys.stderr)
+        server = f"Postgres: {postgres}" if postgres is not None else f"RabbitMQ: {rabbitmq}"
+        print(f"sked: {server}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

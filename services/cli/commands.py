@@ -86,10 +86,11 @@ def _cmd_dev(args: argparse.Namespace) -> int:
 
 def spec_from_args(args: argparse.Namespace) -> TaskSpec:
     from shared.models import TaskSpec
-    from shared.settings import parse_labels
 
     job: dict[str, Any]
     if args.command is not None:
+        if args.args is not None:
+            raise SkedError("--args goes with --handler: a command's arguments are in --command")
         argv = shlex.split(args.command)
         job = {"kind": "command", "argv": argv}
         if args.image is not None:
@@ -111,8 +112,8 @@ def spec_from_args(args: argparse.Namespace) -> TaskSpec:
         "max_retries": args.max_retries,
         "heartbeat_timeout_s": args.heartbeat_timeout,
         "resources": {"cpu": args.cpu, "memory_mb": args.memory, "gpu": args.gpu},
-        "selector": parse_labels(",".join(args.selector)) if args.selector else {},
-        "affinity": parse_labels(",".join(args.affinity)) if args.affinity else {},
+        "selector": _labels("--selector", args.selector),
+        "affinity": _labels("--affinity", args.affinity),
     }
     if args.timeout is not None:
         data["timeout_s"] = args.timeout
@@ -121,6 +122,15 @@ def spec_from_args(args: argparse.Namespace) -> TaskSpec:
     if args.idempotency_key is not None:
         data["idempotency_key"] = args.idempotency_key
     return TaskSpec.parse(data)
+
+
+def _labels(flag: str, given: list[str]) -> dict[str, str]:
+    from shared.settings import parse_labels
+
+    try:
+        return parse_labels(",".join(given))
+    except ValueError as exc:  # JSON's errors too
+        raise SkedError(f"{flag}: {exc}") from None
 
 
 async def _submit(args: argparse.Namespace) -> int:

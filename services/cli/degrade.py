@@ -11,6 +11,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from services.cli.output import print_json, run
+from shared.errors import SkedError
 
 if TYPE_CHECKING:  # loaded when the command runs: building the parser stays cheap
     from shared.degrade import DegradeState
@@ -53,9 +54,7 @@ async def _degrade(args: argparse.Namespace) -> int:
         else:
             mode = Mode.NORMAL if args.mode == "off" else Mode(args.mode)
             if mode is not Mode.NORMAL and not args.reason:
-                raise SystemExit("sked degrade: --reason is required for partial and full")
-            if args.for_s is not None and args.for_s <= 0:
-                raise SystemExit("sked degrade: --for must be a positive number of seconds")
+                raise SkedError("degrade: --reason is required for partial and full")
             reason = args.reason or ("lifted" if mode is Mode.NORMAL else "")
             for_s = None if mode is Mode.NORMAL else args.for_s
             state = await client.degrade(mode, reason, args.by or operator(), for_s)

@@ -10,7 +10,8 @@ import pytest
 
 from services.scheduler.hub import DegradeView
 from shared.degrade import DegradeState, Mode, Rules, Snapshot, decide, triggered
-from shared.modes import alerts, describe, event
+from shared.errors import InvalidSpec
+from shared.modes import MAX_FOR_S, alerts, check_duration, describe, event
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 RULES = Rules()
@@ -169,3 +170,14 @@ def test_a_schedulers_copy_ends_the_mode_on_its_own_monotonic_deadline() -> None
     view.set(state(Mode.PARTIAL, False, None), read_at=0.0)
     assert view.mode() is Mode.PARTIAL  # no end
     assert view.seconds_left() is None
+
+
+@pytest.mark.parametrize("for_s", [0.0, -5.0, float("nan"), float("inf"), float("-inf"), 1e300])
+def test_a_duration_postgres_cannot_add_is_refused(for_s: float) -> None:
+    with pytest.raises(InvalidSpec, match="duration must be above 0"):
+        check_duration(for_s)
+
+
+@pytest.mark.parametrize("for_s", [None, 0.001, 60.0, MAX_FOR_S])
+def test_a_positive_duration_or_none_passes(for_s: float | None) -> None:
+    check_duration(for_s)

@@ -1,6 +1,6 @@
-"""`sked list` as an operator runs it, against real Postgres: pages through every task, and a
-database that is not there, or not migrated, or a bad argument, is a one-line error with exit
-code 2, never a traceback."""
+"""`sked` as an operator runs it, against the real servers: `sked list` pages through every
+task; a bad argument, a database that is not there or not migrated, a RabbitMQ vhost that is
+not there, is a one-line error with exit code 2, never a traceback, and changes nothing."""
 
 from __future__ import annotations
 
@@ -52,3 +52,22 @@ async def test_bad_arguments_and_a_database_not_ready_are_clear_errors(
         refused(sked(bare, *args), "is the database migrated?")
     gone = {**service_env, "SKED_DATABASE_URL": f"{PG_BASE}/sked_no_such_database"}
     refused(sked(gone, "list"), 'database "sked_no_such_database" does not exist')
+
+
+async def test_bad_input_is_refused_before_anything_is_sent(
+    store: Store, service_env: dict[str, str]
+) -> None:
+    before = await store.degrade.read()
+    nowhere = {**service_env, "SKED_RABBITMQ_URL": "amqp://guest:guest@127.0.0.1/sked_no_vhost"}
+    for args, says in (
+        (["submit", "--command", "true", "--selector", "bad"], "--selector: a label must"),
+        (["submit", "--command", "true", "--affinity", "{bad"], "--affinity: Expecting"),
+        (["submit", "--command", "true", "--args", "{}"], "--args goes with --handler"),
+        (["degrade", "partial", "--reason", "x", "--for", "nan"], "must be above 0"),
+        (["degrade", "partial", "--reason", "x", "--for", "1e300"], "must be above 0"),
+        (["degrade", "partial"], "--reason is required"),
+    ):
+        refused(sked(nowhere, *args), says)  # refused before RabbitMQ is asked anything
+    refused(sked(nowhere, "degrade", "full", "--reason", "x"), "is the vhost in SKED_RABBITMQ_URL")
+    assert await store.degrade.read() == before
+    assert await store.tasks.list_tasks() == []
