@@ -22,7 +22,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 from uuid import UUID, uuid4
 
-from shared.errors import NotFound, SkedError
+from shared.errors import InvalidSpec, NotFound, SkedError
 from shared.fsm import ENDING, State
 from shared.models import Event, Task, TaskSpec, task_id_for
 from shared.settings import Settings
@@ -36,6 +36,21 @@ if TYPE_CHECKING:  # imported by the calls that use them: reading a task needs o
     from shared.degrade import DegradeState, Mode
     from shared.queues import ReadyQueue
     from shared.store import NodeRow, Store
+
+
+def _rendered(spec: TaskSpec | WorkflowSpec) -> bytes:
+    """A spec's message body, refused (InvalidSpec, nothing sent) if it holds what Postgres
+    cannot store and intake would dead-letter: a NUL or a lone surrogate in any string."""
+    from pydantic_core import PydanticSerializationError
+
+    from shared.jsonvalue import Unsafe, refuse_unsafe
+
+    try:
+        body = spec.model_dump_json().encode()
+        refuse_unsafe(body)
+    except (Unsafe, PydanticSerializationError) as exc:
+        raise InvalidSpec(f"{spec.name!r} cannot be stored: {exc}") from None
+    return body
 
 
 class WaitTimeout(SkedError, TimeoutError):
@@ -145,7 +160,7 @@ class SkedClient:
         from shared.bus import SUBMIT_KEY
 
         parsed = [s if isinstance(s, TaskSpec) else TaskSpec.parse(s) for s in specs]
-        bodies = [(s.model_dump_json().encode(), task_id_for(s), s.name) for s in parsed]
+        bodies = [(_rendered(s), task_id_for(s), s.name) for s in parsed]
         await self._publish(SUBMIT_KEY, bodies, batch=len(bodies) > 1)
         return [ident for _, ident, _ in bodies]
 
@@ -157,9 +172,7 @@ class SkedClient:
 
         parsed = spec if isinstance(spec, WorkflowSpec) else WorkflowSpec.parse(spec)
         workflow_id = uuid4()
-        await self._publish(
-            WORKFLOW_KEY, [(parsed.model_dump_json().encode(), workflow_id, parsed.name)]
-        )
+        await self._publish(WORKFLOW_KEY, [(_rendered(parsed), workflow_id, parsed.name)])
         return workflow_id
 
     async def workflow(self, workflow_id: UUID | str) -> WorkflowView:

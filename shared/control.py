@@ -15,6 +15,7 @@ from uuid import UUID
 from shared import fsm
 from shared.errors import InvalidSpec, SkedError, StaleWrite
 from shared.fsm import State
+from shared.jsonvalue import note
 from shared.models import MAX_PRIORITY, MIN_PRIORITY, Task
 from shared.queues import ReadyQueue
 from shared.store import Store
@@ -45,7 +46,7 @@ def _refuse(action: str, task: Task) -> None:
 async def pause(store: Store, task_id: UUID, reason: str, by: str | None = None) -> Task:
     """Any non-terminal state -> Paused. A running attempt is stopped by its executor; no
     retry is spent, and the task does not start again until resumed."""
-    who = by or operator()
+    who, reason = note("by", by or operator()), note("reason", reason)
     for _ in range(ATTEMPTS):
         task = await store.tasks.get(task_id)
         _refuse("pause", task)
@@ -74,7 +75,7 @@ async def cancel(
     by: str | None = None,
 ) -> Task:
     """Any non-terminal state -> Canceled (terminal). A running attempt is stopped."""
-    who = by or operator()
+    who, reason = note("by", by or operator()), note("reason", reason)
     for _ in range(ATTEMPTS):
         task = await store.tasks.get(task_id)
         _refuse("cancel", task)
@@ -93,7 +94,7 @@ async def resume(store: Store, queue: ReadyQueue, task_id: UUID, by: str | None 
     """Paused -> Pending -> Ready, and into the ready queue. The next attempt gets a new
     attempt number; retry_count is unchanged (a pause costs no retry). `by`, when given, is
     named in the event (the operator API gives its token's name)."""
-    said = "resumed" if by is None else f"resumed by {by}"
+    said = "resumed" if by is None else f"resumed by {note('by', by)}"
     for _ in range(ATTEMPTS):
         task = await store.tasks.get(task_id)
         if task.status is not State.PAUSED:

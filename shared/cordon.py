@@ -22,6 +22,7 @@ from typing import Any
 from uuid import UUID
 
 from shared.errors import NotFound
+from shared.jsonvalue import note
 from shared.store import NodeRow, Store
 
 POLL_S = 0.5  # how often a drain looks at what still holds the node (an operator's wait)
@@ -52,6 +53,7 @@ async def node(store: Store, node_id: str) -> NodeRow:
 
 
 async def cordon(store: Store, node_id: str, by: str, reason: str = "") -> NodeRow:
+    by, reason = note("by", by), note("reason", reason)
     """No new work on the node (a node cordoned already keeps its first cordon)."""
     if not await store.nodes.cordon(node_id, by, reason):
         raise NotFound(f"no node {node_id!r}")

@@ -14,6 +14,8 @@ import re
 from itertools import accumulate
 from typing import Any
 
+from shared.errors import InvalidSpec
+
 MAX_DEPTH = 64  # levels of arrays and objects; a task spec needs a handful
 CUT = " …[cut]"
 
@@ -58,6 +60,14 @@ def parse(body: bytes | str) -> Any:
     return value
 
 
+def refuse_unsafe(body: bytes) -> None:
+    """Raises Unsafe if JSON this process rendered (UTF-8 and well formed: a model's dump)
+    holds what `parse` refuses. A producer checks its message with it before sending: what
+    intake would dead-letter is refused at the caller, and the cost is a scan of the bytes."""
+    if _may_be_unsafe(body):
+        parse(body)
+
+
 # What `problem` looks for can only come from a few places in JSON text that decoded from
 # UTF-8 and parsed: a NUL or a lone surrogate only from a \u escape (the decoder refuses raw
 # control characters, and UTF-8 cannot carry a surrogate), an infinite float only from a
@@ -92,7 +102,22 @@ def _may_be_unsafe(body: bytes) -> bool:
     return max(depths, default=0) > MAX_DEPTH
 
 
-def _bad_text(text: str) -> str | None:
+MAX_NOTE = 4096  # characters of an operator's reason or name: a sentence, not a document
+
+
+def note(field: str, text: str) -> str:
+    """An operator's words (a reason, who acted) as a state change records them: `text`, or
+    InvalidSpec naming `field` if Postgres could not store it or it is longer than a note."""
+    bad = bad_text(text)
+    if bad is None and len(text) > MAX_NOTE:
+        bad = f"{len(text)} characters (at most {MAX_NOTE})"
+    if bad is not None:
+        raise InvalidSpec(f"{field} holds {bad}")
+    return text
+
+
+def bad_text(text: str) -> str | None:
+    """What in `text` Postgres cannot store as text or in jsonb; None if nothing."""
     if "\x00" in text:
         return "a NUL character"
     try:
@@ -111,12 +136,12 @@ def problem(value: Any) -> str | None:
         if depth > MAX_DEPTH:
             return f"nested deeper than {MAX_DEPTH} levels (at {where or 'the top'})"
         if isinstance(item, str):
-            bad = _bad_text(item)
+            bad = bad_text(item)
             if bad:
                 return f"{where or 'the value'} holds {bad}"
         elif isinstance(item, dict):
             for key, sub in item.items():
-                bad = _bad_text(key) if isinstance(key, str) else "a key that is not a string"
+                bad = bad_text(key) if isinstance(key, str) else "a key that is not a string"
                 if bad:
                     return f"a key in {where or 'the top object'} holds {bad}"
                 todo.append((sub, f"{where}.{key}" if where else key, depth + 1))

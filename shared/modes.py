@@ -14,6 +14,7 @@ from shared.alerts import Alert, Alerter, Publisher
 from shared.bus import EVENTS_EXCHANGE, Outgoing
 from shared.degrade import DegradeState, Mode
 from shared.errors import InvalidSpec, SkedError, one_line
+from shared.jsonvalue import note
 from shared.store.degrade import Degrade
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,7 @@ async def change(
     Raises ModeChanged if it changed between the read and the write, InvalidSpec for a
     duration that is not a positive number of seconds Postgres can hold."""
     check_duration(for_s)
+    reason, by = note("reason", reason), note("by", by)
     before = await degrade.read()
     after = await degrade.set(mode, reason, by, for_s, before.version, automatic)
     if after is None:

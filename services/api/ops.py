@@ -13,7 +13,6 @@ that does not allow the action (a terminal task, say), 503 Postgres or RabbitMQ 
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Awaitable, Callable
@@ -25,6 +24,7 @@ from uuid import UUID
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from shared import jsonvalue
 from shared.auth import Role, bearer, digest
 from shared.client import SkedClient
 from shared.control import NotAllowed
@@ -160,6 +160,10 @@ def guarded(o: Op) -> Handler:
     async def handle(request: web.Request) -> web.StreamResponse:
         if o.role is not None:
             TOKEN.set(await authenticate(request, o.role))
+        for name, value in request.query.items():  # what no query parameter may hold
+            bad = jsonvalue.bad_text(name) or jsonvalue.bad_text(value)
+            if bad:
+                raise ApiError(400, f"query parameter {name!r} holds {bad}")
         return await o.handler(request)
 
     return handle
@@ -221,10 +225,10 @@ async def json_body(request: web.Request, required: bool = True) -> Any:
         if required:
             raise ApiError(400, "a JSON body is required")
         return {}
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the body is not JSON: {exc}") from None
+    try:  # strict: what Postgres could not store (a NUL, NaN, ...) is refused here, named
+        return jsonvalue.parse(raw)
+    except jsonvalue.Unsafe as exc:
+        raise ApiError(400, f"the body is not JSON sked can take: {exc}") from None
 
 
 async def body(request: web.Request, model: type[M], required: bool = True) -> M:

@@ -211,6 +211,15 @@ async def test_errors_are_json_with_their_status(
         ("GET", "/v1/tasks/not-a-uuid", read, None, 400),
         ("GET", "/v1/tasks?limit=0", read, None, 400),
         ("GET", "/v1/tasks?status=bogus", read, None, 400),
+        ("GET", "/v1/tasks?name=a%00b", read, None, 400),  # Postgres could not compare it
+        (
+            "POST",
+            "/v1/tasks",
+            operate,
+            {"name": "\x00", "job": {"kind": "command", "argv": ["x"]}},
+            400,
+        ),
+        ("POST", f"/v1/nodes/{uuid4()}/cordon", operate, {"reason": "a\x00"}, 400),
         ("POST", f"/v1/tasks/{uuid4()}/cancel", operate, None, 409),  # NotAllowed
         ("POST", f"/v1/tasks/{uuid4()}/pause", operate, {"reason": ""}, 400),
         ("POST", f"/v1/tasks/{uuid4()}/pause", operate, {"reason": "x", "who": 1}, 400),
