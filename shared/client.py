@@ -38,9 +38,15 @@ if TYPE_CHECKING:  # imported by the calls that use them: reading a task needs o
     from shared.store import NodeRow, Store
 
 
-def _rendered(spec: TaskSpec | WorkflowSpec) -> bytes:
-    """A spec's message body, refused (InvalidSpec, nothing sent) if it holds what Postgres
-    cannot store and intake would dead-letter: a NUL or a lone surrogate in any string."""
+# What a batch message wraps around one spec (its id, trace parent and the envelope): a spec
+# this much under the limit fits in a message of its own.
+ENVELOPE_BYTES = 256
+
+
+def _rendered(spec: TaskSpec | WorkflowSpec, limit: int) -> bytes:
+    """A spec's message body, refused (InvalidSpec, nothing sent) if intake would dead-letter
+    it: a NUL or a lone surrogate in any string (Postgres cannot store them), or a message
+    over the deployment's limit (SKED_MAX_MESSAGE_BYTES, as this process reads it)."""
     from pydantic_core import PydanticSerializationError
 
     from shared.jsonvalue import Unsafe, refuse_unsafe
@@ -50,6 +56,11 @@ def _rendered(spec: TaskSpec | WorkflowSpec) -> bytes:
         refuse_unsafe(body)
     except (Unsafe, PydanticSerializationError) as exc:
         raise InvalidSpec(f"{spec.name!r} cannot be stored: {exc}") from None
+    if len(body) + ENVELOPE_BYTES > limit:
+        raise InvalidSpec(
+            f"{spec.name!r} is {len(body)} bytes as JSON: over the limit of a message, "
+            f"{limit} bytes less {ENVELOPE_BYTES} (SKED_MAX_MESSAGE_BYTES)"
+        )
     return body
 
 
@@ -160,7 +171,8 @@ class SkedClient:
         from shared.bus import SUBMIT_KEY
 
         parsed = [s if isinstance(s, TaskSpec) else TaskSpec.parse(s) for s in specs]
-        bodies = [(_rendered(s), task_id_for(s), s.name) for s in parsed]
+        limit = self.settings.max_message_bytes
+        bodies = [(_rendered(s, limit), task_id_for(s), s.name) for s in parsed]
         await self._publish(SUBMIT_KEY, bodies, batch=len(bodies) > 1)
         return [ident for _, ident, _ in bodies]
 
@@ -172,7 +184,8 @@ class SkedClient:
 
         parsed = spec if isinstance(spec, WorkflowSpec) else WorkflowSpec.parse(spec)
         workflow_id = uuid4()
-        await self._publish(WORKFLOW_KEY, [(_rendered(parsed), workflow_id, parsed.name)])
+        body = _rendered(parsed, self.settings.max_message_bytes)
+        await self._publish(WORKFLOW_KEY, [(body, workflow_id, parsed.name)])
         return workflow_id
 
     async def workflow(self, workflow_id: UUID | str) -> WorkflowView:

@@ -17,6 +17,7 @@ from uuid import uuid4
 
 import aio_pika
 import asyncpg
+import pytest
 
 from shared.bus import (
     BATCH_KEY,
@@ -29,8 +30,10 @@ from shared.bus import (
     TASKS_EXCHANGE,
     WORKFLOW_KEY,
 )
-from shared.client import SkedClient
+from shared.client import ENVELOPE_BYTES, SkedClient
+from shared.errors import InvalidSpec
 from shared.fsm import State
+from shared.models import TaskSpec
 from shared.settings import Settings
 from tests.e2e.checks import check_all_histories
 from tests.e2e.conftest import Deployment
@@ -412,3 +415,32 @@ def test_every_service_prints_usage_and_starts_nothing() -> None:
         assert out.returncode == 0, (name, out.stderr)
         assert out.stdout.startswith(f"usage: sked service {name}"), (name, out.stdout)
         assert "SKED_" in out.stdout, name
+
+
+async def test_a_spec_at_the_sdk_s_limit_is_admitted(
+    deployment: Deployment, client: SkedClient
+) -> None:
+    """What the SDK lets through, intake takes: a spec of the largest size it sends (the
+    message limit less ENVELOPE_BYTES), alone and in a batch, becomes a task and runs; one
+    byte more is refused at the caller (tests/integration/test_client_submit.py)."""
+    await deployment.start("scheduler")
+    await deployment.start("relay")
+    await deployment.executor("big", 2)
+    fits = client.settings.max_message_bytes - ENVELOPE_BYTES
+
+    def sized(n: int) -> dict[str, Any]:
+        # the bytes in environment variables under exec's limit on one string (128 KiB)
+        env = {f"V{i}": "" for i in range(12)}
+        spec = {"name": "big", "job": {"kind": "command", "argv": ["true"], "env": env}}
+        missing = n - len(TaskSpec.parse(spec).model_dump_json())
+        for i in range(12):
+            env[f"V{i}"] = "x" * (missing // 12 + (i < missing % 12))
+        assert len(TaskSpec.parse(spec).model_dump_json()) == n
+        return spec
+
+    ids = [await client.submit(sized(fits)), *await client.submit_many([sized(fits)] * 2)]
+    with pytest.raises(InvalidSpec, match="SKED_MAX_MESSAGE_BYTES"):
+        await client.submit(sized(fits + 1))
+    done = await client.wait_all(ids, timeout=60)
+    assert {t.status for t in done.values()} == {State.SUCCESS}, done
+    never_restarted(deployment)

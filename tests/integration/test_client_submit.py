@@ -1,6 +1,7 @@
 """The SDK refuses at the caller what intake would dead-letter: a spec holding what Postgres
-cannot store raises InvalidSpec and sends nothing, rather than handing back the id of a task
-that will never exist."""
+cannot store, or too large for a message, raises InvalidSpec and sends nothing, rather than
+handing back the id of a task that will never exist. (tests/e2e/test_hostile.py has intake
+admit a spec at the limit.)"""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ async def test_a_spec_postgres_cannot_store_is_refused_and_nothing_is_sent(
             (command("argv", "tr\x00ue"), r"job.argv\[0\] holds a NUL"),
             (command("surrogate", "\ud800"), "surrogate"),
             ({"name": "args", "job": handler}, "a key in job.args holds a NUL"),
+            (command("big", "echo", "x" * settings.max_message_bytes), "SKED_MAX_MESSAGE_BYTES"),
         ):
             with pytest.raises(InvalidSpec, match=where):
                 await client.submit(bad)
