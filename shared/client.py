@@ -64,6 +64,14 @@ def _rendered(spec: TaskSpec | WorkflowSpec, limit: int) -> bytes:
     return body
 
 
+def _deadline(timeout: float | None) -> float | None:
+    """When a wait of `timeout` seconds gives up (monotonic); NaN is refused: no deadline
+    compares past it, so the wait would never end."""
+    if timeout is not None and timeout != timeout:
+        raise InvalidSpec("a timeout must be a number of seconds, not NaN")
+    return None if timeout is None else time.monotonic() + timeout
+
+
 class WaitTimeout(SkedError, TimeoutError):
     def __init__(self, pending: Iterable[UUID], timeout: float) -> None:
         ids = ", ".join(str(i) for i in pending)
@@ -201,7 +209,7 @@ class SkedClient:
         self, workflow_id: UUID | str, timeout: float | None = None
     ) -> WorkflowView:
         """Wait until every task of the workflow is terminal."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = _deadline(timeout)
         view = await self._workflow_when_admitted(UUID(str(workflow_id)), timeout)
         left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         await self.wait_all([t.id for t in view.tasks], left)
@@ -210,7 +218,7 @@ class SkedClient:
     async def _workflow_when_admitted(
         self, workflow_id: UUID, timeout: float | None
     ) -> WorkflowView:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = _deadline(timeout)
         while True:
             try:
                 return await self.workflow(workflow_id)
@@ -334,7 +342,7 @@ class SkedClient:
         wake = asyncio.Event()
         named: set[UUID] = set()  # ids named by notifications since the last check
         check_all = True
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = _deadline(timeout)
 
         def notified(_c: object, _p: int, _ch: str, payload: str) -> None:
             nonlocal check_all

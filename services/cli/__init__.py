@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from services.cli import degrade, nodes, tokens
+from services.cli.output import seconds
 from shared.errors import SkedError, postgres_refused
 
 # `sked service NAME`: the module whose run(argv) is that service's main.
@@ -131,14 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--idempotency-key")
     p.add_argument("--wait", action="store_true", help="wait for a terminal state")
-    p.add_argument("--wait-timeout", type=float, help="with --wait: give up after SECONDS")
+    p.add_argument("--wait-timeout", type=seconds, help="with --wait: give up after SECONDS")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=command("_submit"))
 
     p = sub.add_parser("submit-workflow", help="submit a workflow file (YAML or JSON)")
     p.add_argument("file")
     p.add_argument("--wait", action="store_true", help="wait until every task is terminal")
-    p.add_argument("--wait-timeout", type=float)
+    p.add_argument("--wait-timeout", type=seconds, help="with --wait: give up after SECONDS")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=command("_submit_workflow"))
 
@@ -165,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("wait", help="wait for tasks; exit 0 only if all succeeded")
     p.add_argument("ids", nargs="+", metavar="ID")
-    p.add_argument("--timeout", type=float)
+    p.add_argument("--timeout", type=seconds, help="give up after SECONDS")
     p.set_defaults(func=command("_wait"))
 
     for action, text in (

@@ -14,7 +14,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from services.cli.output import print_json, run
+from services.cli.output import print_json, run, seconds
 
 if TYPE_CHECKING:
     from shared.cordon import Drain
@@ -27,7 +27,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("node")
     p.add_argument("--reason", default="")
     p.add_argument("--by", help="who is acting (default: user@host; through the API: the token)")
-    p.add_argument("--timeout", type=float, help="drain: give up waiting after SECONDS")
+    p.add_argument("--timeout", type=seconds, help="drain: give up waiting after SECONDS")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=lambda a: run(_node(a)))
 

@@ -18,6 +18,21 @@ if TYPE_CHECKING:  # annotations only: importing these (pydantic models) is the 
 T = TypeVar("T")
 
 
+def seconds(text: str) -> float:
+    """A how-long-to-wait argument: a finite number of seconds, 0 or more. (NaN would wait
+    forever: no deadline compares past it.)"""
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"a number of seconds, 0 or more: {text!r}")
+    return value
+
+
 def print_json(value: Any) -> None:
     print(json.dumps(value, indent=2, default=str))
 

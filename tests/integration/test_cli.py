@@ -46,6 +46,10 @@ async def test_bad_arguments_and_a_database_not_ready_are_clear_errors(
     refused(sked(service_env, "list", "--limit", "0"), "from 1 to 1000")
     refused(sked(service_env, "list", "--after", "nope"), "not a task id")
     refused(sked(service_env, "list", "--after", str(UUID(int=3))), "to list after")
+    for args in (["wait", str(UUID(int=3))], ["node", "drain", "n"], ["submit-workflow", "f"]):
+        flag = "--wait-timeout" if args[0] == "submit-workflow" else "--timeout"
+        for bad in ("nan", "-1", "soon"):  # NaN would wait forever
+            refused(sked(service_env, *args, flag, bad), "a number of seconds, 0 or more")
     # the maintenance database exists and holds no tables of sked's: never migrated
     bare = {**service_env, "SKED_DATABASE_URL": f"{PG_BASE}/postgres"}
     for args in (["list"], ["status", str(UUID(int=3))]):

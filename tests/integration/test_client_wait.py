@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 from uuid import UUID, uuid4
 
+import pytest
+
 from shared import fsm
 from shared.client import SkedClient
+from shared.errors import InvalidSpec
 from shared.fsm import State
 from shared.models import Task
 from shared.settings import Settings
@@ -77,3 +80,13 @@ async def test_the_sync_client_reads_and_pages_without_a_loop(
     newest_first = sorted(made, key=lambda t: (-t.created_at.timestamp(), t.id))
     assert [t.id for t in listed] == [t.id for t in newest_first]
     assert (got.id, got.name, events) == (made[0].id, "s0", 1)
+
+
+async def test_a_wait_of_nan_seconds_is_refused_not_endless(settings: Settings) -> None:
+    async with SkedClient(settings) as client:
+        for wait in (
+            client.wait(uuid4(), float("nan")),
+            client.wait_workflow(uuid4(), float("nan")),
+        ):
+            with pytest.raises(InvalidSpec, match="NaN"):
+                await asyncio.wait_for(wait, 10)
