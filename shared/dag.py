@@ -216,6 +216,26 @@ def output_of(kind: str, result: Any) -> Any:
     return result
 
 
+# The JSON of the outputs a task receives from its upstreams, at most. Each result is capped
+# (outcome.MAX_RESULT_BYTES), but a fan-in adds them up: unbounded, a wide one would make a row
+# Postgres refuses (a jsonb value holds at most 255 MB) and fail the release of every task in
+# the batch, again on each pass; and each claim would carry it to its executor.
+MAX_INPUTS_BYTES = 8 * 1024 * 1024
+
+
+def inputs_too_large(inputs: Mapping[str, Any]) -> str | None:
+    """Why a task cannot take these inputs (their JSON over MAX_INPUTS_BYTES); None if it can."""
+    from pydantic_core import to_json
+
+    size = len(to_json(inputs))
+    if size <= MAX_INPUTS_BYTES:
+        return None
+    return (
+        f"its upstreams' outputs are {size} bytes of JSON, over the limit of {MAX_INPUTS_BYTES} "
+        "(pass large data by reference)"
+    )
+
+
 def inputs_of(edges: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """A released task's inputs, from its edges (each: the upstream's name, kind, state and
     result, the edge's timeout policy and default): {upstream name: output} for every upstream

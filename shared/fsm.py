@@ -95,7 +95,12 @@ TRANSITIONS: tuple[Rule, ...] = (
     Rule(S.CREATED, S.PENDING, "accepted"),
     Rule(S.PENDING, S.READY, "dependencies met"),
     Rule(S.PENDING, S.SKIPPED, "dependency condition can no longer hold"),
-    Rule(S.PENDING, S.FAILED, "dependency timed out with policy fail", ends_retries=True),
+    Rule(
+        S.PENDING,
+        S.FAILED,
+        "a dependency timed out (policy fail), or inputs too large",
+        ends_retries=True,
+    ),
     Rule(S.READY, S.SCHEDULING, "picked and placed", new_attempt=True),
     # the schedule timeout (TaskSpec.schedule_timeout_s): not started in time, final at once
     Rule(S.READY, S.FAILED, "not started within its schedule timeout", ends_retries=True),

@@ -15,7 +15,15 @@ from typing import Any
 from uuid import NAMESPACE_URL, UUID, uuid5
 
 from shared import fsm
-from shared.dag import Condition, Verdict, WorkflowSpec, decide, effective_priorities, inputs_of
+from shared.dag import (
+    Condition,
+    Verdict,
+    WorkflowSpec,
+    decide,
+    effective_priorities,
+    inputs_of,
+    inputs_too_large,
+)
 from shared.errors import InvalidSpec
 from shared.fsm import State
 from shared.models import Task
@@ -124,7 +132,12 @@ async def resolve(store: Store, candidates: Sequence[UUID]) -> tuple[list[Task],
             verdict, why = decide(edges[task.id])
             if verdict is Verdict.READY:
                 # the upstreams' outputs travel with the task: fixed now, in the same CAS
-                moves.append(fsm.plan(task, State.READY, why, inputs=inputs_of(upstreams[task.id])))
+                inputs = inputs_of(upstreams[task.id])
+                over = inputs_too_large(inputs)
+                if over is None:
+                    moves.append(fsm.plan(task, State.READY, why, inputs=inputs))
+                else:  # a fan-in too wide to carry: this task fails alone, with the reason
+                    moves.append(fsm.plan(task, State.FAILED, over, error=over))
             elif verdict is Verdict.SKIP:
                 moves.append(fsm.plan(task, State.SKIPPED, why))
             elif verdict is Verdict.FAIL:  # terminal at once: the FSM rule ends its retries

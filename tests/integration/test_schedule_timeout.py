@@ -9,8 +9,9 @@ import random
 from uuid import UUID, uuid4
 
 import asyncpg
+import pytest
 
-from shared import control, fsm, workflows
+from shared import control, dag, fsm, workflows
 from shared.dag import WorkflowSpec
 from shared.fsm import State
 from shared.models import Task
@@ -322,3 +323,38 @@ async def test_a_workflow_resolves_past_a_task_that_never_started(
     released, ended = await workflows.resolve(store, list(ids.values()))
     assert [t.id for t in released] == [ids["cleanup"]]
     assert [(t.id, t.status) for t in ended] == [(ids["report"], State.SKIPPED)]
+
+
+async def test_a_fan_in_too_wide_to_carry_fails_its_task_alone(
+    store: Store, pool: asyncpg.Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The outputs a task receives add up over its upstreams: past MAX_INPUTS_BYTES (here
+    lowered to 1,000) the task fails with the reason instead of being released, and the other
+    tasks resolved in the same pass go on."""
+    monkeypatch.setattr(dag, "MAX_INPUTS_BYTES", 1000)
+    wf = WorkflowSpec.parse(
+        {
+            "name": "wf",
+            "tasks": [
+                {"name": "a", "command": ["true"]},
+                {"name": "b", "command": ["true"]},
+                {"name": "wide", "command": ["true"], "needs": ["a", "b"]},
+                {"name": "narrow", "command": ["true"], "needs": ["a"]},
+            ],
+        }
+    )
+    wf_id = uuid4()
+    await workflows.admit(store, wf_id, wf)
+    for name in ("a", "b"):  # each output fits; the two together do not
+        await pool.execute(
+            "UPDATE tasks SET status = 'success', result = $2::jsonb WHERE id = $1",
+            workflows.task_id(wf_id, name),
+            {"output": "x" * 600},
+        )
+    ids = {name: workflows.task_id(wf_id, name) for name in ("wide", "narrow")}
+    released, ended = await workflows.resolve(store, list(ids.values()))
+    assert [(t.id, t.inputs) for t in released] == [(ids["narrow"], {"a": "x" * 600})]
+    (wide,) = ended
+    assert (wide.id, wide.status) == (ids["wide"], State.FAILED)
+    assert "over the limit of 1000" in (wide.error or "")
+    assert (await store.tasks.history(wide.id))[-1].reason == wide.error
