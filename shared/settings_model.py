@@ -45,7 +45,8 @@ WEAK_SECRET = "sked-dev-heartbeat-secret"  # the old default: never accepted
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix=PREFIX, extra="ignore")
+    # allow_inf_nan: a duration of "inf" would sleep forever, "nan" compare false everywhere
+    model_config = SettingsConfigDict(env_prefix=PREFIX, extra="ignore", allow_inf_nan=False)
 
     database_url: str = DEFAULT_DATABASE_URL
     redis_url: str = "redis://127.0.0.1:6379/0"
