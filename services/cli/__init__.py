@@ -162,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("logs", help="the log tail of a task's latest attempt")
     p.add_argument("id")
+    p.add_argument("--json", action="store_true", help="its id, state and log (null: none yet)")
     p.set_defaults(func=command("_logs"))
 
     p = sub.add_parser("wait", help="wait for tasks; exit 0 only if all succeeded")

@@ -205,11 +205,14 @@ async def _logs(args: argparse.Namespace) -> int:
     async with connect() as client:
         task_id = parse_task_id(args.id)
         text = await client.log(task_id)
-        if text is None:
+        if text is None or args.json:
             task = await client.get(task_id)
-            print(f"(no log yet: the task is {task.status.label})", file=sys.stderr)
-            return 0
-    sys.stdout.write(text)
+    if args.json:  # as GET /v1/tasks/{id}/logs answers
+        print_json({"id": str(task_id), "status": task.status.value, "log": text})
+    elif text is None:
+        print(f"(no log yet: the task is {task.status.label})", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
     return 0
 
 

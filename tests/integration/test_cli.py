@@ -4,6 +4,7 @@ not there, is a one-line error with exit code 2, never a traceback, and changes 
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from uuid import UUID
@@ -75,3 +76,10 @@ async def test_bad_input_is_refused_before_anything_is_sent(
     refused(sked(nowhere, "degrade", "full", "--reason", "x"), "is the vhost in SKED_RABBITMQ_URL")
     assert await store.degrade.read() == before
     assert await store.tasks.list_tasks() == []
+
+
+async def test_logs_as_json(store: Store, service_env: dict[str, str]) -> None:
+    task = await store.tasks.create(spec("quiet"))
+    done = sked(service_env, "logs", str(task.id), "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"id": str(task.id), "status": "created", "log": None}
