@@ -210,11 +210,15 @@ def _not_allowed(exc: SkedError) -> bool:
 
 
 def _postgres_said(exc: Exception) -> str | None:
-    """What Postgres answered, when `exc` is its refusal through asyncpg: no such database, no
-    such table (not migrated), not allowed. Looked up like _not_allowed: only a command that
-    used asyncpg can have raised one."""
+    """What Postgres answered, when `exc` is its refusal through asyncpg (no such database, no
+    such table: not migrated, not allowed) or the connection it closed. Looked up like
+    _not_allowed: only a command that used asyncpg can have raised one. asyncpg's other
+    errors are misuse, a bug: their traceback stays."""
     asyncpg = sys.modules.get("asyncpg")
-    if asyncpg is None or not isinstance(exc, asyncpg.PostgresError | asyncpg.InterfaceError):
+    refusals = (
+        () if asyncpg is None else (asyncpg.PostgresError, asyncpg.ConnectionDoesNotExistError)
+    )
+    if not isinstance(exc, refusals):
         return None
     return postgres_refused(str(exc), getattr(exc, "sqlstate", None))
 
