@@ -215,10 +215,7 @@ def _postgres_said(exc: Exception) -> str | None:
     _not_allowed: only a command that used asyncpg can have raised one. asyncpg's other
     errors are misuse, a bug: their traceback stays."""
     asyncpg = sys.modules.get("asyncpg")
-    refusals = (
-        () if asyncpg is None else (asyncpg.PostgresError, asyncpg.ConnectionDoesNotExistError)
-    )
-    if not isinstance(exc, refusals):
+    if asyncpg is None or not isinstance(exc, asyncpg.PostgresError):  # closed ones are too
         return None
     return postgres_refused(str(exc), getattr(exc, "sqlstate", None))
 
