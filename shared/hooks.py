@@ -66,6 +66,9 @@ class Hook:
     def heartbeats(self, result: str, n: int) -> None:
         """`n` heartbeats met `result`: accepted, refused, shed, or stale (see shared.metrics)."""
 
+    def refused(self, n: int) -> None:
+        """Intake dead-lettered `n` submissions (to sked.dead, each with its reason)."""
+
 
 installed: list[Hook] = []
 
@@ -156,3 +159,9 @@ def heartbeats(result: str, n: int) -> None:
     if n:
         for hook in installed:
             hook.heartbeats(result, n)
+
+
+def refused(n: int) -> None:
+    if n:
+        for hook in installed:
+            hook.refused(n)

@@ -107,6 +107,11 @@ HEARTBEATS = Counter(
     "stale (accepted, but the attempt had moved on when written; one per attempt per flush).",
     ["result"],
 )
+REFUSED = Counter(
+    "sked_submissions_refused_total",
+    "Submissions intake dead-lettered to sked.dead (each with its reason in x-sked-reason): "
+    "invalid, unsafe, over the size limit, refused by policy, or a key's conflicting spec.",
+)
 DEGRADE = Gauge(
     "sked_degrade_mode",
     "The degrade mode this scheduler dispatches in: 0 normal, 1 partial, 2 full.",
@@ -188,6 +193,9 @@ class MetricsHook(hooks.Hook):
 
     def heartbeats(self, result: str, n: int) -> None:
         HEARTBEATS.labels(result).inc(n)
+
+    def refused(self, n: int) -> None:
+        REFUSED.inc(n)
 
 
 class ClusterCollector(Collector):

@@ -175,6 +175,7 @@ class Intake(Part):
                     refusal.routing_key,
                     {"x-sked-message-id": refusal.message_id},
                 )
+            hooks.refused(len(refused) + len(failed))
         except TRANSIENT:
             # Postgres, Redis or RabbitMQ is away: hand the batch back to RabbitMQ to deliver
             # again (if the channel itself is gone, RabbitMQ requeues it anyway)

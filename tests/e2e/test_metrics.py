@@ -11,11 +11,14 @@ import re
 import sys
 from pathlib import Path
 from typing import Any
+from uuid import uuid4
 
+import aio_pika
 import aiohttp
 import asyncpg
 import yaml
 
+from shared.bus import SUBMIT_KEY, TASKS_EXCHANGE
 from shared.client import SkedClient
 from shared.fsm import State
 from shared.settings import Settings
@@ -49,6 +52,7 @@ SERIES = [
     "sked_outbox_backlog",
     "sked_relay_lag_seconds",
     "sked_heartbeats_total",
+    "sked_submissions_refused_total",
     "sked_degrade_mode",
     "sked_tasks",
 ]
@@ -144,6 +148,12 @@ async def test_prometheus_sees_what_postgres_recorded(
         http.post(beat_url, json={"task_id": str(ids[0]), "attempt": 1, "seq": 9}) as r,
     ):
         assert r.status == 401  # no token: refused
+    # two submissions intake dead-letters, sent past the SDK (which would refuse them)
+    connection = await aio_pika.connect(settings.rabbitmq_url)
+    async with connection:
+        exchange = await (await connection.channel()).get_exchange(TASKS_EXCHANGE)
+        for body in (b"not json", b'{"name": "x"}'):
+            await exchange.publish(aio_pika.Message(body, message_id=str(uuid4())), SUBMIT_KEY)
 
     # every transition's counter, summed over the services, equals its event rows
     events = await event_pairs(settings.database_url)
@@ -177,6 +187,11 @@ async def test_prometheus_sees_what_postgres_recorded(
     assert await gauge("sum(sked_tasks_lost_total)") == 0
     assert await gauge('sum(sked_heartbeats_total{result="accepted"})') >= 5
     assert await gauge('sum(sked_heartbeats_total{result="refused"})') >= 1
+
+    async def both_refused() -> bool:
+        return await gauge("sum(sked_submissions_refused_total)") == 2
+
+    await eventually(both_refused, timeout=15, interval=0.5, what="two refusals counted")
     assert await gauge("sum(sked_dispatch_pass_seconds_count)") > 0
     assert await gauge("max(sked_degrade_mode)") == 0
     # cluster-wide gauges: one process exports them, and they say the work is done

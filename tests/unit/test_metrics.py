@@ -95,6 +95,9 @@ def test_dispatch_passes_heartbeats_and_the_degrade_mode() -> None:
     refused = sample("sked_heartbeats_total", result="refused")
     hook.heartbeats("refused", 2)
     assert sample("sked_heartbeats_total", result="refused") == refused + 2
+    dead = sample("sked_submissions_refused_total")
+    hook.refused(3)
+    assert sample("sked_submissions_refused_total") == dead + 3
     for mode, rank in (("partial", 1), ("FULL", 2), ("normal", 0)):
         metrics.set_degrade_mode(mode)
         assert sample("sked_degrade_mode") == rank

@@ -35,6 +35,7 @@ def exported() -> set[str]:
         metrics.RETRIES,
         metrics.DISPATCH_PASS,
         metrics.HEARTBEATS,
+        metrics.REFUSED,
         metrics.DEGRADE,
         metrics.CLUSTER,
     ]
