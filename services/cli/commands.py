@@ -261,6 +261,13 @@ async def _priority(args: argparse.Namespace) -> int:
     return 0
 
 
+# Values a workflow file may expand to. A message of at most SKED_MAX_MESSAGE_BYTES holds far
+# fewer (each value takes two bytes or more), but YAML's aliases repeat a node without its
+# bytes: nine levels of nine aliases are 43 million values, and validating them took 18 s and
+# 800 MB before the spec was refused anyway.
+MAX_FILE_VALUES = 1_000_000
+
+
 def _load_workflow(path: str) -> Any:
     import yaml  # YAML is a superset of JSON: one loader reads both
 
@@ -268,10 +275,23 @@ def _load_workflow(path: str) -> Any:
         text = Path(path).read_text("utf-8")
     except OSError as exc:
         raise SkedError(f"cannot read {path}: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise SkedError(f"{path} is not UTF-8 text: {exc}") from None
     try:
-        return yaml.safe_load(text)
+        loaded = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise SkedError(f"{path} is not YAML or JSON: {exc}") from None
+    todo, seen = [loaded], 0
+    while todo:  # counted as pydantic would walk it, aliases repeated; stops at the limit
+        item = todo.pop()
+        seen += 1
+        if seen > MAX_FILE_VALUES:
+            raise SkedError(f"{path} expands to over {MAX_FILE_VALUES:,} values (YAML aliases?)")
+        if isinstance(item, dict):
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
+    return loaded
 
 
 async def _submit_workflow(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from pathlib import Path
 from uuid import UUID
 
 from shared.store import Store
@@ -16,6 +17,11 @@ from tests.helpers import SKED, spec
 
 def sked(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([SKED, *args], env=env, capture_output=True, text=True, timeout=60)
+
+
+def write(path: Path, content: str | bytes) -> str:
+    path.write_bytes(content.encode() if isinstance(content, str) else content)
+    return str(path)
 
 
 def refused(done: subprocess.CompletedProcess[str], says: str) -> None:
@@ -59,8 +65,24 @@ async def test_bad_arguments_and_a_database_not_ready_are_clear_errors(
     refused(sked(gone, "list"), 'database "sked_no_such_database" does not exist')
 
 
+BOMB = "\n".join(
+    [
+        'l0: &l0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]',
+        *(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 8)),
+        "name: w",
+        "tasks: [{name: t, handler: 'tests.handlers:echo', args: {x: *l7}}]",
+    ]
+)
+ANCHORED = """
+name: w
+tasks:
+  - &first {name: a, handler: "tests.handlers:noop", priority: 2}
+  - {<<: *first, name: b, needs: [a]}
+"""
+
+
 async def test_bad_input_is_refused_before_anything_is_sent(
-    store: Store, service_env: dict[str, str]
+    store: Store, service_env: dict[str, str], tmp_path: Path
 ) -> None:
     before = await store.degrade.read()
     nowhere = {**service_env, "SKED_RABBITMQ_URL": "amqp://guest:guest@127.0.0.1/sked_no_vhost"}
@@ -71,9 +93,14 @@ async def test_bad_input_is_refused_before_anything_is_sent(
         (["degrade", "partial", "--reason", "x", "--for", "nan"], "must be above 0"),
         (["degrade", "partial", "--reason", "x", "--for", "1e300"], "must be above 0"),
         (["degrade", "partial"], "--reason is required"),
+        (["submit-workflow", write(tmp_path / "bomb.yaml", BOMB)], "over 1,000,000 values"),
+        (["submit-workflow", write(tmp_path / "bad.yaml", b"\xff\xfe")], "is not UTF-8"),
     ):
         refused(sked(nowhere, *args), says)  # refused before RabbitMQ is asked anything
     refused(sked(nowhere, "degrade", "full", "--reason", "x"), "is the vhost in SKED_RABBITMQ_URL")
+    # anchors and merge keys are fine: this one is read and validated, then meets no vhost
+    anchored = write(tmp_path / "anchored.yaml", ANCHORED)
+    refused(sked(nowhere, "submit-workflow", anchored), "is the vhost in SKED_RABBITMQ_URL")
     assert await store.degrade.read() == before
     assert await store.tasks.list_tasks() == []
 
