@@ -243,11 +243,13 @@ async def body(request: web.Request, model: type[M], required: bool = True) -> M
         raise ApiError(400, f"invalid body: {where}") from None
 
 
-def parse_uuid(text: str) -> UUID:
+def parse_uuid(text: str, what: str | None = None) -> UUID:
+    """`text` as an id, or 400 (naming `what`, a parameter, when given)."""
     try:
         return UUID(text)
     except ValueError:
-        raise ApiError(400, f"not an id: {text!r}") from None
+        said = f"{what} must be a task id" if what else "not an id"
+        raise ApiError(400, f"{said}: {text!r}") from None
 
 
 def uuid_param(request: web.Request, name: str = "id") -> UUID:

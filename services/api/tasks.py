@@ -8,7 +8,6 @@ Control goes through shared.control like the CLI's, with the token named as `by`
 from __future__ import annotations
 
 from typing import Any
-from uuid import UUID
 
 from aiohttp import web
 
@@ -100,12 +99,7 @@ def _page(request: web.Request, tasks: list[Task], limit: int) -> web.Response:
 async def list_tasks(request: web.Request) -> web.StreamResponse:
     wanted = [State.parse(s) for v in request.query.getall("status", []) for s in v.split(",") if s]
     limit = _limit(request)
-    after = None
-    if "after" in request.query:
-        try:
-            after = UUID(request.query["after"])
-        except ValueError:
-            raise ApiError(400, f"after must be a task id: {request.query['after']!r}") from None
+    after = parse_uuid(request.query["after"], "after") if "after" in request.query else None
     name = request.query.get("name")
     if "workflow" in request.query:
         view = await client(request).workflow(parse_uuid(request.query["workflow"]))

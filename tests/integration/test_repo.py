@@ -291,19 +291,29 @@ async def test_reads(store: Store) -> None:
         await store.tasks.history(UUID(int=0))
 
 
+async def _two_states_in_order(
+    store: Store, pool: asyncpg.Pool, n: int, per_instant: int
+) -> list[Task]:
+    """`n` tasks named a and b in turn, every third Pending, the rest Created; created in
+    order, oldest first, `per_instant` of them at each instant (ties, as a batch admits)."""
+    made = [await store.tasks.create(spec("a" if i % 2 else "b")) for i in range(n)]
+    for t in made[::3]:
+        await fsm.apply(store.tasks, t, State.PENDING)
+    await pool.execute(
+        "UPDATE tasks SET created_at = now() - make_interval(secs => 60 - (u.i - 1) / $2)"
+        " FROM unnest($1::uuid[]) WITH ORDINALITY AS u(id, i) WHERE tasks.id = u.id",
+        [t.id for t in made],
+        per_instant,
+    )
+    return made
+
+
 async def test_list_merges_the_states_newest_first(store: Store, pool: asyncpg.Pool) -> None:
     """list_tasks reads each state's newest from its index and merges them: the order is by
     creation across states, a state named twice lists its tasks once, and the limit and the
     name hold over the merge."""
-    made = [await store.tasks.create(spec("a" if i % 2 else "b")) for i in range(6)]
-    for t in made[::3]:
-        await fsm.apply(store.tasks, t, State.PENDING)
     # creation times interleaved across the two states, newest last
-    await pool.execute(
-        "UPDATE tasks SET created_at = now() - make_interval(secs => 60 - u.i)"
-        " FROM unnest($1::uuid[]) WITH ORDINALITY AS u(id, i) WHERE tasks.id = u.id",
-        [t.id for t in made],
-    )
+    made = await _two_states_in_order(store, pool, 6, per_instant=1)
     newest_first = [t.id for t in reversed(made)]
     assert [t.id for t in await store.tasks.list_tasks()] == newest_first
     assert [t.id for t in await store.tasks.list_tasks(limit=4)] == newest_first[:4]
@@ -320,15 +330,8 @@ async def test_pages_list_every_task_once_in_order(store: Store, pool: asyncpg.P
     creation instant (a batch admitted in one statement), which only the id orders. A task
     created meanwhile shifts nothing; the cursor may be a task the filter leaves out; an
     unknown cursor is an error, not an empty page."""
-    made = [await store.tasks.create(spec("a" if i % 2 else "b")) for i in range(9)]
-    for t in made[::3]:
-        await fsm.apply(store.tasks, t, State.PENDING)
     # three instants, three tasks each: ties inside each, and both states in each
-    await pool.execute(
-        "UPDATE tasks SET created_at = now() - make_interval(secs => 60 - (u.i - 1) / 3)"
-        " FROM unnest($1::uuid[]) WITH ORDINALITY AS u(id, i) WHERE tasks.id = u.id",
-        [t.id for t in made],
-    )
+    made = await _two_states_in_order(store, pool, 9, per_instant=3)
     for statuses in (None, ["Created"], ["Pending", "Created"]):
         for size in (1, 2, 4, 9):
             whole = [t.id for t in await store.tasks.list_tasks(statuses=statuses)]
