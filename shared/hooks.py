@@ -69,6 +69,9 @@ class Hook:
     def refused(self, n: int) -> None:
         """Intake dead-lettered `n` submissions (to sked.dead, each with its reason)."""
 
+    def purged(self, n: int) -> None:
+        """Retention deleted `n` finished tasks."""
+
 
 installed: list[Hook] = []
 
@@ -165,3 +168,9 @@ def refused(n: int) -> None:
     if n:
         for hook in installed:
             hook.refused(n)
+
+
+def purged(n: int) -> None:
+    if n:
+        for hook in installed:
+            hook.purged(n)

@@ -11,6 +11,8 @@ Counted by each process for what it did (sum over processes and replicas):
   sked_task_retries_total{from}          retries spent (moves into RetryWait), by state left
   sked_dispatch_pass_seconds{outcome}    one dispatch pass (outcome: placed, idle)
   sked_heartbeats_total{result}          task heartbeats accepted, refused, shed or stale
+  sked_submissions_refused_total         submissions intake dead-lettered
+  sked_tasks_purged_total                finished tasks retention deleted
   sked_degrade_mode                      the mode this scheduler dispatches in (0, 1, 2)
 
 Every time is a Postgres timestamp carried on the task row, never this host's clock, so a
@@ -112,6 +114,11 @@ REFUSED = Counter(
     "Submissions intake dead-lettered to sked.dead (each with its reason in x-sked-reason): "
     "invalid, unsafe, over the size limit, refused by policy, or a key's conflicting spec.",
 )
+PURGED = Counter(
+    "sked_tasks_purged_total",
+    "Finished tasks deleted with their history by retention (SKED_RETENTION_DAYS), a "
+    "workflow's tasks included.",
+)
 DEGRADE = Gauge(
     "sked_degrade_mode",
     "The degrade mode this scheduler dispatches in: 0 normal, 1 partial, 2 full.",
@@ -196,6 +203,9 @@ class MetricsHook(hooks.Hook):
 
     def refused(self, n: int) -> None:
         REFUSED.inc(n)
+
+    def purged(self, n: int) -> None:
+        PURGED.inc(n)
 
 
 class ClusterCollector(Collector):

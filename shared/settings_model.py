@@ -96,6 +96,12 @@ class Settings(BaseSettings):
     # the node watchdog's reaction time (docs/architecture.md, "At most one live attempt").
     lease_margin_s: float = Field(default=0.5, ge=0.1, le=60)
     stuck_scheduling_s: float = Field(default=30.0, gt=0, description="dispatched, not started")
+    # Retention (services/recovery): tasks that ended this many days ago or longer are deleted
+    # with their history (a workflow's only with the whole workflow), and their idempotency
+    # keys are free again. 0: every task is kept forever.
+    retention_days: float = Field(default=0, ge=0, le=36_500)
+    # how often recovery looks for tasks past the retention (at once again while it finds more)
+    retention_check_s: float = Field(default=60.0, gt=0)
 
     # The operator API (services/api): where it listens (port 0: any free one). With both
     # api_url (e.g. http://127.0.0.1:8480) and api_token set, the CLI's read and control

@@ -68,13 +68,31 @@ class Executor(Service):
     def loops(self) -> Sequence[Loop]:
         # start and finish retry their Postgres writes until they land, so a batch is not
         # dropped by an outage; the supervisor covers the rest (a lost channel)
-        return [
+        loops: list[Loop] = [
             ("start", self.starter.run),
             ("finish", self.finisher.run),
             ("nodes", self._nodes_loop),
             ("watch", self.watcher.watch_loop),
             ("lease renewal", self.watcher.renew_loop),
         ]
+        if self.settings.retention_days > 0:
+            loops.append(("retention", self._retention_loop))
+        return loops
+
+    async def _retention_loop(self) -> None:
+        """Retention on this node: what ended attempts left here (their log files) deleted
+        once older than SKED_RETENTION_DAYS, every SKED_RETENTION_CHECK_S. (Recovery deletes
+        the tasks' rows.) A failure is logged and tried again at the next look."""
+        older_than_s = self.settings.retention_days * 86_400
+        while not self.stopping.is_set():
+            try:
+                deleted = await self.node.backend.prune(older_than_s, set(self.node.active))
+            except OSError:
+                log.exception("retention: pruning this node's attempt logs failed")
+            else:
+                if deleted:
+                    log.info("retention: deleted %d attempt logs", deleted)
+            await wait_any(self.stopping, timeout=self.settings.retention_check_s)
 
     def watchers(self) -> Sequence[Callable[[], Coroutine[Any, Any, None]]]:
         # the node's warden gone means its attempts are gone: stop, loudly

@@ -9,26 +9,42 @@ stuck      Scheduling for longer than SKED_STUCK_SCHEDULING_S (dispatched, never
            start of the old dispatch loses its CAS, so the attempt can never run twice.
 queue      rebuild the Redis ready queue after a Redis loss; re-add Ready tasks it lost.
 outbox     publish events no relay has sent (every relay dead, or stuck).
+
+And, with SKED_RETENTION_DAYS set, a loop of its own (so that a long purge delays no
+recovery, and a failed one stops none):
+
+retention  delete tasks that ended longer ago than the retention, with their history: a task
+           outside any workflow alone, a workflow whole once every task of it has (see
+           shared/store/sql/retention.sql). In batches, back to back while each finds a full
+           one, then every SKED_RETENTION_CHECK_S.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from collections.abc import Sequence
 
+from shared import hooks
 from shared.alerts import Alert, Alerter
 from shared.fsm import State
 from shared.models import Task
 from shared.outcome import retry_or_fail
 from shared.queues import ReadyQueue, reconcile
 from shared.relay import OutboxRelay
+from shared.resilience import TRANSIENT
 from shared.runtime import wait_any
-from shared.service import Service
+from shared.service import Loop, Service
 from shared.settings import Settings
 from shared.store import TAKEN_CHANNEL, Handler, Store, parse_notify
 
 log = logging.getLogger(__name__)
+
+# A retention statement deletes at most this many tasks outside workflows, or workflows: each
+# a short transaction holding few locks, its history rows (six a task) included.
+PURGE_TASKS = 500
+PURGE_WORKFLOWS = 20
 
 
 class Recovery(Service):
@@ -47,11 +63,19 @@ class Recovery(Service):
         self.relay = relay
         self.alerter = alerter or Alerter(None, None)
 
+    def loops(self) -> Sequence[Loop]:
+        loops: list[Loop] = [(self.name, self.loop)]
+        if self.settings.retention_days > 0:
+            loops.append(("retention", self.retain))
+        return loops
+
     def channels(self) -> Sequence[tuple[str, Handler]]:
         return [(TAKEN_CHANNEL, self._on_notify)]
 
     def announce(self) -> str:
-        return f"recovery running every {self.settings.recovery_period_s:g} s"
+        line = f"recovery running every {self.settings.recovery_period_s:g} s"
+        days = self.settings.retention_days
+        return line + (f"; tasks kept {days:g} days after they end" if days > 0 else "")
 
     async def loop(self) -> None:
         while not self.stopping.is_set():
@@ -75,6 +99,41 @@ class Recovery(Service):
         if done["lost"] or done["stuck"]:
             log.warning("recovered: %s", done)
         return done
+
+    async def retain(self) -> None:
+        """The retention loop: purge while batches come back full, then wait for the next look.
+        A statement that fails is logged and tried at the next look: retention is housekeeping,
+        and must never stop the recovery of tasks."""
+        while not self.stopping.is_set():
+            try:
+                _, more = await self.purge()
+            except TRANSIENT:
+                raise  # supervise() backs off and restarts the loop
+            except Exception:
+                log.exception("retention: purge failed; trying again at the next look")
+                more = False
+            if more:
+                await asyncio.sleep(0)  # back to back, but not ahead of everything else
+                continue
+            period = self.settings.retention_check_s * random.uniform(0.8, 1.2)
+            await wait_any(self.stopping, timeout=period)
+
+    async def purge(self) -> tuple[int, bool]:
+        """One batch of each kind past the retention deleted. Returns the tasks deleted and
+        whether a batch came back full (more may be waiting)."""
+        older_than_s = self.settings.retention_days * 86_400
+        retention = self.store.retention
+        alone = await retention.purge_tasks(PURGE_TASKS, older_than_s)
+        whole = await retention.purge_workflows(PURGE_WORKFLOWS, older_than_s)
+        deleted = len(alone) + whole.tasks
+        if deleted:
+            hooks.purged(deleted)
+            log.info(
+                "retention: deleted %d finished tasks (%d workflows whole)",
+                deleted,
+                whole.workflows,
+            )
+        return deleted, len(alone) == PURGE_TASKS or whole.workflows == PURGE_WORKFLOWS
 
     async def recover_lost(self) -> list[Task]:
         moved = await self.store.claims.recover_lost(100, lambda t: retry_or_fail(t, "lost"))

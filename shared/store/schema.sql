@@ -12,6 +12,7 @@ CREATE TABLE workflows (
     spec       jsonb NOT NULL,
     created_at timestamptz NOT NULL DEFAULT now()
 );
+CREATE INDEX workflows_created ON workflows (created_at);  -- retention (0017)
 
 -- One row per task: its spec, where it is in its lifecycle, and its current attempt.
 CREATE TABLE tasks (
@@ -86,6 +87,10 @@ CREATE INDEX tasks_active_uses ON tasks (workflow_id)
     WHERE status IN ('scheduling', 'running') AND uses <> '{}';
 CREATE INDEX tasks_schedule_deadline ON tasks (schedule_deadline)
     WHERE status IN ('ready', 'scheduling') AND schedule_deadline IS NOT NULL;
+-- retention (0017): the ended tasks outside any workflow, by when they ended
+CREATE INDEX tasks_ended_alone ON tasks (finished_at)
+    WHERE workflow_id IS NULL
+      AND status IN ('success', 'canceled', 'skipped', 'failed', 'timed_out');
 
 -- The transition history: one row per state change, written with it, never changed.
 CREATE TABLE task_events (

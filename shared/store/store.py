@@ -18,6 +18,7 @@ from shared.store.leases import LeaseLink, Leases
 from shared.store.nodes import Nodes
 from shared.store.notify import Handler, PgListener
 from shared.store.outbox import Outbox
+from shared.store.retention import Retention
 from shared.store.tasks import Tasks
 from shared.store.tokens import Tokens
 from shared.store.workflows import Workflows
@@ -37,6 +38,7 @@ class Tx:
         self.launches = Launches(db)
         self.degrade = Degrade(db)
         self.tokens = Tokens(db)
+        self.retention = Retention(db)
 
 
 class Store(Tx):

@@ -53,6 +53,7 @@ SERIES = [
     "sked_relay_lag_seconds",
     "sked_heartbeats_total",
     "sked_submissions_refused_total",
+    "sked_tasks_purged_total",
     "sked_degrade_mode",
     "sked_tasks",
 ]

@@ -1229,3 +1229,26 @@ async def test_shims_running_side_by_side_are_distinct(backend: LocalBackend) ->
     both = await asyncio.gather(*(run(backend, command("echo $PPID; sleep 0.3")) for _ in "ab"))
     assert all(o.ok for o in both), both
     assert len({parent_of(o) for o in both}) == 2
+
+
+async def test_retention_prunes_ended_attempts_logs(backend: LocalBackend) -> None:
+    """Each attempt leaves its log file; retention deletes those last written before the
+    cutoff, except an attempt's still held here (a silent one may be that old), and nothing
+    that is not an attempt's log."""
+    old, recent, held = (command(f"echo {name}") for name in ("old", "recent", "held"))
+    for launch in (old, recent, held):
+        assert (await run(backend, launch)).ok
+    logs = backend.state_dir / "logs"
+    names = {f"{launch.task_id}-{launch.attempt}.log": launch for launch in (old, recent, held)}
+    assert set(names) <= {p.name for p in logs.iterdir()}
+    stray = logs / "notes.txt"
+    stray.write_text("an operator's")
+    two_hours_ago = time.time() - 7200
+    for name in (f"{old.task_id}-1.log", f"{held.task_id}-1.log", "notes.txt"):
+        os.utime(logs / name, (two_hours_ago, two_hours_ago))
+
+    assert await backend.prune(3600, {(held.task_id, held.attempt)}) == 1
+    left = {p.name for p in logs.iterdir()}
+    assert f"{old.task_id}-1.log" not in left
+    assert {f"{recent.task_id}-1.log", f"{held.task_id}-1.log", "notes.txt"} <= left
+    assert await backend.prune(3600, set()) == 1  # held no longer: its old log goes too

@@ -98,6 +98,9 @@ def test_dispatch_passes_heartbeats_and_the_degrade_mode() -> None:
     dead = sample("sked_submissions_refused_total")
     hook.refused(3)
     assert sample("sked_submissions_refused_total") == dead + 3
+    purged = sample("sked_tasks_purged_total")
+    hook.purged(500)
+    assert sample("sked_tasks_purged_total") == purged + 500
     for mode, rank in (("partial", 1), ("FULL", 2), ("normal", 0)):
         metrics.set_degrade_mode(mode)
         assert sample("sked_degrade_mode") == rank

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from uuid import UUID
@@ -120,6 +121,12 @@ class Backend(Protocol):
         """The end of a running attempt's log as it is now (None: not known here)."""
         ...
 
+    async def prune(self, older_than_s: float, keep: AbstractSet[Key]) -> int:
+        """Delete what ended attempts left on this node (their log files) that was last
+        written `older_than_s` ago or longer, but never an attempt's in `keep`: retention
+        (SKED_RETENTION_DAYS). Returns how many were deleted."""
+        ...
+
     async def watch(self) -> None: ...  # raises when the backend as a whole has failed
     async def close(self) -> None: ...
 
@@ -151,3 +158,6 @@ class OneNode:
 
     async def discard(self, keys: set[Key]) -> None:
         return None  # what a previous executor left is reaped from its records at start
+
+    async def prune(self, older_than_s: float, keep: AbstractSet[Key]) -> int:
+        return 0  # nothing kept on the node (a backend that keeps logs says otherwise)

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TypeVar
 from uuid import UUID
@@ -321,6 +322,9 @@ class KubernetesBackend:
         if latest(self._pods_of(key)) is None:
             return None
         return (await self._log(key))[-limit:]
+
+    async def prune(self, older_than_s: float, keep: AbstractSet[Key]) -> int:
+        return 0  # nothing kept here: a Job and its pods' logs go by their TTL (SKED_K8S_JOB_TTL_S)
 
     async def _log(self, key: Key) -> str:
         pod = latest(self._pods_of(key))

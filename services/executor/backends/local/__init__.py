@@ -13,7 +13,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Set
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,8 @@ from uuid import UUID
 from pydantic_core import to_json
 
 from services.executor.backends import Key, Launch, OneNode, Outcome
-from services.executor.backends.local.outputs import tail, with_output
+from services.executor.backends.local.env import task_base_env, task_env
+from services.executor.backends.local.outputs import prune_logs, tail, with_output
 from services.executor.backends.local.pool import Stopped, WorkerPool
 from services.executor.backends.local.process import Proc, SpawnError, Warden, exit_text
 from services.executor.backends.local.records import Records
@@ -38,23 +39,6 @@ from shared.models import CommandJob, HandlerJob
 from shared.runtime import first_done
 
 log = logging.getLogger(__name__)
-
-# What a task's process gets from the executor's environment: nothing else, so that no
-# deployment secret (database URLs, the heartbeat secret, cloud credentials) reaches a task.
-TASK_ENV_ALLOW = ("PATH", "HOME", "LANG", "TZ")
-
-
-def task_base_env(
-    passed: Iterable[str] = (), environ: Mapping[str, str] | None = None
-) -> dict[str, str]:
-    """The allowlisted part of a task's environment (TASK_ENV_ALLOW plus `passed` names)."""
-    source = os.environ if environ is None else environ
-    names = [*TASK_ENV_ALLOW, *passed]
-    return {n: source[n] for n in names if n in source and not n.upper().startswith("SKED_")}
-
-
-def _task_env(launch: Launch) -> dict[str, str]:
-    return {"SKED_TASK_ID": str(launch.task_id), "SKED_ATTEMPT": str(launch.attempt)}
 
 
 class _Run:
@@ -253,6 +237,9 @@ class LocalBackend(OneNode):
         path = self._log_path(f"{key[0]}-{key[1]}")
         return tail(path, limit) if path.exists() else None
 
+    async def prune(self, older_than_s: float, keep: Set[Key]) -> int:
+        return await asyncio.to_thread(prune_logs, self._logs, older_than_s, keep)
+
     def _tail(self, log_path: Path) -> str:
         return tail(log_path, self.log_tail_bytes)
 
@@ -265,7 +252,7 @@ class LocalBackend(OneNode):
 
     async def _command(self, run: _Run, launch: Launch, job: CommandJob, log_path: Path) -> Outcome:
         key = (launch.task_id, launch.attempt)
-        env = {**self.base_env, **job.env, **launch.env, **_task_env(launch)}
+        env = {**self.base_env, **job.env, **launch.env, **task_env(launch)}
         try:
             proc = await self._warden.spawn(
                 job.argv,
@@ -310,7 +297,7 @@ class LocalBackend(OneNode):
             "job": stem,  # the attempt's name: its reply must carry it
             "handler": job.handler,
             "args": job.args,
-            "env": {**launch.env, **_task_env(launch)},
+            "env": {**launch.env, **task_env(launch)},
             "log": log_name,  # where the worker moves what the job printed
         }
         if launch.inputs is not None:

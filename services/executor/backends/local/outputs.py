@@ -1,14 +1,17 @@
-"""What an attempt leaves to read: its log's tail, and a command's declared output."""
+"""What an attempt leaves to read: its log's tail, and a command's declared output; and its
+log file deleted once retention says so."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Set
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from services.executor.backends import Outcome
+from services.executor.backends import Key, Outcome
 from services.executor.backends.local.worker import MAX_REPLY_BYTES, describe
 
 
@@ -47,3 +50,24 @@ def with_output(outcome: Outcome, path: Path) -> Outcome:
         error = f"declared output in $SKED_OUTPUT is not JSON: {describe(exc)}"
         return Outcome.failed(error, outcome.log_tail)
     return replace(outcome, result={**outcome.result, "output": output})
+
+
+def prune_logs(directory: Path, older_than_s: float, keep: Set[Key]) -> int:
+    """Delete the attempts' log files (`<task>-<attempt>.log`) in `directory` last written
+    `older_than_s` ago or longer, but not those of the attempts in `keep` (a silent attempt
+    still running). The file times and this clock are this host's: nothing crosses hosts.
+    Returns how many were deleted."""
+    before = time.time() - older_than_s
+    kept = {f"{task_id}-{attempt}.log" for task_id, attempt in keep}
+    deleted = 0
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if not entry.name.endswith(".log") or entry.name in kept:
+                continue
+            try:
+                if entry.stat(follow_symlinks=False).st_mtime < before:
+                    os.unlink(entry.path)
+                    deleted += 1
+            except FileNotFoundError:
+                continue  # gone meanwhile
+    return deleted

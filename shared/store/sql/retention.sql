@@ -1,0 +1,54 @@
+-- Retention: finished tasks deleted once they ended longer ago than the retention, by Postgres
+-- time (SKED_RETENTION_DAYS; services/recovery). A task's history goes with it (task_events
+-- has no foreign key: 0015), and its late results, launches and edges by their cascades. Rows
+-- another statement holds are passed over (SKIP LOCKED): recovery's replicas share the work.
+
+-- fragment: ended_before(cutoff)
+-- The task has ended for good before `cutoff`: terminal (fsm.is_terminal in SQL, as
+-- terminal_among) and finished then. NULL for a task never finished: negate with IS NOT TRUE.
+(t.finished_at < {{cutoff}}
+ AND (t.status IN ({{terminal_states}})
+      OR (t.status IN ({{retryable_states}}) AND t.retry_count >= t.max_retries)))
+
+-- name: purge_tasks
+-- Up to $1 tasks outside any workflow that ended $2 seconds ago or longer, oldest first,
+-- deleted with their history. Returns the ids deleted. A workflow's tasks stay until the whole
+-- workflow goes (purge_workflows): a task Pending downstream reads its upstreams' results, and
+-- an edge deleted with its upstream would release it without them.
+WITH doomed AS (
+    SELECT t.id FROM tasks t
+    WHERE t.workflow_id IS NULL
+      AND t.status IN ({{terminal_states}}, {{retryable_states}})  -- tasks_ended_alone
+      AND {{ended_before(now() - make_interval(secs => $2))}}
+    ORDER BY t.finished_at
+    LIMIT $1
+    FOR UPDATE OF t SKIP LOCKED
+), history AS (
+    DELETE FROM task_events e USING doomed d WHERE e.task_id = d.id
+)
+DELETE FROM tasks t USING doomed d WHERE t.id = d.id
+RETURNING t.id
+
+-- name: purge_workflows
+-- Up to $1 workflows whose every task ended $2 seconds ago or longer, oldest first, deleted
+-- whole: the workflow's row, and by cascade its tasks and their edges, late results and
+-- launches; their history with them. Returns (workflows, tasks) deleted.
+WITH doomed AS (
+    SELECT w.id FROM workflows w
+    WHERE w.created_at < now() - make_interval(secs => $2)
+      AND NOT EXISTS (
+          SELECT 1 FROM tasks t
+          WHERE t.workflow_id = w.id
+            AND {{ended_before(now() - make_interval(secs => $2))}} IS NOT TRUE)
+    ORDER BY w.created_at
+    LIMIT $1
+    FOR UPDATE OF w SKIP LOCKED
+), members AS (
+    SELECT t.id FROM tasks t JOIN doomed d ON t.workflow_id = d.id
+), history AS (
+    DELETE FROM task_events e USING members m WHERE e.task_id = m.id
+), gone AS (
+    DELETE FROM workflows w USING doomed d WHERE w.id = d.id
+    RETURNING w.id
+)
+SELECT (SELECT count(*) FROM gone) AS workflows, (SELECT count(*) FROM members) AS tasks
