@@ -39,6 +39,11 @@ SUBMIT_QUEUE = "sked.submit"
 # Messages that cannot be accepted go to DEAD_QUEUE through DLX, the reason in REASON_HEADER.
 DLX = "sked.dlx"
 DEAD_QUEUE = "sked.dead"
+# DEAD_QUEUE's bounds (SKED_DEAD_MAX_MESSAGES, SKED_DEAD_MAX_BYTES): past either RabbitMQ drops
+# the oldest, so that a producer flooding bad messages cannot fill RabbitMQ's memory and disk
+# (its alarms would block every publisher, sked's own included).
+DEAD_MAX_MESSAGES = 100_000
+DEAD_MAX_BYTES = 1024**3
 REASON_HEADER = "x-sked-reason"
 # The scheduler sends each placed attempt to its node: routing key = node id.
 DISPATCH_EXCHANGE = "sked.dispatch"
@@ -86,8 +91,11 @@ def _returned(sent: object) -> bool:
 class AmqpBus:
     """One robust connection and one confirming channel; declares the topology it uses."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(
+        self, url: str, dead_max: tuple[int, int] = (DEAD_MAX_MESSAGES, DEAD_MAX_BYTES)
+    ) -> None:
         self.url = url
+        self.dead_max = dead_max  # DEAD_QUEUE's bounds: messages, bytes
         self._connection: AbstractRobustConnection | None = None
         self._channel: AbstractChannel | None = None
         self._exchanges: dict[str, AbstractExchange] = {}
@@ -107,8 +115,7 @@ class AmqpBus:
             (PROBE_EXCHANGE, aio_pika.ExchangeType.DIRECT),
         ):
             self._exchanges[name] = await channel.declare_exchange(name, kind, durable=True)
-        dead = await channel.declare_queue(DEAD_QUEUE, durable=True)
-        await dead.bind(self._exchanges[DLX])
+        await self._declare_dead()
         submit = await channel.declare_queue(
             SUBMIT_QUEUE, durable=True, arguments={"x-dead-letter-exchange": DLX}
         )
@@ -120,6 +127,49 @@ class AmqpBus:
             HEARTBEATS_QUEUE, durable=True, arguments={"x-message-ttl": 10_000}
         )
         await beats.bind(self._exchanges[HEARTBEATS_EXCHANGE])
+
+    async def _declare_dead(self) -> None:
+        """DEAD_QUEUE, bounded by `dead_max` (drop-head: the oldest go first; dropping the
+        newest instead would refuse intake's dead-lettering, and stall intake). A queue made
+        earlier with other bounds, or none, keeps them, as RabbitMQ never changes a queue's
+        arguments: it is used as it is, with a warning (a policy can bound it: README). The
+        arguments that hold are declared on the bus's channel, which declares them again after
+        a reconnect (a RabbitMQ that lost its queues gets this one back)."""
+        assert self._channel is not None
+        messages, size = self.dead_max
+        bounds: dict[str, Any] = {
+            "x-max-length": messages,
+            "x-max-length-bytes": size,
+            "x-overflow": "drop-head",
+        }
+        for arguments in (bounds, None):
+            if await self._declarable(DEAD_QUEUE, arguments):
+                dead = await self._channel.declare_queue(
+                    DEAD_QUEUE, durable=True, arguments=arguments
+                )
+                break
+        else:  # bounds an operator set by hand: passive, so not declared again on reconnect
+            dead = await self._channel.declare_queue(DEAD_QUEUE, passive=True)
+        if arguments is not bounds:
+            log.warning(
+                "%s exists with other bounds than %d messages and %d bytes, which RabbitMQ"
+                " refuses to change; kept as it is. A policy can bound it (README).",
+                DEAD_QUEUE,
+                messages,
+                size,
+            )
+        await dead.bind(self._exchanges[DLX])
+
+    async def _declarable(self, name: str, arguments: dict[str, Any] | None) -> bool:
+        """Whether declaring queue `name` durable with `arguments` succeeds (it then exists):
+        tried on a channel of its own, since a refusal (PRECONDITION_FAILED) closes it."""
+        assert self._connection is not None
+        try:
+            async with self._connection.channel() as channel:
+                await channel.declare_queue(name, durable=True, arguments=arguments)
+        except aiormq.exceptions.ChannelPreconditionFailed:
+            return False
+        return True
 
     async def consumer_channel(self, prefetch: int) -> AbstractChannel:
         """A channel of its own for consuming, so its prefetch bounds only that consumer."""

@@ -125,7 +125,7 @@ class SkedClient:
         from shared.bus import AmqpBus
 
         if self._bus is None:
-            bus = AmqpBus(self.settings.rabbitmq_url)
+            bus = AmqpBus(self.settings.rabbitmq_url, self.settings.dead_max)
             await bus.connect()
             self._bus = bus
         return self._bus

@@ -71,6 +71,9 @@ class Settings(BaseSettings):
     # Scheduler.
     aging_s: float = Field(default=5.0, ge=0, description="waiting this long = +1 priority")
     max_message_bytes: int = Field(default=1024 * 1024, ge=1024)
+    # sked.dead's bounds, set when it is first declared: past either the oldest go (shared.bus)
+    dead_max_messages: int = Field(default=100_000, ge=1)
+    dead_max_bytes: int = Field(default=1024**3, ge=1024)
     submit_batch: int = Field(default=500, ge=1, le=10_000)
     dispatch_batch: int = Field(default=500, ge=1, le=10_000)
     reconcile_s: float = Field(default=5.0, gt=0, description="queue/Postgres consistency check")
@@ -240,6 +243,11 @@ class Settings(BaseSettings):
         if leaked:
             raise ValueError(f"tasks never get sked's own variables: {', '.join(leaked)}")
         return names
+
+    @property
+    def dead_max(self) -> tuple[int, int]:
+        """sked.dead's bounds: messages, bytes (shared.bus.AmqpBus)."""
+        return self.dead_max_messages, self.dead_max_bytes
 
     @property
     def backlog_limit(self) -> int:

@@ -43,7 +43,7 @@ async def backends(settings: Settings) -> AsyncIterator[Backends]:
     """Postgres, Redis and RabbitMQ for `settings`, closed on the way out."""
     store = await connect_store(settings)
     redis = Redis.from_url(settings.redis_url)
-    bus = AmqpBus(settings.rabbitmq_url)
+    bus = AmqpBus(settings.rabbitmq_url, settings.dead_max)
     try:
         await bus.connect()
         yield Backends(settings, store, redis, bus)
