@@ -21,9 +21,9 @@ retention  delete tasks that ended longer ago than the retention, with their his
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
+import time
 from collections.abc import Sequence
 
 from shared import hooks
@@ -102,9 +102,12 @@ class Recovery(Service):
 
     async def retain(self) -> None:
         """The retention loop: purge while batches come back full, then wait for the next look.
-        A statement that fails is logged and tried at the next look: retention is housekeeping,
-        and must never stop the recovery of tasks."""
+        Between full batches it rests as long as the last took, so that catching up on a long
+        history (retention just turned on) holds at most half of one Postgres backend, not the
+        database the tasks run on. A statement that fails is logged and tried at the next look:
+        retention is housekeeping, and must never stop the recovery of tasks."""
         while not self.stopping.is_set():
+            began = time.monotonic()
             try:
                 _, more = await self.purge()
             except TRANSIENT:
@@ -113,10 +116,10 @@ class Recovery(Service):
                 log.exception("retention: purge failed; trying again at the next look")
                 more = False
             if more:
-                await asyncio.sleep(0)  # back to back, but not ahead of everything else
-                continue
-            period = self.settings.retention_check_s * random.uniform(0.8, 1.2)
-            await wait_any(self.stopping, timeout=period)
+                rest = time.monotonic() - began
+            else:
+                rest = self.settings.retention_check_s * random.uniform(0.8, 1.2)
+            await wait_any(self.stopping, timeout=rest)
 
     async def purge(self) -> tuple[int, bool]:
         """One batch of each kind past the retention deleted. Returns the tasks deleted and
