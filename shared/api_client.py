@@ -206,6 +206,14 @@ class ApiClient:
         body = {"reason": reason, "by": by}
         return task_of(await self.call("POST", f"/v1/tasks/{task_id}/cancel", body))
 
+    async def cancel_workflow(
+        self, workflow_id: UUID | str, reason: str = "", by: str | None = None
+    ) -> list[Task]:
+        body = {"reason": reason, "by": by}
+        return [
+            task_of(t) for t in await self.call("POST", f"/v1/workflows/{workflow_id}/cancel", body)
+        ]
+
     async def set_priority(self, task_id: UUID | str, priority: int) -> list[Task]:
         body = {"priority": priority}
         return [task_of(t) for t in await self.call("POST", f"/v1/tasks/{task_id}/priority", body)]

@@ -25,6 +25,7 @@ from uuid import UUID, uuid4
 from shared.errors import InvalidSpec, NotFound, SkedError
 from shared.fsm import ENDING, State
 from shared.models import Event, Task, TaskSpec, task_id_for
+from shared.rendering import rendered
 from shared.settings import Settings
 from shared.views import WorkflowView
 
@@ -36,32 +37,6 @@ if TYPE_CHECKING:  # imported by the calls that use them: reading a task needs o
     from shared.degrade import DegradeState, Mode
     from shared.queues import ReadyQueue
     from shared.store import NodeRow, Store
-
-
-# What a batch message wraps around one spec (its id, trace parent and the envelope): a spec
-# this much under the limit fits in a message of its own.
-ENVELOPE_BYTES = 256
-
-
-def _rendered(spec: TaskSpec | WorkflowSpec, limit: int) -> bytes:
-    """A spec's message body, refused (InvalidSpec, nothing sent) if intake would dead-letter
-    it: a NUL or a lone surrogate in any string (Postgres cannot store them), or a message
-    over the deployment's limit (SKED_MAX_MESSAGE_BYTES, as this process reads it)."""
-    from pydantic_core import PydanticSerializationError
-
-    from shared.jsonvalue import Unsafe, refuse_unsafe
-
-    try:
-        body = spec.model_dump_json().encode()
-        refuse_unsafe(body)
-    except (Unsafe, PydanticSerializationError) as exc:
-        raise InvalidSpec(f"{spec.name!r} cannot be stored: {exc}") from None
-    if len(body) + ENVELOPE_BYTES > limit:
-        raise InvalidSpec(
-            f"{spec.name!r} is {len(body)} bytes as JSON: over the limit of a message, "
-            f"{limit} bytes less {ENVELOPE_BYTES} (SKED_MAX_MESSAGE_BYTES)"
-        )
-    return body
 
 
 def _deadline(timeout: float | None) -> float | None:
@@ -180,7 +155,7 @@ class SkedClient:
 
         parsed = [s if isinstance(s, TaskSpec) else TaskSpec.parse(s) for s in specs]
         limit = self.settings.max_message_bytes
-        bodies = [(_rendered(s, limit), task_id_for(s), s.name) for s in parsed]
+        bodies = [(rendered(s, limit), task_id_for(s), s.name) for s in parsed]
         await self._publish(SUBMIT_KEY, bodies, batch=len(bodies) > 1)
         return [ident for _, ident, _ in bodies]
 
@@ -192,7 +167,7 @@ class SkedClient:
 
         parsed = spec if isinstance(spec, WorkflowSpec) else WorkflowSpec.parse(spec)
         workflow_id = uuid4()
-        body = _rendered(parsed, self.settings.max_message_bytes)
+        body = rendered(parsed, self.settings.max_message_bytes)
         await self._publish(WORKFLOW_KEY, [(body, workflow_id, parsed.name)])
         return workflow_id
 
@@ -246,6 +221,16 @@ class SkedClient:
         from shared import control
 
         return await control.cancel(await self._db(), self._queue(), UUID(str(task_id)), reason, by)
+
+    async def cancel_workflow(
+        self, wf: UUID | str, reason: str = "", by: str | None = None
+    ) -> list[Task]:
+        """Cancel every task of a workflow not ended yet; returns them. Raises NotAllowed."""
+        from shared import control
+
+        return await control.cancel_workflow(
+            await self._db(), self._queue(), UUID(str(wf)), reason, by
+        )
 
     async def set_priority(self, task_id: UUID | str, priority: int) -> list[Task]:
         """Change a non-terminal task's priority (a workflow task's upstreams inherit it).

@@ -1,4 +1,5 @@
-"""Operator control of single tasks: pause, resume, cancel — through the FSM like every change.
+"""Operator control of single tasks (pause, resume, cancel) and of whole workflows (cancel) —
+through the FSM like every change.
 
 Each action re-reads the task and retries its CAS when the task moved meanwhile (a running
 task may finish while an operator pauses it): the action applies to whatever state the task is
@@ -21,6 +22,7 @@ from shared.queues import ReadyQueue
 from shared.store import Store
 
 ATTEMPTS = 20
+WORKFLOW_CANCEL_BATCH = 1000  # moves a statement of cancel_workflow makes
 
 
 class NotAllowed(SkedError):
@@ -88,6 +90,39 @@ async def cancel(
             await queue.remove([task_id])  # tidy only: a popped Canceled task is dropped anyway
         return moved
     raise StaleWrite(f"task {task_id} kept changing; cancel not applied")
+
+
+async def cancel_workflow(
+    store: Store,
+    queue: ReadyQueue | None,
+    workflow_id: UUID,
+    reason: str = "",
+    by: str | None = None,
+) -> list[Task]:
+    """Every task of the workflow that has not ended -> Canceled, WORKFLOW_CANCEL_BATCH a
+    statement: running attempts are stopped by their executors, and Pending ones are never
+    released. A task that moved meanwhile (released, started, ended) loses its CAS and is
+    looked at again: canceled where it is then, or left as it ended. Returns the tasks
+    canceled. Raises NotFound for an unknown workflow, NotAllowed when every task of it has
+    ended already."""
+    who, reason = note("by", by or operator()), note("reason", reason)
+    text = f"canceled with workflow {workflow_id} by {who}" + (f": {reason}" if reason else "")
+    canceled: list[Task] = []
+    for _ in range(ATTEMPTS):
+        _, tasks, _ = await store.workflows.get(workflow_id)
+        live = [t for t in tasks if not fsm.is_terminal(t.status, fsm.has_retry_left(t))]
+        if not live:
+            if not canceled:
+                raise NotAllowed(f"workflow {workflow_id} has ended: every task of it is terminal")
+            return canceled
+        for start in range(0, len(live), WORKFLOW_CANCEL_BATCH):
+            some = live[start : start + WORKFLOW_CANCEL_BATCH]
+            canceled += await store.tasks.transition_many(
+                [fsm.plan(t, State.CANCELED, text) for t in some]
+            )
+        if queue is not None:  # tidy only: a popped Canceled task is dropped anyway
+            await queue.remove([t.id for t in live if t.status is State.READY])
+    raise StaleWrite(f"workflow {workflow_id}'s tasks kept changing; cancel not finished")
 
 
 async def resume(store: Store, queue: ReadyQueue, task_id: UUID, by: str | None = None) -> Task:

@@ -60,6 +60,11 @@ class SyncSkedClient:
     def cancel(self, task_id: UUID | str, reason: str = "", by: str | None = None) -> Task:
         return self._loop.run_until_complete(self._client.cancel(task_id, reason, by))
 
+    def cancel_workflow(
+        self, workflow_id: UUID | str, reason: str = "", by: str | None = None
+    ) -> list[Task]:
+        return self._loop.run_until_complete(self._client.cancel_workflow(workflow_id, reason, by))
+
     def set_priority(self, task_id: UUID | str, priority: int) -> list[Task]:
         return self._loop.run_until_complete(self._client.set_priority(task_id, priority))
 

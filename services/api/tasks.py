@@ -274,3 +274,23 @@ async def submit_workflow(request: web.Request) -> web.StreamResponse:
 )
 async def get_workflow(request: web.Request) -> web.StreamResponse:
     return reply(workflow_json(await client(request).workflow(uuid_param(request))))
+
+
+@op(
+    "POST",
+    "/v1/workflows/{id}/cancel",
+    Role.OPERATE,
+    "Cancel every task of a workflow that has not ended (running attempts stop); returns them",
+    "workflows",
+    response=schemas.TaskView,
+    many=True,
+    body=schemas.CancelBody,
+    body_required=False,
+    conflict=True,
+)
+async def cancel_workflow(request: web.Request) -> web.StreamResponse:
+    workflow_id = uuid_param(request)
+    b = await body(request, schemas.CancelBody, required=False)
+    canceled = await client(request).cancel_workflow(workflow_id, b.reason, actor(request, b.by))
+    await audit(request, "cancel-workflow", workflow_id, b.reason)
+    return _tasks(canceled)

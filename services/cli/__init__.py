@@ -183,6 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=command("_control"), action=action)
 
+    p = sub.add_parser("cancel-workflow", help="cancel every task of a workflow that has not ended")
+    p.add_argument("id")
+    p.add_argument("--reason", default="")
+    p.add_argument("--by", help="who is acting (default: user@host)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=command("_cancel_workflow"))
+
     p = sub.add_parser(
         "priority", help="change a task's priority (a workflow task's upstreams inherit it)"
     )

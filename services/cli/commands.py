@@ -248,6 +248,19 @@ async def _control(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _cancel_workflow(args: argparse.Namespace) -> int:
+    workflow_id = parse_task_id(args.id, "workflow")
+    async with connect() as client:
+        canceled = await client.cancel_workflow(workflow_id, args.reason, args.by)
+    if args.json:
+        print_json([t.as_json() for t in canceled])
+        return 0
+    for task in canceled:
+        print(f"{task.id} {task.wf_task or task.name}: {task.status.label}")
+    print(f"{len(canceled)} tasks of workflow {workflow_id} canceled", file=sys.stderr)
+    return 0
+
+
 async def _priority(args: argparse.Namespace) -> int:
     async with connect() as client:
         changed = await client.set_priority(parse_task_id(args.id), args.priority)
@@ -310,7 +323,7 @@ async def _submit_workflow(args: argparse.Namespace) -> int:
 
 async def _workflow(args: argparse.Namespace) -> int:
     async with connect() as client:
-        view = await client.workflow(parse_task_id(args.id))
+        view = await client.workflow(parse_task_id(args.id, "workflow"))
     if args.dot:
         sys.stdout.write(view.dot())
     elif args.json:

@@ -45,11 +45,11 @@ def print_id(ident: UUID, as_json: bool) -> int:
     return 0
 
 
-def parse_task_id(text: str) -> UUID:
+def parse_task_id(text: str, what: str = "task") -> UUID:
     try:
         return UUID(text)
     except ValueError:
-        raise SkedError(f"not a task id: {text!r}") from None
+        raise SkedError(f"not a {what} id: {text!r}") from None
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:

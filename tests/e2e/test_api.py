@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 
+from shared import workflows
 from shared.auth import Role
 from shared.store import Store
 from tests.e2e.conftest import Deployment
@@ -209,6 +210,34 @@ async def test_the_operator_api(
         code, body = await api("POST", "/v1/nodes/nope/cordon", ops)
         assert code == 404, body
 
+        # -- a workflow canceled whole: the CLI through the API ------------------------------
+        pair = {
+            "name": "pair",
+            "tasks": [
+                {"name": "long", "command": ["sleep", "60"]},
+                {"name": "next", "command": ["true"], "needs": ["long"]},
+            ],
+        }
+        code, body = await api("POST", "/v1/workflows", ops, pair)
+        assert code == 202, body
+        wf = body["id"]
+        long_id = str(workflows.task_id(uuid.UUID(wf), "long"))
+        await api.reached(long_id, ops, "running")
+        out = sked(via_api, "cancel-workflow", wf, "--reason", "obsolete", "--json")
+        assert out.returncode == 0, out.stderr
+        assert sorted((t["wf_task"], t["status"]) for t in json.loads(out.stdout)) == [
+            ("long", "canceled"),
+            ("next", "canceled"),
+        ]
+        code, view = await api("GET", f"/v1/workflows/{wf}", viewer)
+        assert (code, view["status"]) == (200, "canceled"), view
+        assert (await api.reasons(long_id, viewer))[-1] == (
+            f"canceled with workflow {wf} by token:ops: obsolete"
+        )
+        code, body = await api("POST", f"/v1/workflows/{wf}/cancel", ops)
+        assert code == 409, body
+        assert "has ended" in body["error"]
+
         # -- the audit ---------------------------------------------------------------------
         code, body = await api("GET", "/v1/audit", ops)
         assert code == 403, body
@@ -217,5 +246,6 @@ async def test_the_operator_api(
     for action in ("pause", "resume", "cancel"):
         assert ("ops", action, nap) in audit
     assert ("ops", "drain", "api-a") in audit
+    assert ("ops", "cancel-workflow", wf) in audit
     assert ("ops", "uncordon", "api-a") in audit
     assert not [a for a in audit if a[0] == "viewer"]  # its refused calls changed nothing

@@ -30,10 +30,11 @@ from shared.bus import (
     TASKS_EXCHANGE,
     WORKFLOW_KEY,
 )
-from shared.client import ENVELOPE_BYTES, SkedClient
+from shared.client import SkedClient
 from shared.errors import InvalidSpec
 from shared.fsm import State
 from shared.models import TaskSpec
+from shared.rendering import ENVELOPE_BYTES
 from shared.settings import Settings
 from tests.e2e.checks import check_all_histories
 from tests.e2e.conftest import Deployment

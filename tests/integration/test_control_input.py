@@ -32,6 +32,8 @@ async def test_a_reason_postgres_cannot_store_changes_nothing(store: Store) -> N
         with pytest.raises(InvalidSpec, match=f"by holds .*{says}"):
             await control.resume(store, None, task.id, by=text)
         with pytest.raises(InvalidSpec, match=f"reason holds .*{says}"):
+            await control.cancel_workflow(store, None, uuid4(), text)
+        with pytest.raises(InvalidSpec, match=f"reason holds .*{says}"):
             await cordon.cordon(store, "n1", "ops", text)
         with pytest.raises(InvalidSpec, match=f"reason holds .*{says}"):
             await modes.change(store.degrade, Mode.FULL, text, "ops", None, None, alerter)

@@ -164,6 +164,9 @@ class FakeClient:
     async def cancel(self, task_id: UUID, reason: str = "", by: str | None = None) -> Any:
         raise NotAllowed(f"cannot cancel task {task_id}: it is Success, a terminal state")
 
+    async def cancel_workflow(self, wf: UUID, reason: str = "", by: str | None = None) -> Any:
+        raise NotAllowed(f"workflow {wf} has ended: every task of it is terminal")
+
 
 @pytest.fixture
 async def api() -> AsyncIterator[tuple[TestClient[Any, Any], FakeTokens]]:
@@ -221,6 +224,10 @@ async def test_errors_are_json_with_their_status(
         ),
         ("POST", f"/v1/nodes/{uuid4()}/cordon", operate, {"reason": "a\x00"}, 400),
         ("POST", f"/v1/tasks/{uuid4()}/cancel", operate, None, 409),  # NotAllowed
+        ("POST", f"/v1/workflows/{uuid4()}/cancel", operate, None, 409),
+        ("POST", f"/v1/workflows/{uuid4()}/cancel", read, None, 403),
+        ("POST", "/v1/workflows/not-a-uuid/cancel", operate, None, 400),
+        ("POST", f"/v1/workflows/{uuid4()}/cancel", operate, {"reason": "a\x00"}, 400),
         ("POST", f"/v1/tasks/{uuid4()}/pause", operate, {"reason": ""}, 400),
         ("POST", f"/v1/tasks/{uuid4()}/pause", operate, {"reason": "x", "who": 1}, 400),
         ("POST", "/v1/tasks", operate, {"name": "x", "job": {"kind": "command"}}, 400),
