@@ -35,6 +35,7 @@ from shared.views import WorkflowView
 # The store's modules (NodeRow, Drain, NotAllowed) and the workflow models are imported by the
 # calls that need them: `sked status` through the API needs no database library at all.
 if TYPE_CHECKING:
+    from shared.bus import DeadLetter
     from shared.cordon import Drain
     from shared.dag import WorkflowSpec
     from shared.store import NodeRow
@@ -213,6 +214,11 @@ class ApiClient:
         return [
             task_of(t) for t in await self.call("POST", f"/v1/workflows/{workflow_id}/cancel", body)
         ]
+
+    async def dead_letters(self, limit: int = 100) -> list[DeadLetter]:
+        from shared.bus import DeadLetter
+
+        return [DeadLetter(**d) for d in await self.call("GET", "/v1/dead", limit=limit)]
 
     async def set_priority(self, task_id: UUID | str, priority: int) -> list[Task]:
         body = {"priority": priority}

@@ -32,7 +32,7 @@ from shared.views import WorkflowView
 if TYPE_CHECKING:  # imported by the calls that use them: reading a task needs only the store
     from redis.asyncio import Redis
 
-    from shared.bus import AmqpBus
+    from shared.bus import AmqpBus, DeadLetter
     from shared.dag import WorkflowSpec
     from shared.degrade import DegradeState, Mode
     from shared.queues import ReadyQueue
@@ -299,6 +299,11 @@ class SkedClient:
         finally:
             await alerter.close()
         return after
+
+    async def dead_letters(self, limit: int = 100) -> list[DeadLetter]:
+        """The oldest submissions intake refused (sked.dead), each with its reason; left where
+        they are."""
+        return await (await self._publisher()).peek_dead(limit)
 
     async def nodes(self) -> list[NodeRow]:
         """The registered nodes with their capacity and usage."""

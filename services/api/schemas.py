@@ -16,6 +16,7 @@ from uuid import UUID
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from shared.auth import Role
+from shared.bus import DeadLetter
 from shared.dag import WorkflowSpec
 from shared.models import Event, Task, TaskSpec
 from shared.store import NodeRow
@@ -49,6 +50,9 @@ NodeView = view_of(
 )
 TokenView = view_of(TokenRow, "Token", "An API token (its secret is never shown again).")
 AuditView = view_of(AuditRow, "AuditEntry", "One change made through the API, by token.")
+DeadLetterView = view_of(
+    DeadLetter, "DeadLetter", "A refused submission: why, its routing key, and its start."
+)
 
 
 class _Body(BaseModel):
@@ -141,6 +145,7 @@ COMPONENTS: tuple[type[BaseModel], ...] = (
     NodeView,
     TokenView,
     AuditView,
+    DeadLetterView,
     PauseBody,
     CancelBody,
     ResumeBody,

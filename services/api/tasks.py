@@ -1,4 +1,5 @@
-"""`/v1/tasks` and `/v1/workflows`: read, submit and control tasks.
+"""`/v1/tasks` and `/v1/workflows`: read, submit and control tasks; `/v1/dead`: the submissions
+intake refused.
 
 Submissions go out through the SDK's own path (`SkedClient.submit`: RabbitMQ, confirmed), so
 intake stays the only writer of new tasks; the answer is 202 with the id, and admission follows.
@@ -294,3 +295,18 @@ async def cancel_workflow(request: web.Request) -> web.StreamResponse:
     canceled = await client(request).cancel_workflow(workflow_id, b.reason, actor(request, b.by))
     await audit(request, "cancel-workflow", workflow_id, b.reason)
     return _tasks(canceled)
+
+
+@op(
+    "GET",
+    "/v1/dead",
+    Role.OPERATE,  # a refused message may hold what its producer meant to keep to the workers
+    "Refused submissions in sked.dead, oldest first, each with its reason (left in place)",
+    "tasks",
+    response=schemas.DeadLetterView,
+    many=True,
+    query=(LIMIT,),
+)
+async def dead_letters(request: web.Request) -> web.StreamResponse:
+    letters = await client(request).dead_letters(_limit(request))
+    return reply([d.as_json() for d in letters])

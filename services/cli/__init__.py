@@ -202,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=command("_nodes"))
 
+    p = sub.add_parser("dead", help="refused submissions (sked.dead), oldest first, with why")
+    p.add_argument("--limit", type=_page_size, default=20, help="at most (1 to 1000; 20)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=command("_dead"))
+
     degrade.add_parser(sub)
     nodes.add_parser(sub)
     tokens.add_parser(sub)

@@ -22,6 +22,7 @@ from services.cli.output import (
     parse_task_id,
     print_id,
     print_json,
+    printable,
     workflow_json,
 )
 from services.cli.remote import Client, connect
@@ -351,4 +352,18 @@ async def _nodes(args: argparse.Namespace) -> int:
             f"  cpu {n.used_cpu:g}/{n.cpu:g}"
             f"  mem {n.used_memory_mb}/{n.memory_mb}  gpu {n.used_gpu}/{n.gpu}  {labels}"
         )
+    return 0
+
+
+async def _dead(args: argparse.Namespace) -> int:
+    async with connect() as client:
+        letters = await client.dead_letters(args.limit)
+    if args.json:
+        print_json([d.as_json() for d in letters])
+        return 0
+    for d in letters:
+        print(f"{printable(d.routing_key) or '-'}  {d.size} bytes  {printable(d.reason)}")
+        print(f"    {printable(d.body)}{' ...' if d.size > len(d.body.encode()) else ''}")
+    if not letters:
+        print("sked.dead is empty", file=sys.stderr)
     return 0

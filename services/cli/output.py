@@ -33,6 +33,12 @@ def seconds(text: str) -> float:
     return value
 
 
+def printable(text: str) -> str:
+    """`text` with every character a terminal would act on (controls, escapes, line breaks)
+    written as its Python escape: for what anyone could have put there, a refused message."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
 def print_json(value: Any) -> None:
     print(json.dumps(value, indent=2, default=str))
 

@@ -68,6 +68,7 @@ POISON: dict[str, tuple[bytes, str, dict[str, Any], str]] = {
     "lone surrogate": (spec_with_args('"\\udfff"'), SUBMIT_KEY, {}, "lone surrogate"),
     "NaN": (spec_with_args("NaN"), SUBMIT_KEY, {}, "NaN is not a JSON number"),
     "malformed": (b"{nope", SUBMIT_KEY, {}, "malformed JSON"),
+    "terminal escapes": (b"\x1b]0;owned\x07\x1b[2J", SUBMIT_KEY, {}, "malformed JSON"),
     "not an object": (b"[1, 2]", SUBMIT_KEY, {}, "must be a JSON object"),
     "unknown field": (
         json.dumps({**VALID, "surprise": 1}).encode(),
@@ -214,6 +215,25 @@ async def test_poison_submissions_in_one_batch_with_valid_ones(
         keyed_tasks = await pool.fetch("SELECT id FROM tasks WHERE idempotency_key = 'one-key'")
         assert len(keyed_tasks) == 1
         assert (await client.wait(keyed_tasks[0]["id"], timeout=30)).status is State.SUCCESS
+
+        # an operator reads them, left in place, oldest first; printed inert
+        def sked_dead(*args: str) -> subprocess.CompletedProcess[str]:
+            argv = [SKED, "dead", "--limit", "1000", *args]
+            return subprocess.run(argv, env=deployment.env, capture_output=True, text=True)
+
+        async def all_dead() -> bool:
+            out = sked_dead("--json")
+            assert out.returncode == 0, out.stderr
+            return len(json.loads(out.stdout)) == len(POISON) + 1
+
+        await eventually(all_dead, timeout=30, what="sked dead to list every poison")
+        listed = json.loads(sked_dead("--json").stdout)
+        assert "\x1b]0;owned\x07\x1b[2J" in [d["body"] for d in listed]
+        assert {d["routing_key"] for d in listed} == {SUBMIT_KEY, WORKFLOW_KEY, BATCH_KEY}
+        shown = sked_dead()
+        assert shown.returncode == 0, shown.stderr
+        assert "\x1b" not in shown.stdout
+        assert "\\x1b]0;owned\\x07" in shown.stdout
         reasons = await dead_letters(channel, len(POISON) + 1)
         for name, (body, _, _, why) in POISON.items():
             assert body in reasons, f"{name} was not dead-lettered"

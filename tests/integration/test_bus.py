@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable
+from typing import TypeVar
 
 import aio_pika
 import aiormq.exceptions
@@ -12,12 +14,19 @@ from shared.bus import (
     DEAD_QUEUE,
     DISPATCH_EXCHANGE,
     PROBE_EXCHANGE,
+    SUBMIT_KEY,
+    SUBMIT_QUEUE,
+    TASKS_EXCHANGE,
     UNROUTABLE,
     AmqpBus,
     Outgoing,
 )
+from shared.client import SkedClient
 from shared.resilience import is_transient
 from shared.settings import Settings
+from tests.helpers import eventually
+
+T = TypeVar("T")
 
 
 async def test_a_dispatch_to_a_node_without_a_queue_raises_a_transient_error(
@@ -109,3 +118,39 @@ async def test_a_dead_letter_queue_made_with_other_bounds_is_kept(
     finally:
         await bus.close()
     assert await _dead_bodies(settings.rabbitmq_url) == kept
+
+
+async def test_dead_letters_are_read_in_order_and_left_in_place(settings: Settings) -> None:
+    """`sked dead` reads sked.dead oldest first without taking anything off it, both what
+    intake dead-lettered (its reason) and what RabbitMQ did (a rejected submission)."""
+    bus = AmqpBus(settings.rabbitmq_url)
+    await bus.connect()
+    try:
+        for n in range(3):
+            await bus.dead_letter(f"bad {n}".encode(), f"reason {n}", "submit")
+        await bus.publish(TASKS_EXCHANGE, [Outgoing(SUBMIT_KEY, b"rejected one")])
+        channel = await bus.consumer_channel(prefetch=1)
+        submitted = await channel.declare_queue(SUBMIT_QUEUE, passive=True)
+        message = await submitted.get(timeout=5)
+        await message.reject(requeue=False)  # to sked.dlx, as RabbitMQ dead-letters
+
+        async def peek(limit: int) -> list[tuple[str, str]]:
+            return [(d.body, d.reason) for d in await bus.peek_dead(limit)]
+
+        expected = [(f"bad {n}", f"reason {n}") for n in range(3)]
+        expected.append(("rejected one", "dead-lettered by RabbitMQ: rejected"))
+        await eventually(lambda: _equal(peek(10), expected), timeout=10, what="all four")
+        assert await peek(10) == expected  # read again: all still there, in order
+        assert await peek(2) == expected[:2]
+        async with SkedClient(settings) as client:
+            letters = await client.dead_letters(3)
+        assert [(d.body, d.routing_key) for d in letters] == [
+            (f"bad {n}", "submit") for n in range(3)
+        ]
+    finally:
+        await bus.close()
+    assert len(await _dead_bodies(settings.rabbitmq_url)) == 4
+
+
+async def _equal(value: Awaitable[T], expected: T) -> bool:
+    return await value == expected

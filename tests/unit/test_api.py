@@ -21,6 +21,7 @@ from services.api.app import make_app
 from services.api.openapi import document
 from shared.api_client import node_of, task_of
 from shared.auth import Role, bearer, digest, new_secret
+from shared.bus import DeadLetter
 from shared.control import NotAllowed
 from shared.errors import NotFound
 from shared.fsm import State
@@ -164,6 +165,10 @@ class FakeClient:
     async def cancel(self, task_id: UUID, reason: str = "", by: str | None = None) -> Any:
         raise NotAllowed(f"cannot cancel task {task_id}: it is Success, a terminal state")
 
+    async def dead_letters(self, limit: int) -> list[DeadLetter]:
+        letter = DeadLetter("not JSON", "submit", None, 3, "\x1b[2J")
+        return [letter] * min(limit, 2)
+
     async def cancel_workflow(self, wf: UUID, reason: str = "", by: str | None = None) -> Any:
         raise NotAllowed(f"workflow {wf} has ended: every task of it is terminal")
 
@@ -225,6 +230,8 @@ async def test_errors_are_json_with_their_status(
         ("POST", f"/v1/nodes/{uuid4()}/cordon", operate, {"reason": "a\x00"}, 400),
         ("POST", f"/v1/tasks/{uuid4()}/cancel", operate, None, 409),  # NotAllowed
         ("POST", f"/v1/workflows/{uuid4()}/cancel", operate, None, 409),
+        ("GET", "/v1/dead", read, None, 403),  # a refused message may hold a producer's secret
+        ("GET", "/v1/dead?limit=1001", operate, None, 400),
         ("POST", f"/v1/workflows/{uuid4()}/cancel", read, None, 403),
         ("POST", "/v1/workflows/not-a-uuid/cancel", operate, None, 400),
         ("POST", f"/v1/workflows/{uuid4()}/cancel", operate, {"reason": "a\x00"}, 400),
@@ -308,3 +315,20 @@ def test_a_cordoned_node_takes_nothing_and_the_reason_says_so() -> None:
     row = _node("a", cordoned_at=datetime.now(UTC))
     assert not row.state().ready
     assert row.state().cordoned
+
+
+async def test_dead_letters_are_read_with_an_operate_token(
+    api: tuple[TestClient[Any, Any], FakeTokens],
+) -> None:
+    client, _ = api
+    async with client.get("/v1/dead?limit=1", headers=auth("operator")) as r:
+        assert r.status == 200
+        assert await r.json() == [
+            {
+                "reason": "not JSON",
+                "routing_key": "submit",
+                "message_id": None,
+                "size": 3,
+                "body": "\x1b[2J",
+            }
+        ]

@@ -18,6 +18,7 @@ TASK = "8da55d00-60d6-4b20-bac2-b0bf303bfd81"
         ["logs", TASK],
         ["workflow", TASK],
         ["nodes"],
+        ["dead"],
         ["degrade", "status"],
         ["token", "list"],
         ["token", "audit"],

@@ -1,0 +1,71 @@
+"""A refused message as an operator reads it (`sked dead`, GET /v1/dead): whatever the message
+holds — headers of any type, a body that is not text, characters a terminal acts on — it is
+read without raising, bounded, and printed inert."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from services.cli.output import printable
+from shared.bus import DEAD_PREVIEW, REASON_HEADER, dead_letter_of
+
+
+def test_what_sked_wrote_is_read_back() -> None:
+    headers = {REASON_HEADER: "not JSON: Expecting value", "x-sked-routing-key": "submit"}
+    letter = dead_letter_of(b"{nope", headers, "submit", "m-1")
+    assert letter.as_json() == {
+        "reason": "not JSON: Expecting value",
+        "routing_key": "submit",
+        "message_id": "m-1",
+        "size": 5,
+        "body": "{nope",
+    }
+
+
+def test_rabbitmqs_own_dead_lettering_names_its_reason() -> None:
+    deaths = [{"reason": "rejected", "queue": "sked.submit", "count": 1}]
+    letter = dead_letter_of(b"x", {"x-death": deaths}, "submit.batch", None)
+    assert (letter.reason, letter.routing_key) == (
+        "dead-lettered by RabbitMQ: rejected",
+        "submit.batch",
+    )
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        None,
+        "not a table",
+        {REASON_HEADER: 7, "x-sked-routing-key": b"bytes"},
+        {"x-death": "no"},
+        {"x-death": [1, 2]},
+        {"x-death": [{"reason": 3}]},
+        {"x-death": []},
+    ],
+)
+def test_headers_of_any_type_count_as_absent(headers: Any) -> None:
+    letter = dead_letter_of(b"x", headers, None, 12)  # type: ignore[arg-type]
+    assert (letter.reason, letter.routing_key, letter.message_id) == ("no reason given", "", None)
+
+
+def test_a_large_or_binary_body_is_cut_and_replaced() -> None:
+    body = b"\xff\xfe" + b"a" * 1_000_000
+    letter = dead_letter_of(body, {REASON_HEADER: "r" * 10_000}, "k" * 1000, "i" * 1000)
+    assert letter.size == len(body)
+    assert len(letter.body) == DEAD_PREVIEW
+    assert letter.body.startswith("\ufffd\ufffda")
+    assert (len(letter.reason), len(letter.routing_key), len(letter.message_id or "")) == (
+        2000,
+        255,
+        255,
+    )
+
+
+def test_printed_inert() -> None:
+    hostile = "ok\x1b[2J\x1b]0;owned\x07\r\nnext\u202eevil\x00"
+    shown = printable(hostile)
+    assert shown.isprintable()
+    assert shown == "ok\\x1b[2J\\x1b]0;owned\\x07\\r\\nnext\\u202eevil\\x00"
+    assert printable("naïve 漢字") == "naïve 漢字"  # text stays as it is
