@@ -9,7 +9,7 @@ import socket
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from shared.backlog import ROUNDS
@@ -82,6 +82,11 @@ class Settings(BaseSettings):
     # attempt is still unclaimed after this (services/scheduler/follow.py). 0: at once.
     dispatch_follow_s: float = Field(default=0.5, ge=0, le=10)
     node_ttl_s: float = Field(default=10.0, gt=0, description="a node silent this long is gone")
+    # A node gone this long, holding no attempt and not cordoned, is forgotten: its row is
+    # deleted (recovery), so that executors that come and go (scaled containers, autoscaled
+    # cluster nodes) do not pile up in every placement's read. 0: never. At least
+    # degrade_nodes_seen_s: the healthy-nodes trigger counts the nodes seen in that window.
+    node_forget_s: float = Field(default=7 * 86_400.0, ge=0)
 
     # Heartbeats and recovery.
     heartbeat_secret: str = Field(
@@ -235,6 +240,16 @@ class Settings(BaseSettings):
     def _names(cls, value: Any) -> list[str]:
         items = value if isinstance(value, list) else str(value or "").split(",")
         return [str(v).strip() for v in items if str(v).strip()]
+
+    @model_validator(mode="after")
+    def _forget_after_seen(self) -> Settings:
+        if 0 < self.node_forget_s < max(self.degrade_nodes_seen_s, self.node_ttl_s):
+            raise ValueError(
+                f"node_forget_s ({self.node_forget_s:g}) must be 0 (never) or at least"
+                f" degrade_nodes_seen_s ({self.degrade_nodes_seen_s:g}) and node_ttl_s"
+                f" ({self.node_ttl_s:g}): a node is forgotten only once nothing counts it"
+            )
+        return self
 
     @field_validator("task_env_pass")
     @classmethod

@@ -133,16 +133,20 @@ class Serving:
             await node.store.nodes.set_prefetch(node.id, served.owner, node.backlog.advertised)
 
     async def beat(self) -> bool:
-        """Refresh every served node's row; False when a local node was taken over."""
+        """Refresh every served node's row; False when a local node was taken over by another
+        executor."""
         node = self.node
         for node_id, served in list(self.served.items()):
             slots = served.offer.slots
             load = sum(1 for t in node.active.values() if t.task.node == node_id) / slots
             prefetch = self._advertised(served.offer)
             if not await node.store.nodes.heartbeat(node_id, served.owner, load, prefetch):
-                if served.owner == node.boot_id:
-                    return False
-                await self._leave(node_id)  # its row was re-registered under another owner
+                mine = served.owner == node.boot_id
+                if mine and await node.store.nodes.owner(node_id) is not None:
+                    return False  # another executor took this node id over
+                # re-registered under another owner, or forgotten (gone so long, cut off from
+                # Postgres, that recovery deleted its row): the next sync serves it anew
+                await self._leave(node_id)
         return True
 
     async def leave_all(self) -> None:

@@ -9,6 +9,8 @@ stuck      Scheduling for longer than SKED_STUCK_SCHEDULING_S (dispatched, never
            start of the old dispatch loses its CAS, so the attempt can never run twice.
 queue      rebuild the Redis ready queue after a Redis loss; re-add Ready tasks it lost.
 outbox     publish events no relay has sent (every relay dead, or stuck).
+nodes      forget nodes gone SKED_NODE_FORGET_S or longer (7 days) that hold no attempt and are
+           not cordoned: their rows are deleted, at most once a minute.
 
 And, with SKED_RETENTION_DAYS set, a loop of its own (so that a long purge delays no
 recovery, and a failed one stops none):
@@ -45,6 +47,7 @@ log = logging.getLogger(__name__)
 # a short transaction holding few locks, its history rows (six a task) included.
 PURGE_TASKS = 500
 PURGE_WORKFLOWS = 20
+FORGET_EVERY_S = 60.0  # how often recovery looks for nodes to forget (a monotonic duration)
 
 
 class Recovery(Service):
@@ -62,6 +65,7 @@ class Recovery(Service):
         self.queue = queue
         self.relay = relay
         self.alerter = alerter or Alerter(None, None)
+        self._forget_at = 0.0  # monotonic: when to look for nodes to forget next
 
     def loops(self) -> Sequence[Loop]:
         loops: list[Loop] = [(self.name, self.loop)]
@@ -95,10 +99,25 @@ class Recovery(Service):
             "stuck": len(await self.requeue_stuck()),
             "queue": await reconcile(self.queue, self.store.tasks, self.settings.reconcile_s),
             "outbox": await self.relay.drain(),
+            "nodes": len(await self.forget_nodes()),
         }
         if done["lost"] or done["stuck"]:
             log.warning("recovered: %s", done)
         return done
+
+    async def forget_nodes(self) -> list[str]:
+        """Delete the rows of nodes gone SKED_NODE_FORGET_S or longer (holding no attempt, not
+        cordoned), when a minute has passed since the last look. Returns their ids."""
+        gone_for_s = self.settings.node_forget_s
+        if gone_for_s <= 0 or time.monotonic() < self._forget_at:
+            return []
+        self._forget_at = time.monotonic() + FORGET_EVERY_S
+        forgotten = await self.store.nodes.forget(gone_for_s)
+        if forgotten:
+            log.info(
+                "forgot %d nodes gone %g s or longer: %s", len(forgotten), gone_for_s, forgotten
+            )
+        return forgotten
 
     async def retain(self) -> None:
         """The retention loop: purge while batches come back full, then wait for the next look.

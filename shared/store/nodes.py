@@ -110,6 +110,16 @@ class Nodes:
         found = await self.db.fetchval(Q.node_heartbeat, node_id, boot_id, load, prefetch)
         return found is not None
 
+    async def owner(self, node_id: str) -> UUID | None:
+        """The boot id the node's row names; None: no row (never registered, or forgotten)."""
+        owner: UUID | None = await self.db.fetchval(Q.node_owner, node_id)
+        return owner
+
+    async def forget(self, gone_for_s: float) -> list[str]:
+        """Delete the nodes silent `gone_for_s` or longer that hold no attempt and are not
+        cordoned; returns their ids."""
+        return [r["id"] for r in await self.db.fetch(Q.forget_nodes, gone_for_s)]
+
     async def set_prefetch(self, node_id: str, boot_id: UUID, prefetch: int) -> None:
         """The backlog the node holds now (shared/backlog.py)."""
         await self.db.execute(Q.set_node_prefetch, node_id, boot_id, prefetch)

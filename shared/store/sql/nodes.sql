@@ -149,3 +149,19 @@ SELECT up.id, (SELECT count(*) FROM note) AS _notified FROM up
 -- name: node_holders
 -- The attempts that hold a node (Scheduling or Running on it): what a drain waits for.
 SELECT id FROM tasks WHERE node = $1 AND status IN ({{slot_states}}) ORDER BY id
+
+-- name: forget_nodes
+-- Nodes gone $1 seconds or longer (no heartbeat, by Postgres's clock) that hold no attempt
+-- and are not cordoned (an operator's cordon must outlive the node's absence), deleted: every
+-- placement reads every node row. A node placement could still use is live, so never gone
+-- this long; an executor that comes back registers its row anew (the row lock orders a
+-- registration and this delete: whichever is second sees the other's result). Returns the ids.
+DELETE FROM nodes n
+WHERE n.heartbeat_at < now() - make_interval(secs => $1)
+  AND n.cordoned_at IS NULL
+  AND NOT EXISTS (SELECT 1 FROM tasks t WHERE t.node = n.id AND t.status IN ({{slot_states}}))
+RETURNING n.id
+
+-- name: node_owner
+-- The boot id a node's row names as its owner; no row: none (never registered, or forgotten).
+SELECT boot_id FROM nodes WHERE id = $1
