@@ -215,6 +215,20 @@ class ApiClient:
             task_of(t) for t in await self.call("POST", f"/v1/workflows/{workflow_id}/cancel", body)
         ]
 
+    async def pause_workflow(
+        self, workflow_id: UUID | str, reason: str, by: str | None = None
+    ) -> list[Task]:
+        body = {"reason": reason, "by": by}
+        return [
+            task_of(t) for t in await self.call("POST", f"/v1/workflows/{workflow_id}/pause", body)
+        ]
+
+    async def resume_workflow(self, workflow_id: UUID | str, by: str | None = None) -> list[Task]:
+        body = {"by": by}
+        return [
+            task_of(t) for t in await self.call("POST", f"/v1/workflows/{workflow_id}/resume", body)
+        ]
+
     async def dead_letters(self, limit: int = 100) -> list[DeadLetter]:
         from shared.bus import DeadLetter
 

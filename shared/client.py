@@ -232,6 +232,22 @@ class SkedClient:
             await self._db(), self._queue(), UUID(str(wf)), reason, by
         )
 
+    async def pause_workflow(
+        self, wf: UUID | str, reason: str, by: str | None = None
+    ) -> list[Task]:
+        """Pause every task of a workflow not ended yet; returns them. Raises NotAllowed."""
+        from shared import control
+
+        return await control.pause_workflow(
+            await self._db(), self._queue(), UUID(str(wf)), reason, by
+        )
+
+    async def resume_workflow(self, wf: UUID | str, by: str | None = None) -> list[Task]:
+        """Resume every paused task of a workflow; returns them. Raises NotAllowed."""
+        from shared import control
+
+        return await control.resume_workflow(await self._db(), self._queue(), UUID(str(wf)), by)
+
     async def set_priority(self, task_id: UUID | str, priority: int) -> list[Task]:
         """Change a non-terminal task's priority (a workflow task's upstreams inherit it).
         Returns the tasks whose priority changed, this one first. Raises NotAllowed."""

@@ -1,5 +1,5 @@
-"""Operator control of single tasks (pause, resume, cancel) and of whole workflows (cancel) —
-through the FSM like every change.
+"""Operator control of single tasks and of whole workflows (pause, resume, cancel) — through
+the FSM like every change.
 
 Each action re-reads the task and retries its CAS when the task moved meanwhile (a running
 task may finish while an operator pauses it): the action applies to whatever state the task is
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import getpass
 import socket
+from collections.abc import Callable
 from uuid import UUID
 
 from shared import fsm
@@ -22,7 +23,7 @@ from shared.queues import ReadyQueue
 from shared.store import Store
 
 ATTEMPTS = 20
-WORKFLOW_CANCEL_BATCH = 1000  # moves a statement of cancel_workflow makes
+WORKFLOW_BATCH = 1000  # moves a statement of a whole workflow's control makes
 
 
 class NotAllowed(SkedError):
@@ -99,30 +100,102 @@ async def cancel_workflow(
     reason: str = "",
     by: str | None = None,
 ) -> list[Task]:
-    """Every task of the workflow that has not ended -> Canceled, WORKFLOW_CANCEL_BATCH a
-    statement: running attempts are stopped by their executors, and Pending ones are never
-    released. A task that moved meanwhile (released, started, ended) loses its CAS and is
-    looked at again: canceled where it is then, or left as it ended. Returns the tasks
-    canceled. Raises NotFound for an unknown workflow, NotAllowed when every task of it has
-    ended already."""
+    """Every task of the workflow that has not ended -> Canceled, WORKFLOW_BATCH a statement:
+    running attempts are stopped by their executors, and Pending ones are never released. A
+    task that moved meanwhile (released, started, ended) loses its CAS and is looked at again:
+    canceled where it is then, or left as it ended. Returns the tasks canceled. Raises NotFound
+    for an unknown workflow, NotAllowed when every task of it has ended already."""
     who, reason = note("by", by or operator()), note("reason", reason)
     text = f"canceled with workflow {workflow_id} by {who}" + (f": {reason}" if reason else "")
-    canceled: list[Task] = []
+    return await _whole_workflow(
+        store,
+        queue,
+        workflow_id,
+        lambda t: True,
+        lambda t: fsm.plan(t, State.CANCELED, text),
+        "has ended: every task of it is terminal",
+    )
+
+
+async def pause_workflow(
+    store: Store, queue: ReadyQueue | None, workflow_id: UUID, reason: str, by: str | None = None
+) -> list[Task]:
+    """Every task of the workflow that has not ended and is not paused -> Paused, as `pause`
+    does one (who, why; running attempts stopped, no retry spent), WORKFLOW_BATCH a statement,
+    a task that moved meanwhile looked at again. Pending tasks are paused too, so nothing is
+    released until `resume_workflow`. Returns the tasks paused. Raises NotFound, or NotAllowed
+    when there is nothing left to pause."""
+    who, reason = note("by", by or operator()), note("reason", reason)
+    text = f"paused with workflow {workflow_id} by {who}: {reason}"
+    return await _whole_workflow(
+        store,
+        queue,
+        workflow_id,
+        lambda t: t.status is not State.PAUSED,
+        lambda t: fsm.plan(t, State.PAUSED, text, paused_by=who, paused_reason=reason),
+        "has nothing to pause: every task of it has ended or is paused",
+    )
+
+
+async def _whole_workflow(
+    store: Store,
+    queue: ReadyQueue | None,
+    workflow_id: UUID,
+    wanted: Callable[[Task], bool],
+    move: Callable[[Task], fsm.Move],
+    nothing: str,
+) -> list[Task]:
+    """`move` every task of the workflow that has not ended and is `wanted`, in statements of
+    WORKFLOW_BATCH, until none is left: a task whose CAS lost (it moved meanwhile) is read
+    again and moved from where it is then. Returns the tasks moved; NotAllowed saying the
+    workflow `nothing` when no task was to be moved at all."""
+    done: list[Task] = []
     for _ in range(ATTEMPTS):
         _, tasks, _ = await store.workflows.get(workflow_id)
-        live = [t for t in tasks if not fsm.is_terminal(t.status, fsm.has_retry_left(t))]
+        live = [
+            t for t in tasks if not fsm.is_terminal(t.status, fsm.has_retry_left(t)) and wanted(t)
+        ]
         if not live:
-            if not canceled:
-                raise NotAllowed(f"workflow {workflow_id} has ended: every task of it is terminal")
-            return canceled
-        for start in range(0, len(live), WORKFLOW_CANCEL_BATCH):
-            some = live[start : start + WORKFLOW_CANCEL_BATCH]
-            canceled += await store.tasks.transition_many(
-                [fsm.plan(t, State.CANCELED, text) for t in some]
-            )
-        if queue is not None:  # tidy only: a popped Canceled task is dropped anyway
+            if not done:
+                raise NotAllowed(f"workflow {workflow_id} {nothing}")
+            return done
+        for start in range(0, len(live), WORKFLOW_BATCH):
+            some = live[start : start + WORKFLOW_BATCH]
+            done += await store.tasks.transition_many([move(t) for t in some])
+        if queue is not None:  # tidy only: a popped task that is not Ready is dropped anyway
             await queue.remove([t.id for t in live if t.status is State.READY])
-    raise StaleWrite(f"workflow {workflow_id}'s tasks kept changing; cancel not finished")
+    raise StaleWrite(f"workflow {workflow_id}'s tasks kept changing; not finished")
+
+
+async def resume_workflow(
+    store: Store, queue: ReadyQueue, workflow_id: UUID, by: str | None = None
+) -> list[Task]:
+    """Every paused task of the workflow: Paused -> Pending, and a task without upstreams on
+    to Ready and into the queue (the others wait in Pending for the scheduler to judge their
+    dependencies, as `resume` does one), in one transaction a WORKFLOW_BATCH. A task resumed
+    or canceled by someone else meanwhile is left as it is. Returns the tasks resumed (as they
+    are now). Raises NotFound, or NotAllowed when no task of it is paused."""
+    said = f"resumed with workflow {workflow_id}" + (f" by {note('by', by)}" if by else "")
+    _, tasks, edges = await store.workflows.get(workflow_id)
+    paused = [t for t in tasks if t.status is State.PAUSED]
+    if not paused:
+        raise NotAllowed(f"workflow {workflow_id} has nothing to resume: no task of it is paused")
+    downstream = {e["task_id"] for e in edges}
+    resumed: list[Task] = []
+    for start in range(0, len(paused), WORKFLOW_BATCH):
+        some = paused[start : start + WORKFLOW_BATCH]
+        async with store.transaction() as tx:
+            pending = await tx.tasks.transition_many(
+                [fsm.plan(t, State.PENDING, said) for t in some]
+            )
+            roots = [t for t in pending if t.id not in downstream]
+            ready = await tx.tasks.transition_many(
+                [fsm.plan(t, State.READY, f"{said}: no dependencies") for t in roots]
+            )
+        await queue.push(ready)
+        now = {t.id: t for t in ready}
+        resumed += [now.get(t.id, t) for t in pending]
+    return resumed
 
 
 async def resume(store: Store, queue: ReadyQueue, task_id: UUID, by: str | None = None) -> Task:

@@ -60,6 +60,14 @@ class SyncSkedClient:
     def cancel(self, task_id: UUID | str, reason: str = "", by: str | None = None) -> Task:
         return self._loop.run_until_complete(self._client.cancel(task_id, reason, by))
 
+    def pause_workflow(
+        self, workflow_id: UUID | str, reason: str, by: str | None = None
+    ) -> list[Task]:
+        return self._loop.run_until_complete(self._client.pause_workflow(workflow_id, reason, by))
+
+    def resume_workflow(self, workflow_id: UUID | str, by: str | None = None) -> list[Task]:
+        return self._loop.run_until_complete(self._client.resume_workflow(workflow_id, by))
+
     def cancel_workflow(
         self, workflow_id: UUID | str, reason: str = "", by: str | None = None
     ) -> list[Task]:

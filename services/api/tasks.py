@@ -279,6 +279,44 @@ async def get_workflow(request: web.Request) -> web.StreamResponse:
 
 @op(
     "POST",
+    "/v1/workflows/{id}/pause",
+    Role.OPERATE,
+    "Pause every task of a workflow that has not ended (running attempts stop); returns them",
+    "workflows",
+    response=schemas.TaskView,
+    many=True,
+    body=schemas.PauseBody,
+    conflict=True,
+)
+async def pause_workflow(request: web.Request) -> web.StreamResponse:
+    workflow_id, b = uuid_param(request), await body(request, schemas.PauseBody)
+    paused = await client(request).pause_workflow(workflow_id, b.reason, actor(request, b.by))
+    await audit(request, "pause-workflow", workflow_id, b.reason)
+    return _tasks(paused)
+
+
+@op(
+    "POST",
+    "/v1/workflows/{id}/resume",
+    Role.OPERATE,
+    "Resume every paused task of a workflow; returns them",
+    "workflows",
+    response=schemas.TaskView,
+    many=True,
+    body=schemas.ResumeBody,
+    body_required=False,
+    conflict=True,
+)
+async def resume_workflow(request: web.Request) -> web.StreamResponse:
+    workflow_id = uuid_param(request)
+    b = await body(request, schemas.ResumeBody, required=False)
+    resumed = await client(request).resume_workflow(workflow_id, actor(request, b.by))
+    await audit(request, "resume-workflow", workflow_id)
+    return _tasks(resumed)
+
+
+@op(
+    "POST",
     "/v1/workflows/{id}/cancel",
     Role.OPERATE,
     "Cancel every task of a workflow that has not ended (running attempts stop); returns them",

@@ -170,25 +170,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=seconds, help="give up after SECONDS")
     p.set_defaults(func=command("_wait"))
 
-    for action, text in (
-        ("pause", "pause a task (a running attempt is stopped; no retry is spent)"),
-        ("resume", "resume a paused task: it runs again as a new attempt"),
-        ("cancel", "cancel a task (a running attempt is stopped)"),
-    ):
-        p = sub.add_parser(action, help=text)
-        p.add_argument("id")
-        if action != "resume":
-            p.add_argument("--reason", default="", required=action == "pause")
+    controls = (  # an action, on one task and on a whole workflow
+        (
+            "pause",
+            "pause a task (a running attempt is stopped; no retry is spent)",
+            "pause every task of a workflow that has not ended",
+        ),
+        (
+            "resume",
+            "resume a paused task: it runs again as a new attempt",
+            "resume every paused task of a workflow",
+        ),
+        (
+            "cancel",
+            "cancel a task (a running attempt is stopped)",
+            "cancel every task of a workflow that has not ended",
+        ),
+    )
+    for action, one, whole in controls:
+        for name, text, run in (
+            (action, one, "_control"),
+            (f"{action}-workflow", whole, "_workflow_control"),
+        ):
+            p = sub.add_parser(name, help=text)
+            p.add_argument("id")
+            if action != "resume":
+                p.add_argument("--reason", default="", required=action == "pause")
             p.add_argument("--by", help="who is acting (default: user@host)")
-        p.add_argument("--json", action="store_true")
-        p.set_defaults(func=command("_control"), action=action)
-
-    p = sub.add_parser("cancel-workflow", help="cancel every task of a workflow that has not ended")
-    p.add_argument("id")
-    p.add_argument("--reason", default="")
-    p.add_argument("--by", help="who is acting (default: user@host)")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=command("_cancel_workflow"))
+            p.add_argument("--json", action="store_true")
+            p.set_defaults(func=command(run), action=action)
 
     p = sub.add_parser(
         "priority", help="change a task's priority (a workflow task's upstreams inherit it)"

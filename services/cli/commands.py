@@ -239,7 +239,7 @@ async def _control(args: argparse.Namespace) -> int:
         if args.action == "pause":
             task = await client.pause(task_id, args.reason, args.by)
         elif args.action == "resume":
-            task = await client.resume(task_id)
+            task = await client.resume(task_id, args.by)
         else:
             task = await client.cancel(task_id, args.reason, args.by)
     if args.json:
@@ -249,16 +249,22 @@ async def _control(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _cancel_workflow(args: argparse.Namespace) -> int:
+async def _workflow_control(args: argparse.Namespace) -> int:
     workflow_id = parse_task_id(args.id, "workflow")
     async with connect() as client:
-        canceled = await client.cancel_workflow(workflow_id, args.reason, args.by)
+        if args.action == "pause":
+            moved = await client.pause_workflow(workflow_id, args.reason, args.by)
+        elif args.action == "resume":
+            moved = await client.resume_workflow(workflow_id, args.by)
+        else:
+            moved = await client.cancel_workflow(workflow_id, args.reason, args.by)
     if args.json:
-        print_json([t.as_json() for t in canceled])
+        print_json([t.as_json() for t in moved])
         return 0
-    for task in canceled:
+    for task in moved:
         print(f"{task.id} {task.wf_task or task.name}: {task.status.label}")
-    print(f"{len(canceled)} tasks of workflow {workflow_id} canceled", file=sys.stderr)
+    done = {"pause": "paused", "resume": "resumed", "cancel": "canceled"}[args.action]
+    print(f"{len(moved)} tasks of workflow {workflow_id} {done}", file=sys.stderr)
     return 0
 
 

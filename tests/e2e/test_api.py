@@ -223,6 +223,18 @@ async def test_the_operator_api(
         wf = body["id"]
         long_id = str(workflows.task_id(uuid.UUID(wf), "long"))
         await api.reached(long_id, ops, "running")
+        out = sked(via_api, "pause-workflow", wf, "--reason", "maintenance", "--json")
+        assert out.returncode == 0, out.stderr
+        assert sorted((t["wf_task"], t["status"]) for t in json.loads(out.stdout)) == [
+            ("long", "paused"),
+            ("next", "paused"),
+        ]
+        out = sked(via_api, "resume-workflow", wf, "--json")
+        assert out.returncode == 0, out.stderr
+        assert {t["wf_task"]: t["status"] for t in json.loads(out.stdout)}["next"] == "pending"
+        await api.reached(long_id, ops, "running")  # a new attempt
+        code, task = await api("GET", f"/v1/tasks/{long_id}", viewer)
+        assert task["attempt"] == 2, task
         out = sked(via_api, "cancel-workflow", wf, "--reason", "obsolete", "--json")
         assert out.returncode == 0, out.stderr
         assert sorted((t["wf_task"], t["status"]) for t in json.loads(out.stdout)) == [
@@ -246,6 +258,7 @@ async def test_the_operator_api(
     for action in ("pause", "resume", "cancel"):
         assert ("ops", action, nap) in audit
     assert ("ops", "drain", "api-a") in audit
-    assert ("ops", "cancel-workflow", wf) in audit
+    for action in ("pause-workflow", "resume-workflow", "cancel-workflow"):
+        assert ("ops", action, wf) in audit
     assert ("ops", "uncordon", "api-a") in audit
     assert not [a for a in audit if a[0] == "viewer"]  # its refused calls changed nothing

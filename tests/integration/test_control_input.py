@@ -33,6 +33,10 @@ async def test_a_reason_postgres_cannot_store_changes_nothing(store: Store) -> N
             await control.resume(store, None, task.id, by=text)
         with pytest.raises(InvalidSpec, match=f"reason holds .*{says}"):
             await control.cancel_workflow(store, None, uuid4(), text)
+        with pytest.raises(InvalidSpec, match=f"by holds .*{says}"):
+            await control.pause_workflow(store, None, uuid4(), "fine", by=text)
+        with pytest.raises(InvalidSpec, match=f"by holds .*{says}"):
+            await control.resume_workflow(store, None, uuid4(), by=text)  # type: ignore[arg-type]
         with pytest.raises(InvalidSpec, match=f"reason holds .*{says}"):
             await cordon.cordon(store, "n1", "ops", text)
         with pytest.raises(InvalidSpec, match=f"reason holds .*{says}"):

@@ -230,6 +230,9 @@ async def test_errors_are_json_with_their_status(
         ("POST", f"/v1/nodes/{uuid4()}/cordon", operate, {"reason": "a\x00"}, 400),
         ("POST", f"/v1/tasks/{uuid4()}/cancel", operate, None, 409),  # NotAllowed
         ("POST", f"/v1/workflows/{uuid4()}/cancel", operate, None, 409),
+        ("POST", f"/v1/workflows/{uuid4()}/pause", operate, None, 400),  # a reason is required
+        ("POST", f"/v1/workflows/{uuid4()}/pause", read, {"reason": "x"}, 403),
+        ("POST", f"/v1/workflows/{uuid4()}/resume", operate, {"by": 1}, 400),
         ("GET", "/v1/dead", read, None, 403),  # a refused message may hold a producer's secret
         ("GET", "/v1/dead?limit=1001", operate, None, 400),
         ("POST", f"/v1/workflows/{uuid4()}/cancel", read, None, 403),
