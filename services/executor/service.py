@@ -81,9 +81,13 @@ class Executor(Service):
 
     async def _retention_loop(self) -> None:
         """Retention on this node: what ended attempts left here (their log files) deleted
-        once older than SKED_RETENTION_DAYS, every SKED_RETENTION_CHECK_S. (Recovery deletes
-        the tasks' rows.) A failure is logged and tried again at the next look."""
+        once older than SKED_RETENTION_DAYS. A look reads the whole log directory (millions of
+        files, at a month's retention and a few tasks a second), so it comes every
+        SKED_RETENTION_CHECK_S or every thousandth of the retention, whichever is longer: a
+        file outlives the retention by at most that much. (Recovery deletes the tasks' rows.)
+        A failure is logged and tried again at the next look."""
         older_than_s = self.settings.retention_days * 86_400
+        period = max(self.settings.retention_check_s, older_than_s / 1000)
         while not self.stopping.is_set():
             try:
                 deleted = await self.node.backend.prune(older_than_s, set(self.node.active))
@@ -92,7 +96,7 @@ class Executor(Service):
             else:
                 if deleted:
                     log.info("retention: deleted %d attempt logs", deleted)
-            await wait_any(self.stopping, timeout=self.settings.retention_check_s)
+            await wait_any(self.stopping, timeout=period)
 
     def watchers(self) -> Sequence[Callable[[], Coroutine[Any, Any, None]]]:
         # the node's warden gone means its attempts are gone: stop, loudly

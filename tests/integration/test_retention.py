@@ -218,16 +218,17 @@ async def test_an_executor_prunes_its_attempt_logs(executor: Executor) -> None:
     """With SKED_RETENTION_DAYS, an executor runs a retention loop of its own that deletes the
     log files its ended attempts left past the retention; off by default."""
     assert "retention" not in [name for name, _ in executor.loops()]
+    kept_s = 100.0  # a look every tenth of a second: a thousandth of this
     executor.settings = executor.settings.model_copy(
-        update={"retention_days": 1.0, "retention_check_s": 0.1}
+        update={"retention_days": kept_s / 86_400, "retention_check_s": 0.01}
     )
     assert "retention" in [name for name, _ in executor.loops()]
     logs = executor.node.backend.state_dir / "logs"  # type: ignore[attr-defined]
     stale, fresh = logs / f"{uuid4()}-1.log", logs / f"{uuid4()}-1.log"
     for path in (stale, fresh):
         path.write_text("done")
-    two_days_ago = time.time() - 2 * 86_400
-    os.utime(stale, (two_days_ago, two_days_ago))
+    before = time.time() - 2 * kept_s
+    os.utime(stale, (before, before))
     looping = asyncio.create_task(executor._retention_loop())
     try:
         await eventually(lambda: _gone(stale), timeout=10, what="the stale log pruned")
