@@ -30,7 +30,7 @@ from shared.client import WaitTimeout
 from shared.errors import InvalidSpec, NotFound, SkedError
 from shared.fsm import State
 from shared.models import Event, Task, TaskSpec
-from shared.views import WorkflowView
+from shared.views import WorkflowSummary, WorkflowView
 
 # The store's modules (NodeRow, Drain, NotAllowed) and the workflow models are imported by the
 # calls that need them: `sked status` through the API needs no database library at all.
@@ -174,6 +174,21 @@ class ApiClient:
             "GET", "/v1/tasks", status=wanted, limit=limit, after=after, name=name
         )
         return [task_of(t) for t in found]
+
+    async def workflows(
+        self, limit: int = 100, after: UUID | None = None, name: str | None = None
+    ) -> list[WorkflowSummary]:
+        found = await self.call("GET", "/v1/workflows", limit=limit, after=after, name=name)
+        return [
+            WorkflowSummary(
+                UUID(w["id"]),
+                w["name"],
+                datetime.fromisoformat(w["created_at"]),
+                w["counts"],
+                w["open"],
+            )
+            for w in found
+        ]
 
     async def history(self, task_id: UUID | str) -> list[Event]:
         events = await self.call("GET", f"/v1/tasks/{task_id}/events")

@@ -22,12 +22,13 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 from uuid import UUID, uuid4
 
+from shared.client_control import Control
 from shared.errors import InvalidSpec, NotFound, SkedError
 from shared.fsm import ENDING, State
 from shared.models import Event, Task, TaskSpec, task_id_for
 from shared.rendering import rendered
 from shared.settings import Settings
-from shared.views import WorkflowView
+from shared.views import WorkflowSummary, WorkflowView
 
 if TYPE_CHECKING:  # imported by the calls that use them: reading a task needs only the store
     from redis.asyncio import Redis
@@ -53,7 +54,7 @@ class WaitTimeout(SkedError, TimeoutError):
         super().__init__(f"not terminal after {timeout:g} s: {ids}")
 
 
-class SkedClient:
+class SkedClient(Control):
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = settings or Settings()
         self._bus: AmqpBus | None = None
@@ -202,60 +203,6 @@ class SkedClient:
                     raise WaitTimeout([workflow_id], timeout or 0) from None
                 await asyncio.sleep(0.05)  # its submission is still on its way
 
-    # -- control ------------------------------------------------------------------------------
-
-    async def pause(self, task_id: UUID | str, reason: str, by: str | None = None) -> Task:
-        """Pause a non-terminal task (a running attempt is stopped). Raises NotAllowed."""
-        from shared import control
-
-        return await control.pause(await self._db(), UUID(str(task_id)), reason, by)
-
-    async def resume(self, task_id: UUID | str, by: str | None = None) -> Task:
-        """Resume a paused task: it runs again as a new attempt, with no retry spent."""
-        from shared import control
-
-        return await control.resume(await self._db(), self._queue(), UUID(str(task_id)), by)
-
-    async def cancel(self, task_id: UUID | str, reason: str = "", by: str | None = None) -> Task:
-        """Cancel a non-terminal task (a running attempt is stopped). Raises NotAllowed."""
-        from shared import control
-
-        return await control.cancel(await self._db(), self._queue(), UUID(str(task_id)), reason, by)
-
-    async def cancel_workflow(
-        self, wf: UUID | str, reason: str = "", by: str | None = None
-    ) -> list[Task]:
-        """Cancel every task of a workflow not ended yet; returns them. Raises NotAllowed."""
-        from shared import control
-
-        return await control.cancel_workflow(
-            await self._db(), self._queue(), UUID(str(wf)), reason, by
-        )
-
-    async def pause_workflow(
-        self, wf: UUID | str, reason: str, by: str | None = None
-    ) -> list[Task]:
-        """Pause every task of a workflow not ended yet; returns them. Raises NotAllowed."""
-        from shared import control
-
-        return await control.pause_workflow(
-            await self._db(), self._queue(), UUID(str(wf)), reason, by
-        )
-
-    async def resume_workflow(self, wf: UUID | str, by: str | None = None) -> list[Task]:
-        """Resume every paused task of a workflow; returns them. Raises NotAllowed."""
-        from shared import control
-
-        return await control.resume_workflow(await self._db(), self._queue(), UUID(str(wf)), by)
-
-    async def set_priority(self, task_id: UUID | str, priority: int) -> list[Task]:
-        """Change a non-terminal task's priority (a workflow task's upstreams inherit it).
-        Returns the tasks whose priority changed, this one first. Raises NotAllowed."""
-        from shared import control
-
-        store = await self._db()
-        return await control.set_priority(store, self._queue(), UUID(str(task_id)), priority)
-
     # -- read ---------------------------------------------------------------------------------
 
     async def get(self, task_id: UUID | str) -> Task:
@@ -293,6 +240,13 @@ class SkedClient:
         """Tasks, newest first, optionally only those in `statuses` or of `name`; `after` (the
         last task of the page before) gives the next page."""
         return await (await self._db()).tasks.list_tasks(statuses, name, limit, after)
+
+    async def workflows(
+        self, limit: int = 100, after: UUID | None = None, name: str | None = None
+    ) -> list[WorkflowSummary]:
+        """Workflows, newest first, each with its status and tasks counted; `after` (the last
+        of the page before) gives the next page."""
+        return await (await self._db()).workflows.page(limit, after, name)
 
     async def degrade_status(self) -> DegradeState:
         """The degrade mode every scheduler obeys."""

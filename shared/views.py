@@ -1,9 +1,12 @@
-"""Read models the SDK and the CLI show: a workflow with its tasks and edges."""
+"""Read models the SDK and the CLI show: a workflow with its tasks and edges, and a workflow
+as a listing counts it."""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
 from uuid import UUID
 
 from shared import fsm
@@ -13,6 +16,43 @@ from shared.models import Task
 
 def is_done(task: Task) -> bool:
     return fsm.is_terminal(task.status, fsm.has_retry_left(task))
+
+
+def aggregate(open_tasks: bool, states: set[State]) -> str:
+    """A workflow's status from its tasks: running until every task is terminal (paused if one
+    is paused); then failed if any task failed or timed out, canceled if any was canceled,
+    else succeeded."""
+    if open_tasks:
+        return "paused" if State.PAUSED in states else "running"
+    if states & {State.FAILED, State.TIMED_OUT}:
+        return "failed"
+    if State.CANCELED in states:
+        return "canceled"
+    return "succeeded"
+
+
+@dataclass(frozen=True)
+class WorkflowSummary:
+    """A workflow as a listing shows it: its tasks counted by state, not read."""
+
+    id: UUID
+    name: str
+    created_at: datetime
+    counts: dict[str, int]
+    open: int  # tasks not ended yet
+
+    def status(self) -> str:
+        return aggregate(self.open > 0, {State(s) for s in self.counts})
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "id": str(self.id),
+            "name": self.name,
+            "created_at": self.created_at.isoformat(),
+            "status": self.status(),
+            "counts": self.counts,
+            "open": self.open,
+        }
 
 
 @dataclass(frozen=True)
@@ -28,16 +68,7 @@ class WorkflowView:
         return dict(Counter(t.status.value for t in self.tasks))
 
     def status(self) -> str:
-        """The aggregate: running until every task is terminal; then failed if any task
-        failed or timed out, canceled if any was canceled, else succeeded."""
-        if not all(is_done(t) for t in self.tasks):
-            return "paused" if any(t.status is State.PAUSED for t in self.tasks) else "running"
-        states = {t.status for t in self.tasks}
-        if states & {State.FAILED, State.TIMED_OUT}:
-            return "failed"
-        if State.CANCELED in states:
-            return "canceled"
-        return "succeeded"
+        return aggregate(any(not is_done(t) for t in self.tasks), {t.status for t in self.tasks})
 
     def dot(self) -> str:
         """The DAG in Graphviz DOT, each node labelled with its name and state."""

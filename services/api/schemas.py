@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from datetime import datetime
 from typing import Any
 from uuid import UUID
 
@@ -122,6 +123,18 @@ class WorkflowEdge(BaseModel):
     condition: str
 
 
+class WorkflowSummaryView(BaseModel):
+    """A workflow as a listing shows it."""
+
+    model_config = ConfigDict(title="WorkflowSummary")
+    id: UUID
+    name: str
+    created_at: datetime
+    status: str = Field(description="running, paused, succeeded, failed or canceled")
+    counts: dict[str, int] = Field(description="its tasks by state")
+    open: int = Field(description="its tasks not ended yet")
+
+
 class Workflow(BaseModel):
     id: UUID
     name: str
@@ -158,5 +171,6 @@ COMPONENTS: tuple[type[BaseModel], ...] = (
     Log,
     Drain,
     Workflow,
+    WorkflowSummaryView,
     TokenCreated,
 )

@@ -78,11 +78,12 @@ def _tasks(tasks: list[Task]) -> web.Response:
     return reply([t.as_json() for t in tasks])
 
 
-def _page(request: web.Request, tasks: list[Task], limit: int) -> web.Response:
-    """A page of a listing; a full one links to the next (RFC 8288), which may be empty."""
-    response = _tasks(tasks)
-    if tasks and len(tasks) == limit:
-        following = request.rel_url.update_query(after=str(tasks[-1].id))
+def _page(request: web.Request, rows: list[dict[str, Any]], limit: int) -> web.Response:
+    """A page of a listing (each row with its "id"); a full one links to the next (RFC 8288),
+    which may be empty."""
+    response = reply(rows)
+    if rows and len(rows) == limit:
+        following = request.rel_url.update_query(after=str(rows[-1]["id"]))
         response.headers["Link"] = f'<{following}>; rel="next"'
     return response
 
@@ -114,8 +115,9 @@ async def list_tasks(request: web.Request) -> web.StreamResponse:
             if after not in ids:
                 raise NotFound(f"task {after} is not among the tasks listed (after)")
             listed = listed[ids.index(after) + 1 :]
-        return _page(request, listed[:limit], limit)
-    return _page(request, await client(request).tasks(wanted or None, limit, after, name), limit)
+        return _page(request, [t.as_json() for t in listed[:limit]], limit)
+    found = await client(request).tasks(wanted or None, limit, after, name)
+    return _page(request, [t.as_json() for t in found], limit)
 
 
 @op(
@@ -263,6 +265,23 @@ async def submit_workflow(request: web.Request) -> web.StreamResponse:
     workflow_id = await client(request).submit_workflow(spec)
     await audit(request, "submit-workflow", workflow_id, spec.name)
     return reply({"id": str(workflow_id)}, 202)
+
+
+@op(
+    "GET",
+    "/v1/workflows",
+    Role.READ,
+    "List workflows, newest first, each with its status and its tasks counted by state",
+    "workflows",
+    response=schemas.WorkflowSummaryView,
+    many=True,
+    query=(NAME, LIMIT, AFTER),
+)
+async def list_workflows(request: web.Request) -> web.StreamResponse:
+    limit = _limit(request)
+    after = parse_uuid(request.query["after"], "after") if "after" in request.query else None
+    found = await client(request).workflows(limit, after, request.query.get("name"))
+    return _page(request, [w.as_json() for w in found], limit)
 
 
 @op(

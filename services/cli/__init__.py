@@ -158,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=command("_list"))
 
+    p = sub.add_parser("workflows", help="workflows, newest first, with their status")
+    p.add_argument("--name", help="only workflows of this name")
+    p.add_argument("--limit", type=_page_size, default=50, help="at most (1 to 1000; 50)")
+    p.add_argument("--after", metavar="ID", help="the next page: the workflows after this one")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=command("_workflows"))
+
     _reader(sub, "events", "a task's transition history", command("_events"))
 
     p = sub.add_parser("logs", help="the log tail of a task's latest attempt")

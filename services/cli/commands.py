@@ -187,6 +187,23 @@ async def _list(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _workflows(args: argparse.Namespace) -> int:
+    after = None if args.after is None else parse_task_id(args.after, "workflow")
+    async with connect() as client:
+        found = await client.workflows(args.limit, after, args.name)
+    if args.json:
+        print_json([w.as_json() for w in found])
+        return 0
+    for w in found:
+        counts = " ".join(f"{n} {State(s).label}" for s, n in sorted(w.counts.items()))
+        print(f"{w.id}  {w.status():<9}  {w.created_at:%Y-%m-%d %H:%M:%S}  {w.name}  ({counts})")
+    if len(found) == args.limit:  # on stderr: what a pipe reads stays the listing
+        again = [] if args.name is None else [f"--name {shlex.quote(args.name)}"]
+        again.append(f"--limit {args.limit}")
+        print(f"more: sked workflows {' '.join(again)} --after {found[-1].id}", file=sys.stderr)
+    return 0
+
+
 async def _events(args: argparse.Namespace) -> int:
     async with connect() as client:
         events = await client.history(parse_task_id(args.id))

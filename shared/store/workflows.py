@@ -13,6 +13,7 @@ from shared.errors import NotFound
 from shared.models import Task
 from shared.store.db import Db, task
 from shared.store.queries import Q
+from shared.views import WorkflowSummary
 
 
 class Workflows:
@@ -62,6 +63,20 @@ class Workflows:
 
     async def has_deps(self, task_id: UUID) -> bool:
         return bool(await self.db.fetchval(Q.has_deps, task_id))
+
+    async def page(
+        self, limit: int, after: UUID | None = None, name: str | None = None
+    ) -> list[WorkflowSummary]:
+        """Workflows newest first, `limit` at most, those after `after` (keyset paging),
+        optionally of one name; each with its tasks counted. Raises NotFound for an unknown
+        `after`."""
+        rows = await self.db.fetch(Q.list_workflows, name, limit, after)
+        if not rows and after is not None and not await self.db.fetchval(Q.workflow_exists, after):
+            raise NotFound(f"no workflow {after} to list after")
+        return [
+            WorkflowSummary(r["id"], r["name"], r["created_at"], dict(r["counts"]), int(r["open"]))
+            for r in rows
+        ]
 
     async def get(
         self, workflow_id: UUID

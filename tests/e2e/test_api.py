@@ -248,6 +248,9 @@ async def test_the_operator_api(
         )
         code, body = await api("POST", f"/v1/workflows/{wf}/cancel", ops)
         assert code == 409, body
+        out = sked(via_api, "workflows", "--name", "pair", "--json")
+        assert out.returncode == 0, out.stderr
+        assert [(w["id"], w["status"]) for w in json.loads(out.stdout)] == [(wf, "canceled")]
         assert "has ended" in body["error"]
 
         # -- the audit ---------------------------------------------------------------------

@@ -8,8 +8,10 @@ import json
 import re
 import subprocess
 from pathlib import Path
-from uuid import UUID
+from uuid import UUID, uuid4
 
+from shared import workflows
+from shared.dag import WorkflowSpec
 from shared.store import Store
 from tests.conftest import PG_BASE
 from tests.helpers import SKED, spec
@@ -45,6 +47,29 @@ async def test_list_pages_through_every_task(store: Store, service_env: dict[str
             break
         args = more[1].split()
     assert seen == [str(t.id) for t in reversed(made)]
+
+
+async def test_workflows_page_through_every_workflow(
+    store: Store, service_env: dict[str, str]
+) -> None:
+    """`sked workflows` lists newest first with each one's status and counts, by pages."""
+    spec = WorkflowSpec.parse({"name": "pair", "tasks": [{"name": "a", "command": ["true"]}]})
+    made = [uuid4() for _ in range(3)]
+    for wf in made:
+        await workflows.admit(store, wf, spec)
+    seen: list[str] = []
+    args = ["workflows", "--limit", "2", "--name", "pair"]
+    while True:
+        done = sked(service_env, *args)
+        assert done.returncode == 0, done.stderr
+        for line in done.stdout.splitlines():
+            assert re.fullmatch(r"\S+  running +\S+ \S+  pair  \(1 Ready\)", line), line
+            seen.append(line.split()[0])
+        more = re.search(r"^more: sked (.*)$", done.stderr, re.MULTILINE)
+        if more is None:
+            break
+        args = more[1].split()
+    assert seen == [str(wf) for wf in reversed(made)]
 
 
 async def test_bad_arguments_and_a_database_not_ready_are_clear_errors(

@@ -29,7 +29,7 @@ from shared.placement import Need, NodeState, choose
 from shared.settings import Settings
 from shared.store import NodeRow
 from shared.store.tokens import TokenRow
-from shared.views import WorkflowView
+from shared.views import WorkflowSummary, WorkflowView
 from tests.fakes.store import new_task
 from tests.helpers import spec
 
@@ -128,6 +128,9 @@ def _node(node_id: str, **kw: Any) -> NodeRow:
     return NodeRow(**values)
 
 
+NOW = datetime(2026, 12, 6, 12, 0, tzinfo=UTC)
+
+
 class FakeTokens:
     def __init__(self, **secrets: Role) -> None:
         self.by_hash = {digest(s): _token(f"t-{r.value}", r) for s, r in secrets.items()}
@@ -145,6 +148,7 @@ class FakeClient:
     workflow's (the store's paging is tests/integration/test_repo.py's)."""
 
     settings = Settings()
+    WORKFLOW = uuid4()
     LISTED = [new_task(spec(f"t{i}")) for i in range(5)]
 
     async def tasks(
@@ -164,6 +168,11 @@ class FakeClient:
 
     async def cancel(self, task_id: UUID, reason: str = "", by: str | None = None) -> Any:
         raise NotAllowed(f"cannot cancel task {task_id}: it is Success, a terminal state")
+
+    async def workflows(
+        self, limit: int, after: UUID | None, name: str | None
+    ) -> list[WorkflowSummary]:
+        return [WorkflowSummary(self.WORKFLOW, "w", NOW, {"success": 1, "running": 1}, 1)][:limit]
 
     async def dead_letters(self, limit: int) -> list[DeadLetter]:
         letter = DeadLetter("not JSON", "submit", None, 3, "\x1b[2J")
@@ -335,3 +344,26 @@ async def test_dead_letters_are_read_with_an_operate_token(
                 "body": "\x1b[2J",
             }
         ]
+
+
+async def test_workflows_are_listed_with_their_status_by_pages(
+    api: tuple[TestClient[Any, Any], FakeTokens],
+) -> None:
+    client, _ = api
+    async with client.get("/v1/workflows?limit=1", headers=auth("reader")) as r:
+        assert r.status == 200
+        assert await r.json() == [
+            {
+                "id": str(FakeClient.WORKFLOW),
+                "name": "w",
+                "created_at": NOW.isoformat(),
+                "status": "running",
+                "counts": {"success": 1, "running": 1},
+                "open": 1,
+            }
+        ]
+        assert (
+            r.headers["Link"] == f'</v1/workflows?limit=1&after={FakeClient.WORKFLOW}>; rel="next"'
+        )
+    async with client.get("/v1/workflows?after=nope", headers=auth("reader")) as r:
+        assert r.status == 400

@@ -14,6 +14,7 @@ TASK = "8da55d00-60d6-4b20-bac2-b0bf303bfd81"
     [
         ["status", TASK],
         ["list"],
+        ["workflows"],
         ["events", TASK],
         ["logs", TASK],
         ["workflow", TASK],

@@ -80,3 +80,39 @@ SELECT w.id AS workflow_id, r.name, r.capacity::int AS capacity,
           AND r.name = ANY(t.uses)) AS held
 FROM workflows w, jsonb_each_text(w.spec -> 'resources') AS r(name, capacity)
 WHERE w.id = ANY($1::uuid[])
+
+-- name: list_workflows
+-- Workflows newest first (created_at descending, then id), optionally of one name ($1), at
+-- most $2; with $3, those after workflow $3 in that order (keyset paging, as list_tasks: an
+-- unknown $3 yields no rows). Each with its tasks counted by state and how many have not
+-- ended (terminal_among's test), read for the page's workflows alone through tasks_workflow.
+WITH c AS (SELECT created_at, id FROM workflows WHERE id = $3),
+page AS (
+    SELECT w.id, w.name, w.created_at FROM workflows w
+    WHERE ($1::text IS NULL OR w.name = $1)
+      AND w.created_at <= coalesce((SELECT created_at FROM c), 'infinity')
+      AND ($3::uuid IS NULL
+           OR w.created_at < (SELECT created_at FROM c)
+           OR w.id > (SELECT id FROM c))
+      AND ($3::uuid IS NULL OR EXISTS (SELECT FROM c))
+    ORDER BY w.created_at DESC, w.id
+    LIMIT $2
+)
+SELECT p.id, p.name, p.created_at,
+       coalesce(k.counts, '{}'::jsonb) AS counts, coalesce(k.open, 0) AS open
+FROM page p
+LEFT JOIN LATERAL (
+    SELECT jsonb_object_agg(s.status, s.n) AS counts, sum(s.open) AS open
+    FROM (
+        SELECT t.status, count(*) AS n,
+               count(*) FILTER (WHERE NOT (t.status IN ({{terminal_states}})
+                   OR (t.status IN ({{retryable_states}}) AND t.retry_count >= t.max_retries)))
+                   AS open
+        FROM tasks t WHERE t.workflow_id = p.id GROUP BY t.status
+    ) s
+) k ON true
+ORDER BY p.created_at DESC, p.id
+
+-- name: workflow_exists
+-- Whether workflow $1 exists (an empty page after it: unknown, or the last page).
+SELECT EXISTS (SELECT FROM workflows WHERE id = $1)

@@ -1,0 +1,72 @@
+"""The SDK's operator controls (shared.control: pause, resume, cancel, priority, and whole
+workflows), as SkedClient's methods: it supplies the store and the ready queue."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+from uuid import UUID
+
+if TYPE_CHECKING:
+    from shared.models import Task
+    from shared.queues import ReadyQueue
+    from shared.store import Store
+
+
+class Control:
+    async def _db(self) -> Store:
+        raise NotImplementedError
+
+    def _queue(self) -> ReadyQueue:
+        raise NotImplementedError
+
+    async def pause(self, task_id: UUID | str, reason: str, by: str | None = None) -> Task:
+        """Pause a non-terminal task (a running attempt is stopped). Raises NotAllowed."""
+        from shared import control
+
+        return await control.pause(await self._db(), UUID(str(task_id)), reason, by)
+
+    async def resume(self, task_id: UUID | str, by: str | None = None) -> Task:
+        """Resume a paused task: it runs again as a new attempt, with no retry spent."""
+        from shared import control
+
+        return await control.resume(await self._db(), self._queue(), UUID(str(task_id)), by)
+
+    async def cancel(self, task_id: UUID | str, reason: str = "", by: str | None = None) -> Task:
+        """Cancel a non-terminal task (a running attempt is stopped). Raises NotAllowed."""
+        from shared import control
+
+        return await control.cancel(await self._db(), self._queue(), UUID(str(task_id)), reason, by)
+
+    async def cancel_workflow(
+        self, wf: UUID | str, reason: str = "", by: str | None = None
+    ) -> list[Task]:
+        """Cancel every task of a workflow not ended yet; returns them. Raises NotAllowed."""
+        from shared import control
+
+        return await control.cancel_workflow(
+            await self._db(), self._queue(), UUID(str(wf)), reason, by
+        )
+
+    async def pause_workflow(
+        self, wf: UUID | str, reason: str, by: str | None = None
+    ) -> list[Task]:
+        """Pause every task of a workflow not ended yet; returns them. Raises NotAllowed."""
+        from shared import control
+
+        return await control.pause_workflow(
+            await self._db(), self._queue(), UUID(str(wf)), reason, by
+        )
+
+    async def resume_workflow(self, wf: UUID | str, by: str | None = None) -> list[Task]:
+        """Resume every paused task of a workflow; returns them. Raises NotAllowed."""
+        from shared import control
+
+        return await control.resume_workflow(await self._db(), self._queue(), UUID(str(wf)), by)
+
+    async def set_priority(self, task_id: UUID | str, priority: int) -> list[Task]:
+        """Change a non-terminal task's priority (a workflow task's upstreams inherit it).
+        Returns the tasks whose priority changed, this one first. Raises NotAllowed."""
+        from shared import control
+
+        store = await self._db()
+        return await control.set_priority(store, self._queue(), UUID(str(task_id)), priority)
