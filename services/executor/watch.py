@@ -61,8 +61,9 @@ class Watcher:
                 continue
             if key in renewed:
                 attempt.renewed_at = sent_at
-                timeout_s = attempt.task.heartbeat_timeout_s
-                node.backend.renew(key, lease.remaining_s(timeout_s, sent_at, now))
+                left = lease.remaining_s(attempt.task.heartbeat_timeout_s, sent_at, now)
+                if left > 0:  # one over already (sent before this process froze) thaws nothing
+                    node.backend.renew(key, left)
             else:
                 # Postgres says it is not ours any more (paused, canceled, lost and retried):
                 # the watch loop stops it, and its lease is given back once it is gone

@@ -1034,6 +1034,33 @@ async def test_an_unrenewed_lease_freezes_the_tree_and_a_renewal_thaws_it(
     assert (await job).stopped
 
 
+async def test_a_renewal_that_comes_too_late_does_not_thaw_the_tree(
+    backend: LocalBackend, tmp_path: Path
+) -> None:
+    """A renewal whose lease is over by the time it is applied (its statement sent before the
+    executor froze, its reply read after it woke: seconds <= 0) must leave a frozen tree
+    frozen, as its successor may run elsewhere by now. It thawed it until the shim's next
+    tick froze it again: the fault suite once sampled an attempt running beside its
+    successor for 0.2 s so. A renewal with time left still thaws it."""
+    ticks = tmp_path / "ticks"
+    launch = replace(command(f"while :; do echo x >> {ticks}; sleep 0.02; done"), lease_s=0.5)
+    key = (launch.task_id, launch.attempt)
+    job = asyncio.create_task(backend.run(launch))
+    try:
+        await until(lambda: backend.frozen(key), "the lease to lapse and the tree to freeze")
+        size = ticks.stat().st_size
+        for late in (0.0, -3.0):
+            backend.renew(key, late)
+            await asyncio.sleep(0.3)
+            assert backend.frozen(key)
+            assert ticks.stat().st_size == size, "a renewal too late let the tree run"
+        backend.renew(key, 30.0)
+        await until(lambda: ticks.stat().st_size > size, "a renewal in time to thaw it")
+    finally:
+        await backend.stop_task(launch.task_id, launch.attempt)
+    assert (await job).stopped
+
+
 async def test_a_frozen_tree_is_stopped_without_running_again(
     backend: LocalBackend, tmp_path: Path
 ) -> None:

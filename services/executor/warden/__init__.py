@@ -10,9 +10,11 @@ supervisor of one process tree at a time, which
   below it and is found and killed when the attempt ends;
 - keeps the attempt's lease: the executor writes `renew SECONDS` each time Postgres has
   renewed the lease; if none arrives in time, the shim freezes the whole tree (SIGSTOP) on
-  its own, without the executor (which may be frozen, partitioned or dead). `renew` again
-  thaws it; `kill` (the attempt was superseded), the executor's death, or staying frozen
-  past `freeze_max_s` kills it, and so does `stop` while it is frozen (only `renew` thaws);
+  its own, without the executor (which may be frozen, partitioned or dead). `renew` with
+  time left thaws it (one with none — a renewal applied after the executor woke from a
+  freeze — leaves it frozen: a successor may run by now); `kill` (the attempt was
+  superseded), the executor's death, or staying frozen past `freeze_max_s` kills it, and so
+  does `stop` while it is frozen (only `renew` thaws);
 - reports to the executor on a pipe: `pid N START`, `frozen`, `thawed`, `exit STATUS HOW`;
 - once the tree is gone to its last process, tells the warden it is idle and waits for the
   next attempt (a shim some of whose tree would not die exits instead, leaving the rest to

@@ -168,8 +168,13 @@ class Shim:
         if not words:
             return False
         if words[0] == "renew":
-            self.expiry = _now() + float(words[1])
-            self._thaw()
+            left = float(words[1])
+            self.expiry = _now() + left
+            if left > 0:
+                # A lease already over (a renewal applied too late: its statement was sent
+                # before the executor froze) thaws nothing: the attempt's successor may run
+                # elsewhere by now, and the next tick would only freeze it again.
+                self._thaw()
         elif words[0] == "unlease":
             self.expiry = None
             self._thaw()
