@@ -159,3 +159,12 @@ def forge_returned(stem: str) -> None:
                 os.write(int(fd), json_.dumps({"returned": [stem]}).encode() + b"\n")
         except OSError:
             continue
+
+
+def tick(path: str, seconds: float) -> None:
+    """Append a byte to `path` every 20 ms for `seconds`: a test sees whether it runs."""
+    end = time.monotonic() + seconds
+    with open(path, "ab", buffering=0) as f:
+        while time.monotonic() < end:
+            f.write(b".")
+            time.sleep(0.02)

@@ -1279,3 +1279,34 @@ async def test_retention_prunes_ended_attempts_logs(backend: LocalBackend) -> No
     assert f"{old.task_id}-1.log" not in left
     assert {f"{recent.task_id}-1.log", f"{held.task_id}-1.log", "notes.txt"} <= left
     assert await backend.prune(3600, set()) == 1  # held no longer: its old log goes too
+
+
+async def test_a_job_behind_a_lapsed_one_neither_thaws_nor_holds_its_worker(
+    tmp_path: Path,
+) -> None:
+    """A handler worker runs one job with others waiting behind it. Its process may run only
+    while the job it runs holds its lease: a job behind it with a later lease (given to it,
+    or renewed after its executor woke from a freeze) must not keep the worker from freezing
+    when the running job's lease lapses, nor thaw it after — the running job's successor may
+    be running elsewhere. Before, either did: the worker took the latest lease it was told."""
+    b = await started_backend(tmp_path, slots=1, rescue_s=60.0)
+    ticks = tmp_path / "ticks"
+    running = replace(handler("tick", [str(ticks), 10.0]), lease_s=0.8)
+    behind = replace(handler("noop"), lease_s=30.0)
+    running_key = (running.task_id, running.attempt)
+    jobs = [asyncio.create_task(b.run(running))]
+    try:
+        await until(lambda: ticks.exists() and ticks.stat().st_size > 0, "the first job to run")
+        jobs.append(asyncio.create_task(b.run(behind)))  # waits at the one worker
+        await until(lambda: b.frozen(running_key), "its lease to lapse")
+        size = ticks.stat().st_size
+        b.renew((behind.task_id, behind.attempt), 30.0)
+        await asyncio.sleep(0.3)
+        assert ticks.stat().st_size == size, "a renewal of the job behind thawed the worker"
+        b.renew(running_key, 30.0)  # its own lease, renewed in time: it runs on
+        await until(lambda: ticks.stat().st_size > size, "the running job's renewal to thaw it")
+    finally:
+        for launch in (running, behind):
+            await b.stop_task(launch.task_id, launch.attempt)
+        await asyncio.gather(*jobs)
+        await b.close()

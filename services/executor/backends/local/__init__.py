@@ -60,10 +60,6 @@ class _Run:
 
     def renew(self, seconds: float) -> None:
         self.lease_until = time.monotonic() + seconds
-        if self.proc is not None:
-            # lease_job: jobs waiting at one handler worker share its process, and are
-            # renewed together; one renewal tells its shim for all of them
-            self.proc.lease_job(self.lease_until)
 
     def lease_s(self) -> float | None:
         """What is left of the lease, from now."""
@@ -162,10 +158,24 @@ class LocalBackend(OneNode):
         return set(self._runs)
 
     def renew(self, key: Key, seconds: float) -> None:
-        """Postgres renewed the attempt's lease: it lasts `seconds` from now (thaws it)."""
+        """Postgres renewed the attempt's lease: it lasts `seconds` from now (thaws it, unless
+        its process holds a job whose lease is over: `_lease`)."""
         run = self._runs.get(key)
         if run is not None:
             run.renew(seconds)
+            if run.proc is not None:
+                self._lease(run.proc)
+
+    def _lease(self, proc: Proc) -> None:
+        """Tell `proc`'s shim when its lease ends: the earliest of the jobs it holds. A handler
+        worker runs one job with others waiting behind it, and the job it runs may be one whose
+        lease is over (its executor froze, a successor runs elsewhere now): a later lease of a
+        job behind it must not thaw it, nor keep it from freezing. Jobs claimed together end
+        together, so under load this is the lease they share (lease_job: one write)."""
+        ends = [r.lease_until for r in self._runs.values() if r.proc is proc]
+        until = min((e for e in ends if e is not None), default=None)
+        if until is not None:
+            proc.lease_job(until)
 
     def frozen(self, key: Key) -> bool:
         run = self._runs.get(key)
@@ -332,8 +342,7 @@ class LocalBackend(OneNode):
                 continue
             try:
                 run.proc = worker.proc
-                if run.lease_until is not None:
-                    worker.proc.lease_job(run.lease_until)
+                self._lease(worker.proc)
                 verdict = await self._verdict(worker, ticket, run.stop)
                 run.proc = None
                 if verdict.how == "returned":  # never started: on another worker, unless stopped
