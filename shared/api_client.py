@@ -225,24 +225,21 @@ class ApiClient:
     async def cancel_workflow(
         self, workflow_id: UUID | str, reason: str = "", by: str | None = None
     ) -> list[Task]:
-        body = {"reason": reason, "by": by}
-        return [
-            task_of(t) for t in await self.call("POST", f"/v1/workflows/{workflow_id}/cancel", body)
-        ]
+        return await self._workflow_control(workflow_id, "cancel", {"reason": reason, "by": by})
 
     async def pause_workflow(
         self, workflow_id: UUID | str, reason: str, by: str | None = None
     ) -> list[Task]:
-        body = {"reason": reason, "by": by}
-        return [
-            task_of(t) for t in await self.call("POST", f"/v1/workflows/{workflow_id}/pause", body)
-        ]
+        return await self._workflow_control(workflow_id, "pause", {"reason": reason, "by": by})
 
     async def resume_workflow(self, workflow_id: UUID | str, by: str | None = None) -> list[Task]:
-        body = {"by": by}
-        return [
-            task_of(t) for t in await self.call("POST", f"/v1/workflows/{workflow_id}/resume", body)
-        ]
+        return await self._workflow_control(workflow_id, "resume", {"by": by})
+
+    async def _workflow_control(
+        self, workflow_id: UUID | str, action: str, body: dict[str, Any]
+    ) -> list[Task]:
+        moved = await self.call("POST", f"/v1/workflows/{workflow_id}/{action}", body)
+        return [task_of(t) for t in moved]
 
     async def dead_letters(self, limit: int = 100) -> list[DeadLetter]:
         from shared.bus import DeadLetter
