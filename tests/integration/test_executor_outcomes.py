@@ -5,6 +5,7 @@ and two attempts of one task in one batch do not break the batch."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -157,3 +158,35 @@ async def test_an_outcome_postgres_refuses_fails_alone(
         final[poison].error == "outcome could not be stored: DataError: invalid input for this row"
     )
     assert [final[t.id].status for t in tasks if t.id != poison] == [State.SUCCESS] * 5
+
+
+async def test_a_renewal_whose_lease_is_over_by_its_reply_tells_the_backend_nothing(
+    executor: Executor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A renewal Postgres confirms, but whose reply comes after the lease it buys has run out
+    (this executor froze, or the round trip took that long), must not reach the attempt's
+    shim: telling it a lease of no time would thaw a frozen tree whose successor may run.
+    One in time is told with what is left."""
+    task = await running(executor, "renewed", heartbeat_timeout_s=1.0)
+    key = (task.id, task.attempt)
+    executor.node.active[key] = attempt(task)
+    told: list[tuple[Any, float]] = []
+    monkeypatch.setattr(executor.node.backend, "renew", lambda k, s: told.append((k, s)))
+    watcher = executor.watcher
+    try:
+        assert await watcher.renew_once(timeout=5) == 1
+        assert [k for k, _ in told] == [key]
+        assert 0 < told[0][1] < 1.0
+        told.clear()
+        real = watcher._leases.renew
+
+        async def slow(*args: Any) -> Any:
+            renewed = await real(*args)
+            await asyncio.sleep(1.0)  # the reply read after the whole lease (1 s) has passed
+            return renewed
+
+        monkeypatch.setattr(watcher._leases, "renew", slow)
+        assert await watcher.renew_once(timeout=5) == 1  # Postgres did renew it
+        assert told == []
+    finally:
+        watcher.close()
