@@ -179,16 +179,7 @@ class ApiClient:
         self, limit: int = 100, after: UUID | None = None, name: str | None = None
     ) -> list[WorkflowSummary]:
         found = await self.call("GET", "/v1/workflows", limit=limit, after=after, name=name)
-        return [
-            WorkflowSummary(
-                UUID(w["id"]),
-                w["name"],
-                datetime.fromisoformat(w["created_at"]),
-                w["counts"],
-                w["open"],
-            )
-            for w in found
-        ]
+        return [from_json(WorkflowSummary, w) for w in found]
 
     async def history(self, task_id: UUID | str) -> list[Event]:
         events = await self.call("GET", f"/v1/tasks/{task_id}/events")
@@ -244,7 +235,7 @@ class ApiClient:
     async def dead_letters(self, limit: int = 100) -> list[DeadLetter]:
         from shared.bus import DeadLetter
 
-        return [DeadLetter(**d) for d in await self.call("GET", "/v1/dead", limit=limit)]
+        return [from_json(DeadLetter, d) for d in await self.call("GET", "/v1/dead", limit=limit)]
 
     async def set_priority(self, task_id: UUID | str, priority: int) -> list[Task]:
         body = {"priority": priority}
