@@ -108,6 +108,10 @@ class Settings(BaseSettings):
     # with their history (a workflow's only with the whole workflow), and their idempotency
     # keys are free again. 0: every task is kept forever.
     retention_days: float = Field(default=0, ge=0, le=36_500)
+    # the operator API's audit rows (api_audit: every change, submissions included) older than
+    # this many days are deleted by the same loop. 0: kept forever. Apart from retention_days:
+    # an audit is often kept longer than the work it records.
+    audit_retention_days: float = Field(default=0, ge=0, le=36_500)
     # how often recovery looks for tasks past the retention (at once again while it finds more)
     retention_check_s: float = Field(default=60.0, gt=0)
 

@@ -12,13 +12,14 @@ outbox     publish events no relay has sent (every relay dead, or stuck).
 nodes      forget nodes gone SKED_NODE_FORGET_S or longer (7 days) that hold no attempt and are
            not cordoned: their rows are deleted, at most once a minute.
 
-And, with SKED_RETENTION_DAYS set, a loop of its own (so that a long purge delays no
-recovery, and a failed one stops none):
+And, with SKED_RETENTION_DAYS or SKED_AUDIT_RETENTION_DAYS set, a loop of its own (so that a
+long purge delays no recovery, and a failed one stops none):
 
 retention  delete tasks that ended longer ago than the retention, with their history: a task
            outside any workflow alone, a workflow whole once every task of it has (see
-           shared/store/sql/retention.sql). In batches, back to back while each finds a full
-           one, then every SKED_RETENTION_CHECK_S.
+           shared/store/sql/retention.sql); and the API's audit rows older than theirs. In
+           batches, back to back while each finds a full one, then every
+           SKED_RETENTION_CHECK_S.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 # a short transaction holding few locks, its history rows (six a task) included.
 PURGE_TASKS = 500
 PURGE_WORKFLOWS = 20
+PURGE_AUDIT = 5000  # audit rows: ~100 bytes each, no history
 FORGET_EVERY_S = 60.0  # how often recovery looks for nodes to forget (a monotonic duration)
 
 
@@ -69,7 +71,7 @@ class Recovery(Service):
 
     def loops(self) -> Sequence[Loop]:
         loops: list[Loop] = [(self.name, self.loop)]
-        if self.settings.retention_days > 0:
+        if self.settings.retention_days > 0 or self.settings.audit_retention_days > 0:
             loops.append(("retention", self.retain))
         return loops
 
@@ -78,8 +80,11 @@ class Recovery(Service):
 
     def announce(self) -> str:
         line = f"recovery running every {self.settings.recovery_period_s:g} s"
-        days = self.settings.retention_days
-        return line + (f"; tasks kept {days:g} days after they end" if days > 0 else "")
+        if (days := self.settings.retention_days) > 0:
+            line += f"; tasks kept {days:g} days after they end"
+        if (days := self.settings.audit_retention_days) > 0:
+            line += f"; API audit kept {days:g} days"
+        return line
 
     async def loop(self) -> None:
         while not self.stopping.is_set():
@@ -141,21 +146,28 @@ class Recovery(Service):
             await wait_any(self.stopping, timeout=rest)
 
     async def purge(self) -> tuple[int, bool]:
-        """One batch of each kind past the retention deleted. Returns the tasks deleted and
+        """One batch of each kind past its retention deleted. Returns the tasks deleted and
         whether a batch came back full (more may be waiting)."""
-        older_than_s = self.settings.retention_days * 86_400
+        deleted, more = 0, False
         retention = self.store.retention
-        alone = await retention.purge_tasks(PURGE_TASKS, older_than_s)
-        whole = await retention.purge_workflows(PURGE_WORKFLOWS, older_than_s)
-        deleted = len(alone) + whole.tasks
-        if deleted:
-            hooks.purged(deleted)
-            log.info(
-                "retention: deleted %d finished tasks (%d workflows whole)",
-                deleted,
-                whole.workflows,
-            )
-        return deleted, len(alone) == PURGE_TASKS or whole.workflows == PURGE_WORKFLOWS
+        if (days := self.settings.retention_days) > 0:
+            alone = await retention.purge_tasks(PURGE_TASKS, days * 86_400)
+            whole = await retention.purge_workflows(PURGE_WORKFLOWS, days * 86_400)
+            deleted = len(alone) + whole.tasks
+            more = len(alone) == PURGE_TASKS or whole.workflows == PURGE_WORKFLOWS
+            if deleted:
+                hooks.purged(deleted)
+                log.info(
+                    "retention: deleted %d finished tasks (%d workflows whole)",
+                    deleted,
+                    whole.workflows,
+                )
+        if (days := self.settings.audit_retention_days) > 0:
+            audited = await retention.purge_audit(PURGE_AUDIT, days * 86_400)
+            more = more or audited == PURGE_AUDIT
+            if audited:
+                log.info("retention: deleted %d API audit rows", audited)
+        return deleted, more
 
     async def recover_lost(self) -> list[Task]:
         moved = await self.store.claims.recover_lost(100, lambda t: retry_or_fail(t, "lost"))

@@ -1,5 +1,6 @@
 """Retention: finished tasks deleted once they ended longer ago than the retention (see
-sql/retention.sql for what goes and why a workflow's tasks go only with their workflow)."""
+sql/retention.sql for what goes and why a workflow's tasks go only with their workflow), and
+the operator API's audit rows once older than theirs."""
 
 from __future__ import annotations
 
@@ -31,3 +32,9 @@ class Retention:
         row = await self.db.fetchrow(Q.purge_workflows, limit, older_than_s)
         assert row is not None  # one row of counts, always
         return Purged(row["tasks"], row["workflows"])
+
+    async def purge_audit(self, limit: int, older_than_s: float) -> int:
+        """Up to `limit` audit rows recorded `older_than_s` ago or longer (Postgres time),
+        deleted. Returns how many."""
+        deleted = await self.db.fetchval(Q.purge_audit, limit, older_than_s)
+        return int(deleted)

@@ -209,6 +209,37 @@ async def test_recovery_retains_in_a_loop_of_its_own(
         await asyncio.wait_for(looping, 5)
 
 
+async def test_the_api_audit_goes_by_a_retention_of_its_own(
+    store: Store,
+    pool: asyncpg.Pool,
+    settings: Settings,
+    queue: ReadyQueue,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SKED_AUDIT_RETENTION_DAYS alone runs the retention loop: it deletes the API's audit
+    rows recorded that long ago, in batches, and leaves younger rows and every task (whose own
+    retention is off) alone."""
+    relay = OutboxRelay(store, None, 1)  # type: ignore[arg-type]
+    on = settings.model_copy(update={"audit_retention_days": HOUR / 86_400})
+    recovery = Recovery(on, store, queue, relay)
+    assert [name for name, _ in recovery.loops()] == ["recovery", "retention"]
+    monkeypatch.setattr(recovery_service, "PURGE_AUDIT", 2)
+    ended = await store.tasks.create(spec("ended"))
+    await put(pool, [ended.id], State.SUCCESS, ended_s_ago=100 * HOUR)
+    for i in range(5):
+        await store.tokens.audit("ci-bot", "submit", f"target-{i}")
+    await pool.execute(
+        "UPDATE api_audit SET at = now() - interval '2 hours'"
+        " WHERE target IN ('target-0', 'target-1', 'target-2')"
+    )
+
+    assert await recovery.purge() == (0, True)  # a full batch: more may wait
+    assert await recovery.purge() == (0, False)
+    kept = await pool.fetch("SELECT target FROM api_audit ORDER BY target")
+    assert [r["target"] for r in kept] == ["target-3", "target-4"]
+    assert await store.tasks.get_many([ended.id]) != []
+
+
 async def _counted(counting: Counting, n: int) -> bool:
     assert counting.count <= n
     return counting.count == n

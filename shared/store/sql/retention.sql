@@ -52,3 +52,19 @@ WITH doomed AS (
     RETURNING w.id
 )
 SELECT (SELECT count(*) FROM gone) AS workflows, (SELECT count(*) FROM members) AS tasks
+
+-- name: purge_audit
+-- Up to $1 of the operator API's audit rows recorded $2 seconds ago or longer, oldest first,
+-- deleted (SKED_AUDIT_RETENTION_DAYS). Returns how many. Rows another replica's statement
+-- holds are passed over.
+WITH doomed AS (
+    SELECT a.id FROM api_audit a
+    WHERE a.at < now() - make_interval(secs => $2)  -- api_audit_at
+    ORDER BY a.at
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+), gone AS (
+    DELETE FROM api_audit a USING doomed d WHERE a.id = d.id
+    RETURNING 1
+)
+SELECT count(*) FROM gone
