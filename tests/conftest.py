@@ -135,19 +135,37 @@ def amqp_url() -> Iterator[str]:
 
 
 @pytest.fixture
-async def redis_url() -> str:
+async def redis_url() -> AsyncIterator[str]:
     """A Redis database (1-13) of this test's own, emptied before use.
 
-    Tests run one at a time, so a database is never shared by two live tests; FLUSHDB touches
-    only that database (never FLUSHALL on the shared server).
+    Two test sessions may run at once (a developer's beside CI's), so a test holds its
+    database by a key in database 0, set only if absent and expiring on its own should the
+    session die; FLUSHDB touches only that database (never FLUSHALL on the shared server).
     """
-    url = f"{REDIS_BASE}/{1 + next(_counter) % 13}"  # 1-13; the benchmarks use 15
-    client = Redis.from_url(url)
+    admin = Redis.from_url(f"{REDIS_BASE}/0")
+    held = None
     try:
-        await client.flushdb()
+        first = next(_counter)
+        for i in range(13 * 50):  # every database, 50 rounds: ~5 s of waiting at most
+            db = 1 + (first + i) % 13  # 1-13; the benchmarks use 15
+            if await admin.set(f"sked-test-redis-db:{db}", RUN, nx=True, ex=1800):
+                held = f"sked-test-redis-db:{db}"
+                break
+            if db == 13:
+                await asyncio.sleep(0.1)
+        else:
+            pytest.fail("no Redis database 1-13 free: other test sessions hold them all")
+        url = f"{REDIS_BASE}/{db}"
+        client = Redis.from_url(url)
+        try:
+            await client.flushdb()
+        finally:
+            await client.aclose()
+        yield url
     finally:
-        await client.aclose()
-    return url
+        if held is not None:
+            await admin.delete(held)
+        await admin.aclose()
 
 
 @pytest.fixture
