@@ -27,7 +27,7 @@ import aiohttp
 
 from shared import fsm
 from shared.client import WaitTimeout
-from shared.errors import InvalidSpec, NotFound, SkedError
+from shared.errors import InvalidSpec, NotFound, Purged, SkedError
 from shared.fsm import State
 from shared.models import Event, Task, TaskSpec
 from shared.views import WorkflowSummary, WorkflowView
@@ -52,6 +52,7 @@ ERRORS: dict[int, type[SkedError]] = {
     401: ApiRefused,
     403: ApiRefused,
     404: NotFound,
+    410: Purged,
     # 409: shared.control.NotAllowed (see error_for)
 }
 
@@ -278,6 +279,8 @@ class ApiClient:
             for task_id in sorted(pending):
                 try:
                     task = await self.get(task_id)
+                except Purged:
+                    raise
                 except NotFound:
                     continue  # its submission is still on its way
                 if fsm.is_terminal(task.status, fsm.has_retry_left(task)):
@@ -298,6 +301,8 @@ class ApiClient:
             try:
                 view = await self.workflow(workflow_id)
                 break
+            except Purged:
+                raise
             except NotFound:
                 if deadline is not None and time.monotonic() > deadline:
                     raise

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from uuid import UUID, uuid4
 
 from shared.client_control import Control
-from shared.errors import InvalidSpec, NotFound, SkedError
+from shared.errors import InvalidSpec, NotFound, Purged, SkedError, purged
 from shared.fsm import ENDING, State
 from shared.models import Event, Task, TaskSpec, task_id_for
 from shared.rendering import rendered
@@ -31,6 +31,8 @@ from shared.settings import Settings
 from shared.views import WorkflowSummary, WorkflowView
 
 if TYPE_CHECKING:  # imported by the calls that use them: reading a task needs only the store
+    from datetime import datetime
+
     from redis.asyncio import Redis
 
     from shared.bus import AmqpBus, DeadLetter
@@ -198,6 +200,8 @@ class SkedClient(Control):
         while True:
             try:
                 return await self.workflow(workflow_id)
+            except Purged:
+                raise
             except NotFound:
                 if deadline is not None and time.monotonic() > deadline:
                     raise WaitTimeout([workflow_id], timeout or 0) from None
@@ -328,13 +332,17 @@ class SkedClient(Control):
             last_full = time.monotonic()
             while True:
                 wake.clear()
-                if check_all or time.monotonic() - last_full >= 1.0:
+                full = check_all or time.monotonic() - last_full >= 1.0
+                if full:
                     check, check_all, last_full = list(pending), False, time.monotonic()
                 else:
                     check = list(named & pending)
                 named.clear()
+                gone: dict[UUID, datetime] = {}
                 try:
                     finished = await store.tasks.terminal_among(check)
+                    if full:  # a task retention deleted never ends: say so
+                        gone = await store.retention.tasks_purged(check)
                 except TRANSIENT:  # Postgres is away: wait and look at everything again
                     check_all = True
                     finished = []
@@ -343,6 +351,10 @@ class SkedClient(Control):
                     pending.discard(task.id)
                 if not pending:
                     return done
+                if gone:
+                    first, at = min(gone.items(), key=lambda kv: kv[1])
+                    more = f" (and {len(gone) - 1} more)" if len(gone) > 1 else ""
+                    raise purged("task", f"{first}{more}", at)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise WaitTimeout(pending, timeout or 0)

@@ -33,6 +33,16 @@ class NotFound(SkedError, LookupError):
     pass
 
 
+class Purged(NotFound):
+    """The task or workflow was there, and retention deleted it (SKED_RETENTION_DAYS): a
+    wait for it ends with this. Told for one retention after the deletion; later an id
+    retention deleted reads as one never admitted."""
+
+
+def purged(what: str, ident: object, at: object) -> Purged:
+    return Purged(f"{what} {ident} was deleted by retention at {at}")
+
+
 class InvalidSpec(SkedError, ValueError):
     """Input that fails validation; the message says which field and why."""
 

@@ -24,6 +24,7 @@ WHY = {
     403: "the token's role does not allow this",
     404: "no such task, workflow, node or token",
     409: "the current state does not allow this",
+    410: "the task or workflow was deleted by retention (SKED_RETENTION_DAYS)",
     503: "Postgres, Redis or RabbitMQ is unavailable: retry",
 }
 

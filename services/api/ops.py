@@ -7,8 +7,9 @@ one table, so the two cannot disagree.
 
 Errors are `{"error": "..."}` with a status that says which: 400 a bad request (an invalid spec,
 a bad parameter), 401 no token or an unknown or revoked one (with `WWW-Authenticate: Bearer`),
-403 a token whose role is too low, 404 an unknown task, workflow, node or token, 409 a state
-that does not allow the action (a terminal task, say), 503 Postgres or RabbitMQ away.
+403 a token whose role is too low, 404 an unknown task, workflow, node or token, 410 a task or
+workflow retention deleted, 409 a state that does not allow the action (a terminal task, say),
+503 Postgres or RabbitMQ away.
 """
 
 from __future__ import annotations
@@ -28,7 +29,14 @@ from shared import jsonvalue
 from shared.auth import Role, bearer, digest
 from shared.client import SkedClient
 from shared.control import NotAllowed
-from shared.errors import IllegalTransition, InvalidSpec, NotFound, SkedError, StaleWrite
+from shared.errors import (
+    IllegalTransition,
+    InvalidSpec,
+    NotFound,
+    Purged,
+    SkedError,
+    StaleWrite,
+)
 from shared.policy import JobPolicy
 from shared.resilience import TRANSIENT
 from shared.settings import Settings
@@ -85,6 +93,8 @@ class Op:
                 codes.add(403)
         if "{" in self.path:
             codes.add(404)
+        if self.path.startswith(("/v1/tasks/{", "/v1/workflows/{")):
+            codes.add(410)  # shared.errors.Purged
         if self.conflict:
             codes.add(409)
         if self.role is not None:
@@ -117,6 +127,7 @@ CHALLENGE = {"WWW-Authenticate": 'Bearer realm="sked"'}
 
 # a SkedError raised on purpose -> its status; the first match wins (subclasses first)
 STATUS: tuple[tuple[type[SkedError], int], ...] = (
+    (Purged, 410),
     (NotFound, 404),
     (NotAllowed, 409),
     (StaleWrite, 409),

@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 # a short transaction holding few locks, its history rows (six a task) included.
 PURGE_TASKS = 500
 PURGE_WORKFLOWS = 20
-PURGE_AUDIT = 5000  # audit rows: ~100 bytes each, no history
+PURGE_ROWS = 5000  # audit rows and tombstones: small, with no history
 FORGET_EVERY_S = 60.0  # how often recovery looks for nodes to forget (a monotonic duration)
 
 
@@ -154,7 +154,11 @@ class Recovery(Service):
             alone = await retention.purge_tasks(PURGE_TASKS, days * 86_400)
             whole = await retention.purge_workflows(PURGE_WORKFLOWS, days * 86_400)
             deleted = len(alone) + whole.tasks
+            # a deleted id's tombstone (a read or wait for it says it was deleted) is kept
+            # one retention more
+            gone = await retention.purge_tombstones(PURGE_ROWS, days * 86_400)
             more = len(alone) == PURGE_TASKS or whole.workflows == PURGE_WORKFLOWS
+            more = more or gone == PURGE_ROWS
             if deleted:
                 hooks.purged(deleted)
                 log.info(
@@ -163,8 +167,8 @@ class Recovery(Service):
                     whole.workflows,
                 )
         if (days := self.settings.audit_retention_days) > 0:
-            audited = await retention.purge_audit(PURGE_AUDIT, days * 86_400)
-            more = more or audited == PURGE_AUDIT
+            audited = await retention.purge_audit(PURGE_ROWS, days * 86_400)
+            more = more or audited == PURGE_ROWS
             if audited:
                 log.info("retention: deleted %d API audit rows", audited)
         return deleted, more

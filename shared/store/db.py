@@ -12,7 +12,7 @@ from uuid import UUID
 
 import asyncpg
 
-from shared.errors import NotFound
+from shared.errors import NotFound, purged
 from shared.store.queries import Q, Query
 from shared.task import Task
 
@@ -109,5 +109,12 @@ async def get_task(db: Db, task_id: UUID) -> Task:
     """One task by id (Tasks.get, and shared.store.quick's read without the aggregates)."""
     row = await db.fetchrow(Q.get_task, task_id)
     if row is None:
-        raise NotFound(f"no task {task_id}")
+        raise await missing(db, "task", task_id)
     return task(row)
+
+
+async def missing(db: Db, what: str, ident: UUID) -> NotFound:
+    """The error for a task or workflow id with no row: Purged when retention deleted it
+    (and still remembers: table purged), else NotFound. Read only on a miss."""
+    at = await db.fetchval(Q.purged_when, ident)
+    return NotFound(f"no {what} {ident}") if at is None else purged(what, ident, at)

@@ -18,7 +18,7 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-from shared.errors import NotFound
+from shared.errors import NotFound, purged
 from shared.store.queries import Q
 from shared.task import Task
 
@@ -55,7 +55,8 @@ def read_task_now(dsn: str, task_id: UUID) -> Task:
 
     text = fetch_text(dsn, Q.get_task_json.sql, [str(task_id)])
     if text is None:
-        raise NotFound(f"no task {task_id}")
+        at = fetch_text(dsn, Q.purged_when_text.sql, [str(task_id)])
+        raise NotFound(f"no task {task_id}") if at is None else purged("task", task_id, at)
     return task_from_json(text)
 
 
@@ -66,10 +67,11 @@ async def read_task(dsn: str, task_id: UUID) -> Task:
     conn = await asyncpg.connect(dsn)
     try:
         row = await conn.fetchrow(Q.get_task.sql, task_id)
+        at = None if row is not None else await conn.fetchval(Q.purged_when.sql, task_id)
     finally:
         await conn.close()
     if row is None:
-        raise NotFound(f"no task {task_id}")
+        raise NotFound(f"no task {task_id}") if at is None else purged("task", task_id, at)
     values = dict(row)
     for column in JSONB_COLUMNS:
         if values[column] is not None:

@@ -4,7 +4,9 @@ the operator API's audit rows once older than theirs."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from uuid import UUID
 
 from shared.store.db import Db
@@ -36,5 +38,14 @@ class Retention:
     async def purge_audit(self, limit: int, older_than_s: float) -> int:
         """Up to `limit` audit rows recorded `older_than_s` ago or longer (Postgres time),
         deleted. Returns how many."""
-        deleted = await self.db.fetchval(Q.purge_audit, limit, older_than_s)
-        return int(deleted)
+        return int(await self.db.fetchval(Q.purge_audit, limit, older_than_s))
+
+    async def purge_tombstones(self, limit: int, older_than_s: float) -> int:
+        """Up to `limit` tombstones of ids deleted `older_than_s` ago or longer, deleted.
+        Returns how many."""
+        return int(await self.db.fetchval(Q.purge_tombstones, limit, older_than_s))
+
+    async def tasks_purged(self, ids: Sequence[UUID]) -> dict[UUID, datetime]:
+        """Of these task ids, those retention deleted (and remembers) with no task of that id
+        since, with when."""
+        return {r["id"]: r["purged_at"] for r in await self.db.fetch(Q.tasks_purged, list(ids))}

@@ -213,3 +213,11 @@ CREATE TABLE api_audit (
     detail text NOT NULL DEFAULT ''
 );
 CREATE INDEX api_audit_at ON api_audit (at);
+
+-- The ids of tasks and workflows retention deleted, and when (0018): a read or a wait for one
+-- says so. Deleted one retention later.
+CREATE TABLE purged (
+    id        uuid PRIMARY KEY,
+    purged_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX purged_at ON purged (purged_at);

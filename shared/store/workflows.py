@@ -11,7 +11,7 @@ import asyncpg
 
 from shared.errors import NotFound
 from shared.models import Task
-from shared.store.db import Db, task
+from shared.store.db import Db, missing, task
 from shared.store.queries import Q
 from shared.views import WorkflowSummary
 
@@ -84,6 +84,6 @@ class Workflows:
         """The workflow's row, its tasks and its edges."""
         row = await self.db.fetchrow(Q.get_workflow, workflow_id)
         if row is None:
-            raise NotFound(f"no workflow {workflow_id}")
+            raise await missing(self.db, "workflow", workflow_id)
         tasks = [task(r) for r in await self.db.fetch(Q.workflow_tasks, workflow_id)]
         return row, tasks, await self.db.fetch(Q.workflow_edges, workflow_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -16,16 +17,19 @@ from services.executor.service import Executor
 from services.recovery import service as recovery_service
 from services.recovery.service import Recovery
 from shared import hooks, workflows
+from shared.client import SkedClient, WaitTimeout
 from shared.dag import WorkflowSpec
+from shared.errors import NotFound, Purged
 from shared.fsm import State
 from shared.queues import ReadyQueue
 from shared.relay import OutboxRelay
 from shared.settings import Settings
-from shared.store import Store
+from shared.store import Store, libpq, quick
 from shared.views import is_done
 from tests.helpers import eventually, spec
 
 HOUR = 3600.0
+ONE = {"name": "a", "command": ["true"]}
 
 
 async def put(
@@ -157,6 +161,56 @@ async def test_a_purged_tasks_key_and_late_result(store: Store, pool: asyncpg.Po
     assert again.id != first.id
 
 
+async def test_a_purged_task_or_workflow_reads_and_waits_as_deleted(
+    settings: Settings, store: Store, pool: asyncpg.Pool
+) -> None:
+    """Retention leaves a tombstone for each id it deletes: a read of the task or workflow
+    says it was deleted (the CLI's quick read too), and a wait for it ends with that at once,
+    where it waited until its timeout as for a task not admitted yet. A new task of the same
+    id (its idempotency key is free again) is waited for as any other. One retention after
+    the deletion the tombstone goes, and the id reads as never admitted."""
+    alone = await store.tasks.create(spec("alone"))
+    await put(pool, [alone.id], State.SUCCESS)
+    wf_id = uuid4()
+    await workflows.admit(store, wf_id, WorkflowSpec.parse({"name": "wf", "tasks": [ONE]}))
+    member = workflows.task_id(wf_id, "a")
+    await put(pool, [member], State.SUCCESS)
+    await pool.execute("UPDATE workflows SET created_at = now() - interval '3 hours'")
+    assert await store.retention.purge_tasks(10, HOUR) == [alone.id]
+    assert (await store.retention.purge_workflows(10, HOUR)).tasks == 1
+
+    for read in (
+        store.tasks.get(alone.id),
+        store.tasks.get(member),
+        quick.read_task(settings.database_url, alone.id),
+    ):
+        with pytest.raises(Purged, match="deleted by retention"):
+            await read
+    with contextlib.suppress(libpq.Unavailable), pytest.raises(Purged, match="was deleted"):
+        quick.read_task_now(settings.database_url, alone.id)
+    with pytest.raises(Purged, match=f"workflow {wf_id} was deleted"):
+        await store.workflows.get(wf_id)
+    async with SkedClient(settings) as client:
+        began = time.monotonic()
+        with pytest.raises(Purged, match=f"task {alone.id} was deleted"):
+            await client.wait(alone.id, timeout=30)
+        with pytest.raises(Purged):
+            await client.wait_workflow(wf_id, timeout=30)
+        assert time.monotonic() - began < 10
+
+        # the same id made again: a task like any other, waited for until it ends
+        again = await store.tasks.create_many([spec("again")], ids=[alone.id])
+        assert [t.id for t in again] == [alone.id]
+        with pytest.raises(WaitTimeout):
+            await client.wait(alone.id, timeout=0.5)
+
+    await pool.execute("UPDATE purged SET purged_at = now() - interval '2 hours'")
+    assert await store.retention.purge_tombstones(10, HOUR) == 3  # alone, member, wf
+    with pytest.raises(NotFound) as gone:
+        await store.workflows.get(wf_id)
+    assert not isinstance(gone.value, Purged)
+
+
 @pytest.fixture
 async def queue(redis_url: str) -> AsyncIterator[ReadyQueue]:
     redis = Redis.from_url(redis_url)
@@ -223,7 +277,7 @@ async def test_the_api_audit_goes_by_a_retention_of_its_own(
     on = settings.model_copy(update={"audit_retention_days": HOUR / 86_400})
     recovery = Recovery(on, store, queue, relay)
     assert [name for name, _ in recovery.loops()] == ["recovery", "retention"]
-    monkeypatch.setattr(recovery_service, "PURGE_AUDIT", 2)
+    monkeypatch.setattr(recovery_service, "PURGE_ROWS", 2)
     ended = await store.tasks.create(spec("ended"))
     await put(pool, [ended.id], State.SUCCESS, ended_s_ago=100 * HOUR)
     for i in range(5):

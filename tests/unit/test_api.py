@@ -5,6 +5,7 @@ rebuilds rows from their JSON exactly. The real thing runs in tests/e2e/test_api
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -19,11 +20,12 @@ from openapi_spec_validator import validate
 from services.api import schemas
 from services.api.app import make_app
 from services.api.openapi import document
-from shared.api_client import node_of, task_of
+from shared.api_client import ApiClient, node_of, task_of
 from shared.auth import Role, bearer, digest, new_secret
 from shared.bus import DeadLetter
+from shared.client import WaitTimeout
 from shared.control import NotAllowed
-from shared.errors import NotFound
+from shared.errors import NotFound, Purged, purged
 from shared.fsm import State
 from shared.placement import Need, NodeState, choose
 from shared.settings import Settings
@@ -149,6 +151,7 @@ class FakeClient:
 
     settings = Settings()
     WORKFLOW = uuid4()
+    PURGED = uuid4()  # a task retention deleted
     LISTED = [new_task(spec(f"t{i}")) for i in range(5)]
 
     async def tasks(
@@ -164,6 +167,8 @@ class FakeClient:
         return WorkflowView(workflow_id, "w", self.LISTED, [])
 
     async def get(self, task_id: UUID) -> Any:
+        if task_id == self.PURGED:
+            raise purged("task", task_id, NOW)
         raise NotFound(f"no task {task_id}")
 
     async def cancel(self, task_id: UUID, reason: str = "", by: str | None = None) -> Any:
@@ -225,6 +230,7 @@ async def test_errors_are_json_with_their_status(
     read, operate = auth("reader"), auth("operator")
     cases = [
         ("GET", f"/v1/tasks/{uuid4()}", read, None, 404),  # NotFound
+        ("GET", f"/v1/tasks/{FakeClient.PURGED}", read, None, 410),  # Purged
         ("GET", "/v1/tasks/not-a-uuid", read, None, 400),
         ("GET", "/v1/tasks?limit=0", read, None, 400),
         ("GET", "/v1/tasks?status=bogus", read, None, 400),
@@ -327,6 +333,19 @@ def test_a_cordoned_node_takes_nothing_and_the_reason_says_so() -> None:
     row = _node("a", cordoned_at=datetime.now(UTC))
     assert not row.state().ready
     assert row.state().cordoned
+
+
+async def test_the_http_client_ends_a_wait_for_a_task_retention_deleted(
+    api: tuple[TestClient[Any, Any], FakeTokens],
+) -> None:
+    """410 reads back as Purged, which ends a wait at once; a 404 is a task not admitted yet,
+    polled for until the wait's timeout."""
+    client, _ = api
+    async with ApiClient(str(client.make_url("")), "reader") as remote:
+        with pytest.raises(Purged, match="deleted by retention"):
+            await asyncio.wait_for(remote.wait(FakeClient.PURGED, timeout=30), 5)
+        with pytest.raises(WaitTimeout):
+            await remote.wait(uuid4(), timeout=0.3)
 
 
 async def test_dead_letters_are_read_with_an_operate_token(

@@ -10,6 +10,13 @@
  AND (t.status IN ({{terminal_states}})
       OR (t.status IN ({{retryable_states}}) AND t.retry_count >= t.max_retries)))
 
+-- fragment: remember(ids)
+-- A tombstone for each id deleted (table purged, 0018): a later read or wait says so. An id
+-- can be deleted twice (a task's id comes from its idempotency key, which is free again once
+-- it is deleted): the tombstone then tells the later time.
+INSERT INTO purged (id) SELECT DISTINCT id FROM ({{ids}}) AS deleted
+ON CONFLICT (id) DO UPDATE SET purged_at = now()
+
 -- name: purge_tasks
 -- Up to $1 tasks outside any workflow that ended $2 seconds ago or longer, oldest first,
 -- deleted with their history. Returns the ids deleted. A workflow's tasks stay until the whole
@@ -25,6 +32,8 @@ WITH doomed AS (
     FOR UPDATE OF t SKIP LOCKED
 ), history AS (
     DELETE FROM task_events e USING doomed d WHERE e.task_id = d.id
+), remembered AS (
+    {{remember(SELECT id FROM doomed)}}
 )
 DELETE FROM tasks t USING doomed d WHERE t.id = d.id
 RETURNING t.id
@@ -47,6 +56,8 @@ WITH doomed AS (
     SELECT t.id FROM tasks t JOIN doomed d ON t.workflow_id = d.id
 ), history AS (
     DELETE FROM task_events e USING members m WHERE e.task_id = m.id
+), remembered AS (
+    {{remember(SELECT id FROM members UNION ALL SELECT id FROM doomed)}}
 ), gone AS (
     DELETE FROM workflows w USING doomed d WHERE w.id = d.id
     RETURNING w.id
@@ -68,3 +79,32 @@ WITH doomed AS (
     RETURNING 1
 )
 SELECT count(*) FROM gone
+
+-- name: purge_tombstones
+-- Up to $1 tombstones (purged) of ids deleted $2 seconds ago or longer, deleted: past that a
+-- read of such an id answers as for one never admitted. Returns how many.
+WITH doomed AS (
+    SELECT p.id FROM purged p
+    WHERE p.purged_at < now() - make_interval(secs => $2)  -- purged_at
+    ORDER BY p.purged_at
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+), gone AS (
+    DELETE FROM purged p USING doomed d WHERE p.id = d.id
+    RETURNING 1
+)
+SELECT count(*) FROM gone
+
+-- name: tasks_purged
+-- Of these task ids, those retention deleted (and still remembers) with no task of that id
+-- since (one with the same idempotency key), with when.
+SELECT p.id, p.purged_at FROM purged p
+WHERE p.id = ANY($1::uuid[]) AND NOT EXISTS (SELECT 1 FROM tasks t WHERE t.id = p.id)
+
+-- name: purged_when
+-- When retention deleted this id (a task's or a workflow's), if it still remembers.
+SELECT purged_at FROM purged WHERE id = $1::uuid
+
+-- name: purged_when_text
+-- The same as text (the CLI's synchronous read: shared.store.quick).
+SELECT purged_at::text FROM purged WHERE id = $1::uuid
