@@ -53,7 +53,7 @@ def default_name(role: Role) -> str:
 
 
 def check_name(name: str) -> str:
-    if not NAME.match(name):
+    if not NAME.fullmatch(name):  # match() would take "ci\n": $ matches before a last \n
         raise InvalidSpec(
             f"a token name is 1-63 letters, digits or _.@- (starting with a letter or digit): "
             f"{name!r}"
@@ -66,6 +66,11 @@ def bearer(header: str | None) -> str | None:
     if not header:
         return None
     scheme, _, value = header.strip().partition(" ")
-    if scheme.lower() != "bearer" or not value.strip():
+    value = value.strip()
+    if scheme.lower() != "bearer" or not value:
         return None
-    return value.strip()
+    # a secret is ASCII (sked_ and URL-safe base64); aiohttp keeps a header's undecodable
+    # bytes as lone surrogates, which no digest could encode: such a value is no token
+    if not (value.isascii() and value.isprintable()):
+        return None
+    return value

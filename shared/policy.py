@@ -5,6 +5,7 @@ lists narrow what that code may be (README, "Trust model"). Empty lists allow ev
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -36,6 +37,12 @@ class JobPolicy:
         if not self.commands:
             return None
         program = job.argv[0]
-        if any(program == p or (p.endswith("/") and program.startswith(p)) for p in self.commands):
+        # a directory allows the programs below it by their path's prefix, so only a path
+        # already normal is judged by it: "/opt/jobs/../../bin/sh" starts with "/opt/jobs/"
+        normal = program.startswith("/") and posixpath.normpath(program) == program
+        if any(
+            program == p or (normal and p.endswith("/") and program.startswith(p))
+            for p in self.commands
+        ):
             return None
         return f"command {program!r} is not allowed here (allowed: {', '.join(self.commands)})"

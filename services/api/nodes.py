@@ -18,6 +18,7 @@ from services.api.ops import (
     actor,
     audit,
     body,
+    limit_param,
     number_param,
     op,
     reply,
@@ -176,8 +177,6 @@ async def revoke_token(request: web.Request) -> web.StreamResponse:
     query=(AUDIT_LIMIT, AUDIT_TOKEN),
 )
 async def read_audit(request: web.Request) -> web.StreamResponse:
-    text = request.query.get("limit", "100")
-    if not text.isdigit() or not 1 <= int(text) <= 1000:
-        raise ApiError(400, f"limit must be an integer from 1 to 1000: {text!r}")
-    rows = await store(request).tokens.audit_log(int(text), request.query.get("token"))
+    limit = limit_param(request, 1000)
+    rows = await store(request).tokens.audit_log(limit, request.query.get("token"))
     return reply([r.as_json() for r in rows])

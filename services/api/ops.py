@@ -175,6 +175,9 @@ def guarded(o: Op) -> Handler:
             bad = jsonvalue.bad_text(name) or jsonvalue.bad_text(value)
             if bad:
                 raise ApiError(400, f"query parameter {name!r} holds {bad}")
+        for name, value in request.match_info.items():  # nor a path's part (a node's id)
+            if bad := jsonvalue.bad_text(value):
+                raise ApiError(400, f"{name} holds {bad}")
         return await o.handler(request)
 
     return handle
@@ -211,6 +214,17 @@ def store(request: web.Request) -> Store:
 
 def token(request: web.Request) -> TokenRow:
     return TOKEN.get()
+
+
+DIGITS = re.compile(r"[0-9]{1,9}")  # ASCII: str.isdigit() takes "²", which int() refuses
+
+
+def limit_param(request: web.Request, most: int) -> int:
+    """A listing's `limit` (100 when not given): an integer from 1 to `most`, else 400."""
+    text = request.query.get("limit", "100")
+    if not DIGITS.fullmatch(text) or not 1 <= int(text) <= most:
+        raise ApiError(400, f"limit must be an integer from 1 to {most}: {text!r}")
+    return int(text)
 
 
 def actor(request: web.Request, on_behalf: str | None = None) -> str:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 import typing
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 from uuid import UUID
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, create_model
 
 from shared.auth import Role
 from shared.bus import DeadLetter
@@ -60,26 +60,41 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class PauseBody(_Body):
-    reason: str = Field(min_length=1, max_length=MAX_TEXT)
-    by: str | None = Field(
+def _printable(text: str | None) -> str | None:
+    """Who a change was made for is one line of plain text: a line break or a terminal's
+    escape in it would let a caller forge a line of the task's history as shown."""
+    if text is not None and not text.isprintable():
+        raise ValueError("must be printable text: no line breaks or control characters")
+    return text
+
+
+OnBehalf = Annotated[
+    str | None,
+    Field(
         default=None,
         max_length=200,
         description="on whose behalf; recorded after the token's name, never instead of it",
-    )
+    ),
+    AfterValidator(_printable),
+]
+
+
+class PauseBody(_Body):
+    reason: str = Field(min_length=1, max_length=MAX_TEXT)
+    by: OnBehalf = None
 
 
 class CancelBody(_Body):
     reason: str = Field(default="", max_length=MAX_TEXT)
-    by: str | None = Field(default=None, max_length=200)
+    by: OnBehalf = None
 
 
 class ResumeBody(_Body):
-    by: str | None = Field(default=None, max_length=200)
+    by: OnBehalf = None
 
 
 class PriorityBody(_Body):
-    priority: int
+    priority: StrictInt  # not true, nor "7"
 
 
 class CordonBody(_Body):

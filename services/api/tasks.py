@@ -22,6 +22,7 @@ from services.api.ops import (
     body,
     client,
     json_body,
+    limit_param,
     op,
     parse_uuid,
     reply,
@@ -54,10 +55,7 @@ AFTER = Param(
 
 
 def _limit(request: web.Request) -> int:
-    text = request.query.get("limit", "100")
-    if not text.isdigit() or not 1 <= int(text) <= MAX_LIST:
-        raise ApiError(400, f"limit must be an integer from 1 to {MAX_LIST}: {text!r}")
-    return int(text)
+    return limit_param(request, MAX_LIST)
 
 
 def workflow_json(view: WorkflowView) -> dict[str, Any]:

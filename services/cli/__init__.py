@@ -55,7 +55,7 @@ def command(name: str, is_async: bool = True, module: str = "services.cli.comman
 
 def _page_size(text: str) -> int:
     """A listing's --limit: the operator API's bounds (services.api.tasks.MAX_LIST)."""
-    if not text.isdigit() or not 1 <= int(text) <= 1000:
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 1000:
         raise argparse.ArgumentTypeError(f"an integer from 1 to 1000: {text!r}")
     return int(text)
 

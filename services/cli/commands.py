@@ -177,7 +177,7 @@ async def _list(args: argparse.Namespace) -> int:
         print_json([t.as_json() for t in tasks])
         return 0
     for t in tasks:
-        print(f"{t.id}  {t.status.label:<10}  {t.attempt:>3}  {t.priority:>5}  {t.name}")
+        print(f"{t.id}  {t.status.label:<10}  {t.attempt:>3}  {t.priority:>5}  {printable(t.name)}")
     if len(tasks) == args.limit:  # on stderr: what a pipe reads stays the listing
         again = [f"--status {shlex.quote(s)}" for s in args.status or ()]
         if args.name is not None:
@@ -196,7 +196,8 @@ async def _workflows(args: argparse.Namespace) -> int:
         return 0
     for w in found:
         counts = " ".join(f"{n} {State(s).label}" for s, n in sorted(w.counts.items()))
-        print(f"{w.id}  {w.status():<9}  {w.created_at:%Y-%m-%d %H:%M:%S}  {w.name}  ({counts})")
+        when = f"{w.created_at:%Y-%m-%d %H:%M:%S}"
+        print(f"{w.id}  {w.status():<9}  {when}  {printable(w.name)}  ({counts})")
     if len(found) == args.limit:  # on stderr: what a pipe reads stays the listing
         again = [] if args.name is None else [f"--name {shlex.quote(args.name)}"]
         again.append(f"--limit {args.limit}")
@@ -214,7 +215,7 @@ async def _events(args: argparse.Namespace) -> int:
         source = e.from_status.label if e.from_status else "-"
         print(
             f"v{e.version:<3} {e.at.isoformat()}  attempt {e.attempt}  "
-            f"{source} -> {e.to_status.label}  {e.reason}"
+            f"{source} -> {e.to_status.label}  {printable(e.reason)}"
         )
     return 0
 
@@ -246,7 +247,7 @@ async def _wait(args: argparse.Namespace) -> int:
             return 1
     failed = [t for t in done.values() if t.status is not State.SUCCESS]
     for t in failed:
-        print(f"{t.id} {t.status.label}: {t.error or t.status_reason}", file=sys.stderr)
+        print(f"{t.id} {t.status.label}: {printable(t.error or t.status_reason)}", file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -262,7 +263,7 @@ async def _control(args: argparse.Namespace) -> int:
     if args.json:
         print_json(task.as_json())
     else:
-        print(f"{task.id} {task.status.label}: {task.status_reason}")
+        print(f"{task.id} {task.status.label}: {printable(task.status_reason)}")
     return 0
 
 
@@ -279,7 +280,7 @@ async def _workflow_control(args: argparse.Namespace) -> int:
         print_json([t.as_json() for t in moved])
         return 0
     for task in moved:
-        print(f"{task.id} {task.wf_task or task.name}: {task.status.label}")
+        print(f"{task.id} {printable(task.wf_task or task.name)}: {task.status.label}")
     done = {"pause": "paused", "resume": "resumed", "cancel": "canceled"}[args.action]
     print(f"{len(moved)} tasks of workflow {workflow_id} {done}", file=sys.stderr)
     return 0
@@ -294,7 +295,7 @@ async def _priority(args: argparse.Namespace) -> int:
     for task in changed:
         own = task.spec.priority
         note = "" if own == task.priority else f" (own {own}, inherited from downstream)"
-        print(f"{task.id} {task.wf_task or task.name}: priority {task.priority}{note}")
+        print(f"{task.id} {printable(task.wf_task or task.name)}: priority {task.priority}{note}")
     return 0
 
 
@@ -353,9 +354,9 @@ async def _workflow(args: argparse.Namespace) -> int:
     elif args.json:
         print_json(workflow_json(view))
     else:
-        print(f"workflow {view.id}  {view.name}  {view.status()}  {view.counts()}")
+        print(f"workflow {view.id}  {printable(view.name)}  {view.status()}  {view.counts()}")
         for t in view.tasks:
-            print(f"  {t.id}  {t.status.label:<10}  {t.wf_task}")
+            print(f"  {t.id}  {t.status.label:<10}  {printable(t.wf_task or '')}")
     return 0
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from services.cli.output import print_json, run
+from services.cli.output import print_json, printable, run
 from shared.errors import SkedError
 
 if TYPE_CHECKING:  # loaded when the command runs: building the parser stays cheap
@@ -39,7 +39,8 @@ def _line(state: DegradeState) -> str:
         return "normal: everything is dispatched"
     how = "automatic" if state.automatic else f"set by {state.set_by or '-'}"
     until = f" until {state.until.isoformat()}" if state.until else " until lifted"
-    return f"{mode.value} since {state.since.isoformat()}{until} ({how}): {state.reason}"
+    line = f"{mode.value} since {state.since.isoformat()}{until} ({how}): {state.reason}"
+    return printable(line)  # who and why come from an operator's free text
 
 
 async def _degrade(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from services.cli.output import print_json, run, seconds
+from services.cli.output import print_json, printable, run, seconds
 
 if TYPE_CHECKING:
     from shared.cordon import Drain
@@ -46,7 +46,7 @@ def _show(n: NodeRow, as_json: bool) -> None:
         print_json(n.as_json())
     elif n.cordoned_at is not None:
         why = f": {n.cordon_reason}" if n.cordon_reason else ""
-        print(f"{n.id} cordoned by {n.cordoned_by} at {n.cordoned_at.isoformat()}{why}")
+        print(printable(f"{n.id} cordoned by {n.cordoned_by} at {n.cordoned_at.isoformat()}{why}"))
     else:
         print(f"{n.id} {state_of(n)}: takes new work")
 

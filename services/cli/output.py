@@ -93,7 +93,9 @@ def status_lines(task: Task) -> list[str]:
         lines.append(
             f"{label} by {task.paused_by} at {task.paused_at.isoformat()}: {task.paused_reason}"
         )
-    return lines
+    # names, reasons and errors come from producers, operators and tasks' own output: a
+    # terminal escape or line break among them is shown, not acted on
+    return [printable(line) for line in lines]
 
 
 def workflow_json(view: WorkflowView) -> dict[str, Any]:

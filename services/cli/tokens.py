@@ -13,7 +13,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from services.cli.output import print_json, run
+from services.cli.output import print_json, printable, run
 from shared.errors import NotFound
 
 if TYPE_CHECKING:
@@ -93,5 +93,5 @@ async def _act(store: Store, args: argparse.Namespace) -> int:
     if args.json:
         print_json([r.as_json() for r in rows])
     for e in [] if args.json else rows:
-        print(f"{_when(e.at)}  {e.token:<20} {e.action:<16} {e.target}  {e.detail}")
+        print(f"{_when(e.at)}  {e.token:<20} {e.action:<16} {printable(f'{e.target}  {e.detail}')}")
     return 0

@@ -1,15 +1,20 @@
 """A refused message as an operator reads it (`sked dead`, GET /v1/dead): whatever the message
 holds — headers of any type, a body that is not text, characters a terminal acts on — it is
-read without raising, bounded, and printed inert."""
+read without raising, bounded, and printed inert; and so is what `sked status` shows of a
+task that others wrote."""
 
 from __future__ import annotations
 
+import dataclasses
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 
-from services.cli.output import printable
+from services.cli.output import printable, status_lines
 from shared.bus import DEAD_PREVIEW, REASON_HEADER, dead_letter_of
+from tests.fakes.store import new_task
+from tests.helpers import spec
 
 
 def test_what_sked_wrote_is_read_back() -> None:
@@ -69,3 +74,20 @@ def test_printed_inert() -> None:
     assert shown.isprintable()
     assert shown == "ok\\x1b[2J\\x1b]0;owned\\x07\\r\\nnext\\u202eevil\\x00"
     assert printable("naïve 漢字") == "naïve 漢字"  # text stays as it is
+
+
+def test_a_task_s_status_shows_what_others_wrote_inert() -> None:
+    """`sked status` prints a task's name (a producer's), its error (its own output) and who
+    paused it and why (an operator's): none of it can clear the screen or forge a line."""
+    task = new_task(spec("nightly\x1b[2J"))
+    task = dataclasses.replace(
+        task,
+        error="boom\r\nstatus:    success\x1b]0;owned\x07",
+        paused_by="token:ops for bob\u202e",
+        paused_at=datetime.now(UTC),
+        paused_reason="why\nnot",
+    )
+    lines = status_lines(task)
+    assert all(line.isprintable() for line in lines), lines
+    assert "error:     boom\\r\\nstatus:    success\\x1b]0;owned\\x07" in lines
+    assert sum(line.startswith("status:") for line in lines) == 1

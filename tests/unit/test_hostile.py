@@ -195,6 +195,7 @@ def test_an_allowlist_narrows_what_runs() -> None:
         HandlerJob(handler="myapp.jobs.x:f"),
         HandlerJob(handler="reports.build:main"),
         CommandJob(argv=["/usr/bin/env"]),
+        CommandJob(argv=["/usr/bin/sub/tool"]),
         CommandJob(argv=["rsync", "-a"]),
     ]
     refused = [
@@ -203,6 +204,10 @@ def test_an_allowlist_narrows_what_runs() -> None:
         HandlerJob(handler="reports:main"),
         CommandJob(argv=["/bin/sh"]),
         CommandJob(argv=["/usr/bin2/x"]),
+        # a directory's programs are judged by their path's prefix only when it is normal
+        CommandJob(argv=["/usr/bin/../../bin/sh"]),
+        CommandJob(argv=["/usr/bin/./../sbin/x"]),
+        CommandJob(argv=["/usr/bin//x"]),
     ]
     assert [policy.refuses(j) for j in ok] == [None] * len(ok)
     assert all(policy.refuses(j) for j in refused)
