@@ -11,13 +11,19 @@ from __future__ import annotations
 import graphlib
 from collections.abc import Iterable, Mapping
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, model_validator
 
 from shared.errors import InvalidSpec
 from shared.fsm import State
 from shared.models import NEW, TaskSpec, describe
+
+MAX_DEPENDENCY_WAIT_S = 366 * 86_400.0  # a dependency's timeout: a year at most
+MAX_CAPACITY = 1_000_000  # a named resource's holders at once
+# what a workflow task's options may not set: the workflow task's own name and job are the
+# task's (a downstream's inputs are keyed by the upstream's name)
+NOT_OPTIONS = frozenset({"name", "job"})
 
 
 class Condition(StrEnum):
@@ -30,11 +36,12 @@ class Edge(BaseModel):
     """One dependency: this task needs `task`, under `condition`, waiting at most
     `timeout_s`, then `on_timeout`: skip it, go on with `default` as its input, or fail."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     task: str
     condition: Condition = Condition.ON_SUCCESS
-    timeout_s: float | None = Field(default=None, gt=0)
+    # bounded, as every duration a task spec takes: Postgres adds it to a timestamp
+    timeout_s: float | None = Field(default=None, gt=0, le=MAX_DEPENDENCY_WAIT_S)
     on_timeout: Literal["skip", "default", "fail"] = "fail"
     default: JsonValue = None
 
@@ -42,7 +49,7 @@ class Edge(BaseModel):
 class WorkflowTask(BaseModel):
     """A task as written in a workflow file: `command` or `handler`, plus `needs` and `uses`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     name: str = Field(min_length=1, max_length=200)
     command: list[str] | None = None
@@ -61,13 +68,19 @@ class WorkflowTask(BaseModel):
             return data
         known = {"name", "command", "image", "handler", "args", "needs", "uses", "options"}
         out = {k: v for k, v in data.items() if k in known}
+        given = data.get("options") or {}
+        needs = data.get("needs") or []  # YAML's empty `needs:` is null
+        # raised as ValueError: pydantic names the field for it (a TypeError would escape)
+        if not isinstance(given, dict):
+            raise ValueError(f"options must be a mapping, not {type(given).__name__}")
+        if not isinstance(needs, list):
+            raise ValueError(f"needs must be a list of task names, not {type(needs).__name__}")
         # the file form puts options at the task's top level; the dumped form, under "options"
-        out["options"] = {
-            **(data.get("options") or {}),
-            **{k: v for k, v in data.items() if k not in known},
-        }
+        out["options"] = {**given, **{k: v for k, v in data.items() if k not in known}}
+        if taken := sorted(NOT_OPTIONS & out["options"].keys()):
+            raise ValueError(f"{', '.join(taken)} cannot be set as an option")
         # `needs: [extract]` is short for `needs: [{task: extract}]`
-        out["needs"] = [{"task": n} if isinstance(n, str) else n for n in data.get("needs", [])]
+        out["needs"] = [{"task": n} if isinstance(n, str) else n for n in needs]
         return out
 
     def spec(self) -> TaskSpec:
@@ -89,10 +102,10 @@ class WorkflowTask(BaseModel):
 
 
 class WorkflowSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     name: str = Field(min_length=1, max_length=200)
-    resources: dict[str, int] = Field(default_factory=dict)
+    resources: dict[str, Annotated[int, Field(le=MAX_CAPACITY)]] = Field(default_factory=dict)
     tasks: list[WorkflowTask] = Field(min_length=1, max_length=100_000)
 
     @classmethod
@@ -117,9 +130,13 @@ class WorkflowSpec(BaseModel):
                 raise InvalidSpec(f"resource {name!r}: capacity must be at least 1")
         keys: dict[str, str] = {}
         for task in self.tasks:
+            upstreams: set[str] = set()
             for edge in task.needs:
                 if edge.task not in seen:
                     raise InvalidSpec(f"task {task.name!r} needs unknown task {edge.task!r}")
+                if edge.task in upstreams:  # one edge a pair: two conditions cannot both hold
+                    raise InvalidSpec(f"task {task.name!r} needs {edge.task!r} twice")
+                upstreams.add(edge.task)
             for resource in task.uses:
                 if resource not in self.resources:
                     raise InvalidSpec(f"task {task.name!r} uses undeclared resource {resource!r}")

@@ -90,7 +90,10 @@ def _keyed(secret: str) -> hmac.HMAC:
 
 
 def token_ok(secret: str, task_id: UUID, attempt: int, presented: str) -> bool:
-    return hmac.compare_digest(token(secret, task_id, attempt), presented)
+    # compared as bytes: compare_digest raises TypeError for a str with any non-ASCII
+    # character, which a forged token may hold (aiohttp keeps undecodable bytes as surrogates)
+    given = presented.encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(token(secret, task_id, attempt).encode(), given)
 
 
 class Rung(StrEnum):

@@ -15,7 +15,7 @@ from typing import Any
 from uuid import UUID
 
 from shared.errors import InvalidSpec, one_line
-from shared.jsonvalue import Unsafe, parse
+from shared.jsonvalue import Unsafe, parse, same_json
 from shared.models import TaskSpec, task_id_for
 from shared.policy import JobPolicy
 
@@ -220,4 +220,4 @@ def same_spec(stored_json: str, spec: TaskSpec) -> bool:
     fresh = spec.model_dump(mode="json")
     stored.pop("priority", None)
     fresh.pop("priority", None)
-    return bool(stored == fresh)
+    return same_json(stored, fresh)

@@ -207,3 +207,36 @@ def clean(value: Any) -> Any:
         else:
             raise ValueError(f"{type(item).__name__} is not a JSON type")
     return root[0]
+
+
+def same_json(a: Any, b: Any) -> bool:
+    """Whether two parsed JSON values are the same JSON, numbers compared by value: Postgres's
+    jsonb keeps a number as an exact decimal, so a float such as 1e23 reads back as the
+    integer 10**23, which Python's == tells from the float it was. Iterative, as `storable`."""
+    todo = [(a, b)]
+    while todo:
+        x, y = todo.pop()
+        if isinstance(x, bool) or isinstance(y, bool):  # true is not 1 in JSON
+            if x is not y:
+                return False
+        elif isinstance(x, int | float) and isinstance(y, int | float):
+            if x != y and not _same_number(x, y):
+                return False
+        elif isinstance(x, dict) and isinstance(y, dict):
+            if x.keys() != y.keys():
+                return False
+            todo.extend((v, y[k]) for k, v in x.items())
+        elif isinstance(x, list) and isinstance(y, list):
+            if len(x) != len(y):
+                return False
+            todo.extend(zip(x, y, strict=True))
+        elif type(x) is not type(y) or x != y:
+            return False
+    return True
+
+
+def _same_number(x: float, y: float) -> bool:
+    try:
+        return float(x) == float(y)
+    except OverflowError:  # an integer past any float: only an equal integer is the same
+        return False

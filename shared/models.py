@@ -39,7 +39,9 @@ LABEL_MAX = 253  # characters of a label's key or value there
 
 
 class _Input(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NaN and Infinity are no JSON numbers: refused here, not sent as the null pydantic
+    # writes for them (a handler would run with None where its caller passed NaN)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 MIN_PRIORITY, MAX_PRIORITY = -1000, 1000

@@ -26,6 +26,7 @@ from shared.dag import (
 )
 from shared.errors import InvalidSpec
 from shared.fsm import State
+from shared.jsonvalue import same_json
 from shared.models import Task
 from shared.store import Store
 
@@ -54,7 +55,7 @@ async def admit(
     async with store.transaction() as tx:
         if not await tx.workflows.insert(workflow_id, spec.name, submitted):
             stored = await tx.workflows.spec(workflow_id)
-            if stored != submitted:
+            if not same_json(stored, submitted):
                 raise InvalidSpec(
                     f"workflow id {workflow_id} already names a different workflow: a message id "
                     "stands for one workflow"
@@ -78,6 +79,13 @@ async def admit(
                     raise InvalidSpec(
                         f"task {wanted.name!r}: idempotency key "
                         f"{task.idempotency_key!r} already names task {task.id}"
+                    )
+                if task.workflow_id != workflow_id:
+                    # its id (from the workflow's and the task's names, which a producer
+                    # may know) was taken before this workflow was: never adopt that task
+                    raise InvalidSpec(
+                        f"task {wanted.name!r}: its id {task.id} already names a task "
+                        "outside this workflow"
                     )
             if walk is ROOT_WALK:
                 ready = tasks

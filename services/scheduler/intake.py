@@ -223,12 +223,14 @@ class Intake(Part):
         finally:
             hooks.finished(handles)
         # a task id that named a task already: the same submission again is harmless; another
-        # spec under the same idempotency key (or message id) is refused, not swallowed
+        # spec under the same idempotency key (or message id) is refused, not swallowed, and
+        # so is a key held by a task of another id (a workflow's): the id the producer was
+        # given would name no task
         refused = [
-            s.refused(_conflict(s.accepted, existing[s.accepted.task_id]))
+            s.refused(_conflict(s.accepted, found))
             for s in subs
-            if s.accepted.task_id in existing
-            and not same_spec(existing[s.accepted.task_id].spec_json, s.accepted.spec)
+            if (found := existing.get(s.accepted.task_id)) is not None
+            and (found.id != s.accepted.task_id or not same_spec(found.spec_json, s.accepted.spec))
         ]
         return ready, refused
 
@@ -270,7 +272,8 @@ class Intake(Part):
     ) -> tuple[list[Task], dict[UUID, Task]]:
         """Create tasks and walk the new ones Created -> Pending -> Ready (one statement).
         Returns the new tasks (Ready, or placed already), and the tasks that existed already,
-        by id.
+        by the id each was asked for under (a task found by its idempotency key may have
+        another).
 
         When nothing is queued ahead of them, they are placed by the same statement and skip
         the Redis queue: no older or higher task waits, so the order is the same, and a
@@ -298,7 +301,7 @@ class Intake(Part):
         hub.admitting(dict.fromkeys(ids, fsm.walked_version(ADMISSION)))
         admitted = await self.store.tasks.admit_many(specs, ids, ADMISSION, traceparents, placing)
         new = [t for t, fresh in admitted if fresh]
-        existing = {t.id: t for t, fresh in admitted if not fresh}
+        existing = {i: t for i, (t, fresh) in zip(ids, admitted, strict=True) if not fresh}
         hub.forget_admitting(existing)
         moved = [t for t in new if t.status is State.SCHEDULING]
         ready = [t for t in new if t.status is State.READY]
@@ -346,6 +349,11 @@ class Intake(Part):
 def _conflict(accepted: Accepted, existing: Task | None = None) -> str:
     key = accepted.spec.idempotency_key
     named = f"idempotency key {key!r}" if key is not None else "its message id"
+    if existing is not None and existing.workflow_id is not None:
+        return (
+            f"{named} already names task {existing.id}, task {existing.wf_task!r} of workflow "
+            f"{existing.workflow_id}: a key stands for one task; use a new one for this task"
+        )
     where = f"task {existing.id}" if existing is not None else f"task {accepted.task_id}"
     return (
         f"{named} already names {where}, submitted with a different spec: a key (or message "

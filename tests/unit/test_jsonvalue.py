@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from shared import jsonvalue
 from shared.jsonvalue import MAX_DEPTH, Unsafe, parse, problem
 
 TEXT = st.text(alphabet=st.sampled_from(["a", "é", "\x00", "\ud800", "\udfff", "\\", '"', "u"]))
@@ -98,3 +99,27 @@ def test_what_only_escapes_and_literals_carry_is_still_found(text: str, reason: 
 def test_an_escaped_backslash_before_u0000_is_text_not_a_nul() -> None:
     assert verdict('{"a": "\\\\u0000"}') is None  # falls back to the walk, which agrees
     assert parse(b'{"a": "\\ud83d\\ude00"}') == {"a": "\U0001f600"}  # a surrogate pair
+
+
+def test_same_json_compares_numbers_by_value_and_nothing_else_loosely() -> None:
+    """A spec read back from jsonb against the one submitted again: 1e23 comes back as the
+    integer 10**23 and is the same number; true is not 1, "1" is not 1, and an integer past
+    any float is the same only as an equal integer."""
+    same = [
+        (1e23, 10**23),
+        ({"a": [1.5, {"b": 1e-7}]}, {"a": [1.5, {"b": 1e-7}]}),
+        (10**400, 10**400),
+        (2, 2.0),
+    ]
+    different = [
+        (True, 1),
+        (1, True),
+        ("1", 1),
+        (None, 0),
+        ([1, 2], [2, 1]),
+        ({"a": 1}, {"a": 1, "b": 2}),
+        (10**400, 1e308),
+        ({"a": [1]}, {"a": [[1]]}),
+    ]
+    assert all(jsonvalue.same_json(a, b) and jsonvalue.same_json(b, a) for a, b in same)
+    assert not any(jsonvalue.same_json(a, b) for a, b in different)

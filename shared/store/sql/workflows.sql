@@ -32,11 +32,12 @@ FOR UPDATE
 
 -- name: edges_of
 -- Every edge into these tasks, with the upstream's state, output, and whether the wait for it
--- has passed its timeout (measured from when the task last entered Pending).
+-- has passed its timeout (measured from when the task last entered Pending). In seconds, not
+-- as updated_at + timeout: no stored timeout can overflow a timestamp.
 SELECT d.task_id, d.upstream_id, d.condition, u.status, u.retry_count, u.max_retries,
        d.timeout_s, d.on_timeout, d.timed_out_at, d.default_value, u.wf_task AS upstream_name,
        u.kind AS upstream_kind, u.result AS upstream_result,
-       t.updated_at + make_interval(secs => d.timeout_s) <= now() AS overdue
+       extract(epoch FROM now() - t.updated_at) >= d.timeout_s AS overdue
 FROM task_deps d JOIN tasks u ON u.id = d.upstream_id JOIN tasks t ON t.id = d.task_id
 WHERE d.task_id = ANY($1::uuid[])
 
@@ -73,8 +74,9 @@ SELECT EXISTS (SELECT 1 FROM task_deps WHERE task_id = $1)
 
 -- name: resources_held
 -- Each named resource of these workflows: its capacity, and how many units its tasks in
--- Scheduling or Running hold now. Read under the placement locks, so it is current.
-SELECT w.id AS workflow_id, r.name, r.capacity::int AS capacity,
+-- Scheduling or Running hold now. Read under the placement locks, so it is current. A
+-- capacity past an int (stored before dag.MAX_CAPACITY bounded it) reads as the int's most.
+SELECT w.id AS workflow_id, r.name, LEAST(r.capacity::numeric, 2147483647)::int AS capacity,
        (SELECT count(*) FROM tasks t
         WHERE t.workflow_id = w.id AND t.status IN ({{slot_states}})
           AND r.name = ANY(t.uses)) AS held
