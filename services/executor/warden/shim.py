@@ -340,7 +340,12 @@ def exec_leader(
         else:
             null = os.open(os.devnull, os.O_RDONLY)
             os.dup2(null, 0)
-            log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            # made anew: whatever an earlier attempt put at this (findable) path — a FIFO
+            # whose open would wait forever, a symlink to another file — is not opened
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(req["log"])
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+            log = os.open(req["log"], flags, 0o644)
             os.dup2(log, 1)
             os.dup2(log, 2)
         os.closerange(3, err)

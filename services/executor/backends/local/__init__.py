@@ -23,6 +23,7 @@ from pydantic_core import to_json
 
 from services.executor.backends import Key, Launch, OneNode, Outcome
 from services.executor.backends.local.env import task_base_env, task_env
+from services.executor.backends.local.files import remove
 from services.executor.backends.local.outputs import prune_logs, tail, with_output
 from services.executor.backends.local.pool import Stopped, WorkerPool
 from services.executor.backends.local.process import Proc, SpawnError, Warden, exit_text
@@ -112,7 +113,7 @@ class LocalBackend(OneNode):
         self._lock = self._take_lock()
         self.reaped = self._records.reap()
         for stale in [*self._worker_out.iterdir(), *self._io.iterdir()]:
-            stale.unlink(missing_ok=True)
+            remove(stale)  # whatever an attempt left there: a task may make it a directory
         await self._warden.start()
         self._started = True
         await self._pool.warm(self.warm_workers)
@@ -212,7 +213,7 @@ class LocalBackend(OneNode):
                 inputs_path.write_text(json.dumps(launch.inputs))
                 io_env["SKED_INPUTS"] = str(inputs_path)
             if output_path is not None:
-                output_path.unlink(missing_ok=True)
+                remove(output_path)
                 io_env["SKED_OUTPUT"] = str(output_path)
             if io_env:
                 launch = replace(launch, env={**launch.env, **io_env})
@@ -232,9 +233,9 @@ class LocalBackend(OneNode):
         finally:
             del self._runs[key]
             if inputs_path is not None:
-                inputs_path.unlink(missing_ok=True)
+                remove(inputs_path)
             if output_path is not None:  # a handler's attempt never has one
-                output_path.unlink(missing_ok=True)
+                remove(output_path)
 
     def _log_name(self, stem: str) -> str:
         # a string: a handler job builds one, and a Path and its str cost ~8 µs a job

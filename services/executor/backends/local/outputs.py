@@ -4,6 +4,7 @@ log file deleted once retention says so."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Set
@@ -12,12 +13,17 @@ from pathlib import Path
 from typing import Any
 
 from services.executor.backends import Key, Outcome
+from services.executor.backends.local.files import open_regular, remove
 from services.executor.backends.local.worker import MAX_REPLY_BYTES, describe
 
+log = logging.getLogger(__name__)
 
-def tail(path: Path, size: int) -> str:
+
+def tail(path: Path | str, size: int) -> str:
+    """The last `size` bytes of a log, as text; "" for anything but a regular file (a task
+    may have put a FIFO in its place, whose open would wait for a writer forever)."""
     try:
-        with path.open("rb") as f:
+        with open_regular(path) as f:
             end = f.seek(0, os.SEEK_END)
             f.seek(max(0, end - size))
             data = f.read(size)
@@ -36,16 +42,21 @@ def with_output(outcome: Outcome, path: Path) -> Outcome:
     if not outcome.ok:
         return outcome
     try:
-        size = path.stat().st_size
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
+            data = f.read(MAX_REPLY_BYTES + 1) if 0 < size <= MAX_REPLY_BYTES else b""
     except FileNotFoundError:
         return outcome  # declared nothing
+    except OSError as exc:  # a directory, a FIFO, a symlink in its place
+        error = f"declared output in $SKED_OUTPUT cannot be read: {describe(exc)}"
+        return Outcome.failed(error, outcome.log_tail)
     if size == 0:
         return outcome
-    if size > MAX_REPLY_BYTES:
-        error = f"declared output too large: {size} bytes in $SKED_OUTPUT"
+    if size > MAX_REPLY_BYTES or len(data) > MAX_REPLY_BYTES:
+        error = f"declared output too large: {max(size, len(data))} bytes in $SKED_OUTPUT"
         return Outcome.failed(error, outcome.log_tail)
     try:
-        output = json.loads(path.read_bytes(), parse_constant=_refuse_constant)
+        output = json.loads(data, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         error = f"declared output in $SKED_OUTPUT is not JSON: {describe(exc)}"
         return Outcome.failed(error, outcome.log_tail)
@@ -66,8 +77,10 @@ def prune_logs(directory: Path, older_than_s: float, keep: Set[Key]) -> int:
                 continue
             try:
                 if entry.stat(follow_symlinks=False).st_mtime < before:
-                    os.unlink(entry.path)
+                    remove(entry.path)  # a task may have made its log a directory
                     deleted += 1
             except FileNotFoundError:
                 continue  # gone meanwhile
+            except OSError as exc:  # one entry's trouble stops no pass
+                log.warning("retention: cannot look at %s: %s", entry.path, exc)
     return deleted

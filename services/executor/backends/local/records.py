@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
+from services.executor.backends.local.files import remove
 from services.executor.warden.proctree import stat
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class Records:
                             path.stem,
                             record["pgid"],
                         )
-            path.unlink(missing_ok=True)  # and stray .tmp files
+            remove(path)  # and stray .tmp files (or what a task put here)
         return reaped
 
     def _kill_leftover(self, record: dict[str, Any]) -> bool:

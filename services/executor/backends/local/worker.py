@@ -35,6 +35,8 @@ from typing import Any
 
 from pydantic_core import from_json
 
+from shared import jsonvalue
+
 READY = b'{"ready": true}\n'
 # Replies are single lines; the backend's line reader is sized to this.
 MAX_REPLY_BYTES = 16 * 1024 * 1024
@@ -44,8 +46,12 @@ IO, WAIT, RUN = "io", "wait", "run"  # what the loop is doing when a nudge comes
 
 
 def describe(exc: BaseException) -> str:
-    """`ValueError: bad`, on one line."""
-    text = " ".join(str(exc).split())
+    """`ValueError: bad`, on one line; never raises (a handler's exception may not be able
+    to say what it is)."""
+    try:
+        text = " ".join(str(exc).split())
+    except Exception:
+        text = "(its message could not be read)"
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
@@ -264,7 +270,12 @@ class Worker:
             return _failure(describe(exc))
         try:
             reply = json.dumps({"ok": True, "result": result}, allow_nan=False).encode()
-        except (TypeError, ValueError) as exc:
+            if _may_be_unreadable(reply) and not _readable(reply):
+                # a lone surrogate's escape, or nesting past what the executor's parser
+                # takes: escaped as the executor would (outcome.storable), or refused
+                cleaned = jsonvalue.clean(result)
+                reply = json.dumps({"ok": True, "result": cleaned}, allow_nan=False).encode()
+        except Exception as exc:  # a result's own methods may raise anything, or recurse
             return _failure(f"result is not JSON: {describe(exc)}", show=False)
         if len(reply) >= MAX_REPLY_BYTES:
             return _failure(f"result too large: {len(reply)} bytes of JSON", show=False)
@@ -284,13 +295,35 @@ def _takes_inputs(handler: Callable[..., Any]) -> bool:
     )
 
 
+def _may_be_unreadable(reply: bytes) -> bool:
+    """Cheap: whether a reply might hold what pydantic's parser (the executor's) refuses."""
+    return b"\\ud" in reply or reply.count(b"[") + reply.count(b"{") > jsonvalue.MAX_DEPTH
+
+
+def _readable(reply: bytes) -> bool:
+    try:
+        from_json(reply)
+    except ValueError:
+        return False
+    return True
+
+
 def _failure(error: str, *, show: bool = True) -> bytes:
-    """The reply for a failed job; the traceback also goes to the job's log (stderr)."""
-    trace = traceback.format_exc() if show else ""
+    """The reply for a failed job; the traceback also goes to the job's log (stderr). Lone
+    surrogates (an exception's text may hold them) are written as their escapes' text."""
+    try:
+        trace = traceback.format_exc() if show else ""
+    except Exception:  # a frame's or an exception's own text that will not format
+        trace = ""
+    error, trace = _escaped(error[:2000]), _escaped(trace[-MAX_REPLY_BYTES // 2 :])
     if trace:
         sys.stderr.write(trace)
-    reply = {"ok": False, "error": error[:2000], "traceback": trace[-MAX_REPLY_BYTES // 2 :]}
-    return json.dumps(reply).encode() + b"\n"
+    return json.dumps({"ok": False, "error": error, "traceback": trace}).encode() + b"\n"
+
+
+def _escaped(text: str) -> str:
+    """`text` with each lone surrogate written as the text of its escape (`\\udc80`)."""
+    return text.encode("utf-8", "backslashreplace").decode()
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ from uuid import uuid4
 from pydantic_core import from_json
 
 from services.executor.backends.local import worker as worker_main
+from services.executor.backends.local.files import remove
 from services.executor.backends.local.process import Proc, Warden, exit_text
 from services.executor.backends.local.records import Records
 from services.executor.backends.local.replies import Replies
@@ -391,6 +392,6 @@ class Worker:
 
     def discard(self) -> None:
         """Remove its files; only once it is dead and its last output copied."""
-        self.out.unlink(missing_ok=True)
+        remove(self.out)  # a job may have made it a directory
         if self.record is not None:
-            self.record.unlink(missing_ok=True)
+            remove(self.record)

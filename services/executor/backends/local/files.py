@@ -1,0 +1,54 @@
+"""The files an attempt shares with its task (its log, its inputs, its declared output), read
+and removed as what the task may have made of them: the task runs as the executor's user, in
+a directory it can find, and may have put a FIFO, a symlink or a directory in a file's place.
+Nothing here blocks on such a thing, follows it, or raises for it where a task's doing must
+not stop the executor."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import shutil
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+log = logging.getLogger(__name__)
+
+
+class NotRegular(OSError):
+    """The path holds something other than a regular file (or a symlink to anything)."""
+
+
+@contextlib.contextmanager
+def open_regular(path: Path | str) -> Iterator[BinaryIO]:
+    """`path` opened for reading if it is a regular file: never following a symlink, never
+    waiting on a FIFO's writer. Raises FileNotFoundError, NotRegular, or another OSError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise NotRegular(errno.EINVAL, "a symlink, not a regular file", str(path)) from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegular(errno.EINVAL, "not a regular file", str(path))
+        yield f
+
+
+def remove(path: Path | str) -> None:
+    """Remove whatever is at `path`, a directory tree included; a failure is logged, never
+    raised."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return
+    except IsADirectoryError:
+        shutil.rmtree(path, ignore_errors=True)
+        if os.path.lexists(path):
+            log.warning("cannot remove the directory %s", path)
+    except OSError as exc:
+        log.warning("cannot remove %s: %s", path, exc)
