@@ -217,6 +217,26 @@ def flag_settings(args: argparse.Namespace, fields: dict[str, str], **extra: obj
     return Settings(**given, **extra)  # type: ignore[arg-type]
 
 
+PR_SET_DUMPABLE = 4
+
+
+def keep_private() -> None:
+    """Close this process to the other processes of its user — the tasks an executor runs are
+    among them: its /proc entries (its environment holds the database URL and the heartbeat
+    secret) become root's, and ptrace is refused (prctl PR_SET_DUMPABLE 0; no core dump, which
+    would hold the same). Root still reads them. An exec (the warden, a handler worker) is
+    dumpable again, and holds no secret. Linux only; elsewhere nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE) failed")
+    except (OSError, AttributeError) as exc:
+        log.warning("cannot close this process to its user's other processes: %s", exc)
+
+
 def run_service(
     service: str,
     settings: Settings,
@@ -235,6 +255,7 @@ def run_service(
         except ValueError as exc:
             print(f"sked service {service}: {exc}", file=sys.stderr)  # noqa: T201
             return 2
+    keep_private()
     from shared.store.db import named_dsn  # asyncpg: a service's import, not the CLI's
 
     # every session of this process shows as sked-<service> in pg_stat_activity

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import stat
 import threading
 import time
@@ -298,3 +299,27 @@ async def test_a_handler_error_that_escapes_the_worker_s_guard_ends_its_worker(
     assert not outcome.ok
     assert not (outcome.error or "").startswith("handler worker died"), outcome.error
     assert before == after, "the handler's worker died"
+
+
+def stop_my_shim() -> None:
+    """A handler that stops its own supervisor (its worker's parent), then waits."""
+    os.kill(os.getppid(), signal.SIGSTOP)
+    time.sleep(60)
+
+
+@pytest.mark.parametrize("kind", ["command", "handler"])
+async def test_a_task_that_stops_its_own_shim_still_ends(backend: LocalBackend, kind: str) -> None:
+    """A task can SIGSTOP its shim (its parent, of its user): the shim then neither stops the
+    tree at the timeout nor reports, and the attempt never ended. Now a shim that has not
+    answered a stop or a kill in time is killed from the executor with the tree's group; the
+    attempt ends as timed out, and the backend runs the next one."""
+    if kind == "command":
+        hostile = command("kill -STOP $PPID; sleep 60", timeout_s=1.0)
+    else:
+        hostile = handler("stop_my_shim", timeout_s=1.0)
+    async with asyncio.timeout(30):
+        outcome = await backend.run(hostile)
+    assert not outcome.ok
+    assert outcome.timed_out, outcome
+    assert (await run(backend, command("true"))).ok
+    assert (await run(backend, handler("pid_of_worker"))).ok

@@ -92,3 +92,38 @@ def test_an_attempt_with_no_hook_installed_is_observed_by_nothing(
         seen.ended(False, "nobody hears this")
     with hooks.attempt(None, "n", None) as again:  # type: ignore[arg-type]
         assert again is seen  # one shared context, nothing built an attempt
+
+
+def test_a_service_process_is_closed_to_its_user_s_other_processes() -> None:
+    """run_service makes the process undumpable before anything else: a task of the same
+    user can then read neither its /proc/<pid>/environ (the database URL, the heartbeat
+    secret) nor ptrace it. In a child, so this test process stays as it was."""
+    import subprocess
+    import sys
+
+    script = (
+        "import ctypes\n"
+        "from shared.runtime import keep_private\n"
+        "prctl = ctypes.CDLL(None).prctl\n"
+        "before = prctl(3, 0, 0, 0, 0)\n"  # PR_GET_DUMPABLE
+        "keep_private()\n"
+        "print(before, prctl(3, 0, 0, 0, 0))\n"
+    )
+    shown = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert shown.stdout.split() == ["1", "0"]
+
+
+def test_run_service_keeps_private_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(runtime, "keep_private", lambda: calls.append("private"))
+    monkeypatch.setattr(runtime, "run_main", lambda main: calls.append("main") or 0)
+    # nothing of this process's logging, tracing or metrics set up for a test
+    monkeypatch.setattr(runtime, "configure_logging", lambda *a: None)
+    monkeypatch.setattr(runtime.telemetry, "setup", lambda *a: None)
+    monkeypatch.setattr(runtime.metrics, "setup", lambda *a: None)
+    from shared.settings import Settings
+
+    assert runtime.run_service("toy", Settings(), lambda _: asyncio.sleep(0)) == 0
+    assert calls == ["private", "main"]

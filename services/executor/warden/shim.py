@@ -118,7 +118,9 @@ class Shim:
         lease = self.req.get("lease_s")
         if lease is not None:
             self.expiry = _now() + float(lease)
-        self._say(f"pid {self.leader} {start_time(self.leader) or 0}")
+        # and its own pid: a task that stopped this shim (SIGSTOP to its parent) is killed
+        # from outside, by the executor (Proc._force)
+        self._say(f"pid {self.leader} {start_time(self.leader) or 0} {os.getpid()}")
         return True
 
     def _supervise(self, wake: int) -> None:

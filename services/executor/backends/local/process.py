@@ -60,6 +60,10 @@ JOB_SLACK, JOB_SLACK_S = 0.1, 1.0
 # After its exit line a shim closes the report pipe at once; one wedged before it is waited
 # for no longer than this (Proc._line).
 EXIT_EOF_S = 1.0
+# A shim told to stop or kill its tree reports the end within the grace and its kill rounds;
+# one silent this much longer was stopped by its own task (SIGSTOP to the leader's parent),
+# and the executor kills the tree's group and the shim itself (Proc._force).
+SHIM_ANSWER_S = KILL_ROUNDS_S + 2.0
 
 
 class Proc:
@@ -72,6 +76,8 @@ class Proc:
         self._buffer = b""
         self.pid = 0
         self.start_time = 0
+        self.shim_pid = 0
+        self._force_at: asyncio.TimerHandle | None = None  # after a stop or kill (_force)
         self.frozen = False
         self._expiry: float | None = None  # the lease's end as the shim was told (monotonic)
         self._unlease: asyncio.TimerHandle | None = None
@@ -130,10 +136,35 @@ class Proc:
     def stop(self, grace_s: float) -> None:
         """SIGTERM the process group, SIGKILL the whole tree after `grace_s`."""
         self._send(f"stop {grace_s:.3f}")
+        self._force_after(grace_s + SHIM_ANSWER_S)
 
     def kill(self) -> None:
         """SIGKILL the whole tree now."""
         self._send("kill")
+        self._force_after(SHIM_ANSWER_S)
+
+    def _force_after(self, delay: float) -> None:
+        if self._force_at is None and not self.ended.done():
+            self._force_at = asyncio.get_running_loop().call_later(delay, self._force)
+
+    def _force(self) -> None:
+        """The shim did not answer a stop or a kill in time: a task can stop its own shim
+        (its parent), which then neither kills the tree nor reports. SIGKILL the leader's
+        process group, then the shim (which SIGKILL ends even stopped); the report pipe's end
+        then ends this tree as lost. Neither pid can have been reused: a stopped shim reaps
+        nothing, and it is this shim's until its exit was reported."""
+        if self.ended.done() or self._exit is not None:
+            return
+        log.warning(
+            "shim %d of process %d did not answer a stop in time (stopped by its task?): "
+            "killing them from the executor",
+            self.shim_pid,
+            self.pid,
+        )
+        for kill, pid in ((os.killpg, self.pid), (os.kill, self.shim_pid)):
+            if pid > 0:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    kill(pid, signal.SIGKILL)
 
     def nudge(self) -> None:
         """SIGUSR1 to the tree's leader (a handler worker: give back what you have not
@@ -171,8 +202,8 @@ class Proc:
     def _line(self, line: str) -> None:
         word, _, rest = line.partition(" ")
         if word == "pid":
-            pid, _, started = rest.partition(" ")
-            self.pid, self.start_time = int(pid), int(started or 0)
+            pid, started, shim = [*rest.split(), "0", "0"][:3]
+            self.pid, self.start_time, self.shim_pid = int(pid), int(started), int(shim)
             if not self.started.done():
                 self.started.set_result(None)
         elif word == "error":
@@ -196,8 +227,9 @@ class Proc:
 
     def _end(self, result: Exit) -> None:
         self._cancel_unlease()
-        if self._exit_wait is not None:
-            self._exit_wait.cancel()
+        for timer in (self._exit_wait, self._force_at):
+            if timer is not None:
+                timer.cancel()
         loop = asyncio.get_running_loop()
         loop.remove_reader(self._report)
         for fd in (self._report, self._ctl):
