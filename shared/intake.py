@@ -60,9 +60,27 @@ def _read_message(body: bytes, content_type: str | None, max_bytes: int) -> Any:
     """A message's JSON, or a Rejected: too large, not JSON, or unsafe JSON."""
     if len(body) > max_bytes:
         return Rejected(f"message of {len(body)} bytes exceeds the limit of {max_bytes} bytes")
-    if content_type not in JSON_TYPES:
+    if content_type not in JSON_TYPES and not _is_json_type(content_type):
         return Rejected(f"content type {content_type!r} is not application/json")
     return read_json(body)
+
+
+def _is_json_type(content_type: str | None) -> bool:
+    """application/json as a client may spell it: any case, with a UTF-8 charset named (what
+    many AMQP clients send); JSON in any other charset is not read as UTF-8."""
+    if content_type is None:
+        return True
+    media, _, params = content_type.partition(";")
+    if media.strip().lower() != "application/json":
+        return False
+    for param in params.split(";"):
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset" and value.strip().strip('"').lower() not in (
+            "utf-8",
+            "utf8",
+        ):
+            return False
+    return True
 
 
 def _verdict(data: object, message_id: str | None, policy: JobPolicy) -> Accepted | Rejected:

@@ -47,6 +47,8 @@ def test_a_valid_message_is_accepted_with_its_message_id() -> None:
         (body({**GOOD, "priority": "high"}), "application/json", "priority"),
         (body({**GOOD, "surprise": 1}), "application/json", "surprise: Extra inputs"),
         (body(GOOD), "text/plain", "content type 'text/plain'"),
+        (body(GOOD), "application/json; charset=latin-1", "content type"),
+        (body(GOOD), "application/jsonx", "content type"),
         (b"x" * (LIMIT + 1), "application/json", f"exceeds the limit of {LIMIT} bytes"),
         (b"\xff\xfe", "application/json", "malformed JSON"),
     ],
@@ -167,3 +169,12 @@ def test_queue_score_orders_priority_then_fifo_and_ages() -> None:
     # a low task queued at t0 goes before any high task queued after t0 + (5 - 0) * 2 s
     assert score(low, t0, aging) < score(high, t0 + timedelta(seconds=10.001), aging)
     assert score(low, t0, aging) > score(high, t0 + timedelta(seconds=9.999), aging)
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    ["application/json; charset=utf-8", "Application/JSON", 'application/json;charset="UTF8"'],
+)
+def test_json_as_clients_spell_it_is_read(content_type: str) -> None:
+    """Many AMQP clients name the charset; the media type is case-insensitive."""
+    assert not isinstance(judge(body(GOOD), content_type, None, LIMIT), Rejected)
