@@ -28,6 +28,7 @@ import aiohttp
 
 from shared.bus import EVENTS_EXCHANGE, Outgoing
 from shared.errors import one_line
+from shared.redact import masked
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class Alerter:
                         "Alertmanager refused %d alert(s): %s %s", len(wire), resp.status, body
                     )
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            log.error("Alertmanager not reached (%s): %s", self.url, one_line(exc))
+            log.error("Alertmanager not reached (%s): %s", masked(self.url or ""), one_line(exc))
 
     async def close(self) -> None:
         if self._session is not None:

@@ -43,6 +43,10 @@ def purged(what: str, ident: object, at: object) -> Purged:
     return Purged(f"{what} {ident} was deleted by retention at {at}")
 
 
+class InvalidSettings(SkedError, ValueError):
+    """SKED_* variables refused: each named with why, never with its value."""
+
+
 class InvalidSpec(SkedError, ValueError):
     """Input that fails validation; the message says which field and why."""
 

@@ -23,6 +23,7 @@ from pydantic import (
 
 from shared.errors import InvalidSpec
 from shared.fsm import State
+from shared.redact import printable
 from shared.task import Task as Task  # re-exported: where tasks were always imported from
 
 SCHEMA_VERSION: Literal[1] = 1
@@ -183,9 +184,10 @@ def _id_of_message(message_id: str | None, kind: str) -> UUID:
 def describe(exc: ValidationError) -> str:
     """One line per problem: `job.argv: List should have at least 1 item`."""
     parts = []
-    for err in exc.errors(include_url=False):
-        where = ".".join(str(p) for p in err["loc"]) or "(message)"
-        parts.append(f"{where}: {err['msg']}")
+    for err in exc.errors(include_url=False, include_input=False):
+        # a location may be a producer's own key: shown inert, a reason is one line
+        where = ".".join(printable(str(p)) for p in err["loc"]) or "(message)"
+        parts.append(f"{where}: {printable(err['msg'])}")
     return "invalid task spec: " + "; ".join(parts)
 
 

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar, cast
 
 from shared import metrics, telemetry
+from shared.redact import masked, printable
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -26,8 +27,24 @@ class Service(Protocol):
     def stop(self) -> None: ...
 
 
+class _TextFormatter(logging.Formatter):
+    """Readable lines that input cannot forge: the message (what may hold a task's name, a
+    request's path, a producer's key) written inert, one line; and no URL's password in the
+    line or its traceback."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        record.message = printable(record.message)
+        return super().formatMessage(record)
+
+    def format(self, record: logging.LogRecord) -> str:
+        return masked(super().format(record))
+
+
 class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
+        return masked(self._line(record))  # JSON escapes line breaks; passwords it keeps
+
+    def _line(self, record: logging.LogRecord) -> str:
         line = {
             "at": self.formatTime(record),
             "level": record.levelname,
@@ -49,7 +66,7 @@ def configure_logging(settings: Settings, service: str) -> None:
         handler.setFormatter(_JsonFormatter())
     else:
         handler.setFormatter(
-            logging.Formatter(f"%(asctime)s %(levelname)-5s {service} %(name)s: %(message)s")
+            _TextFormatter(f"%(asctime)s %(levelname)-5s {service} %(name)s: %(message)s")
         )
     root = logging.getLogger()
     root.handlers[:] = [handler]
@@ -214,7 +231,7 @@ def flag_settings(args: argparse.Namespace, fields: dict[str, str], **extra: obj
     overriding its variable; `extra` are further overrides."""
     overrides = {field: getattr(args, dest) for dest, field in fields.items()}
     given = {k: v for k, v in overrides.items() if v is not None}
-    return Settings(**given, **extra)  # type: ignore[arg-type]
+    return Settings(**given, **extra)
 
 
 PR_SET_DUMPABLE = 4
@@ -237,6 +254,20 @@ def keep_private() -> None:
         log.warning("cannot close this process to its user's other processes: %s", exc)
 
 
+def open_files_to_the_limit() -> None:
+    """Raise this process's soft limit of open files to its hard limit: a service holds a
+    connection per client (the heartbeat endpoint one per task process beating), and the
+    usual soft limit of 1,024 is what a single task opening connections would exhaust."""
+    try:
+        import resource
+    except ImportError:  # not on every platform
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def run_service(
     service: str,
     settings: Settings,
@@ -256,6 +287,7 @@ def run_service(
             print(f"sked service {service}: {exc}", file=sys.stderr)  # noqa: T201
             return 2
     keep_private()
+    open_files_to_the_limit()
     from shared.store.db import named_dsn  # asyncpg: a service's import, not the CLI's
 
     # every session of this process shows as sked-<service> in pg_stat_activity

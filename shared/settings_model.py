@@ -8,11 +8,13 @@ import os
 import socket
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from shared.backlog import ROUNDS
+from shared.errors import InvalidSettings
 from shared.settings import DEFAULT_DATABASE_URL, PREFIX
 
 
@@ -44,16 +46,41 @@ def parse_labels(value: Any) -> dict[str, str]:
 WEAK_SECRET = "sked-dev-heartbeat-secret"  # the old default: never accepted
 
 
+# Every duration (a `*_s` setting) at most this long: Postgres adds some to timestamps, where
+# 1e300 s wrapped to a negative interval and failed every read of the nodes.
+MAX_DURATION_S = 1e8  # three years
+URL_SCHEMES = {
+    "database_url": ("postgresql", "postgres"),
+    "redis_url": ("redis", "rediss", "unix"),
+    "rabbitmq_url": ("amqp", "amqps"),
+    "heartbeat_url": ("http", "https"),
+    "api_url": ("http", "https"),
+    "alertmanager_url": ("http", "https"),
+    "k8s_api_url": ("http", "https"),
+}
+
+
 class Settings(BaseSettings):
-    # allow_inf_nan: a duration of "inf" would sleep forever, "nan" compare false everywhere
-    model_config = SettingsConfigDict(env_prefix=PREFIX, extra="ignore", allow_inf_nan=False)
+    # allow_inf_nan: a duration of "inf" would sleep forever, "nan" compare false everywhere;
+    # hide_input_in_errors: a refusal must not quote the variables (secrets among them)
+    model_config = SettingsConfigDict(
+        env_prefix=PREFIX, extra="ignore", allow_inf_nan=False, hide_input_in_errors=True
+    )
+
+    def __init__(self, **values: Any) -> None:
+        """Read and check the variables; InvalidSettings names each one refused and why, and
+        never its value (a URL's password, the heartbeat secret)."""
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise InvalidSettings(refusals(exc)) from None
 
     database_url: str = DEFAULT_DATABASE_URL
     redis_url: str = "redis://127.0.0.1:6379/0"
     rabbitmq_url: str = "amqp://guest:guest@127.0.0.1:5672/"
 
     db_pool_size: int = Field(default=8, ge=1, le=200)
-    log_level: str = "INFO"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     log_json: bool = False
 
     # Outbox relay: the largest batch read per pass, and the safety sweep period that catches
@@ -245,13 +272,49 @@ class Settings(BaseSettings):
         items = value if isinstance(value, list) else str(value or "").split(",")
         return [str(v).strip() for v in items if str(v).strip()]
 
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level(cls, value: Any) -> Any:
+        return value.strip().upper() if isinstance(value, str) else value
+
+    @field_validator(*URL_SCHEMES, mode="after")
+    @classmethod
+    def _url(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """A URL a client library can read, checked here: a misspelt scheme was retried
+        forever, and a password holding an unencoded # or / was read as a port, the error
+        quoting it into the log. The value is never echoed."""
+        if value is None:
+            return None
+        schemes = URL_SCHEMES[info.field_name or ""]
+        try:
+            parts = urlsplit(value)
+            parts.port  # noqa: B018 (raises for a port that is not a number in range)
+        except ValueError:
+            raise ValueError(
+                "not a valid URL (percent-encode reserved characters such as # / ? @ in a password)"
+            ) from None
+        if parts.scheme.lower() not in schemes:
+            raise ValueError(f"the scheme must be one of {', '.join(schemes)}")
+        if parts.fragment:
+            raise ValueError("a URL holds no #fragment (percent-encode a # in a password)")
+        return value
+
+    @model_validator(mode="after")
+    def _durations(self) -> Settings:
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if name.endswith("_s") and isinstance(value, float) and value > MAX_DURATION_S:
+                raise ValueError(f"{PREFIX}{name.upper()} is over {MAX_DURATION_S:g} s")
+        return self
+
     @model_validator(mode="after")
     def _forget_after_seen(self) -> Settings:
         if 0 < self.node_forget_s < max(self.degrade_nodes_seen_s, self.node_ttl_s):
             raise ValueError(
-                f"node_forget_s ({self.node_forget_s:g}) must be 0 (never) or at least"
-                f" degrade_nodes_seen_s ({self.degrade_nodes_seen_s:g}) and node_ttl_s"
-                f" ({self.node_ttl_s:g}): a node is forgotten only once nothing counts it"
+                f"SKED_NODE_FORGET_S ({self.node_forget_s:g}) must be 0 (never) or at least"
+                f" SKED_DEGRADE_NODES_SEEN_S ({self.degrade_nodes_seen_s:g}) and"
+                f" SKED_NODE_TTL_S ({self.node_ttl_s:g}): a node is forgotten only once"
+                " nothing counts it"
             )
         return self
 
@@ -288,3 +351,14 @@ class Settings(BaseSettings):
                 "(e.g. `openssl rand -hex 32`); `sked dev` makes one for you"
             )
         return self.heartbeat_secret
+
+
+def refusals(exc: ValidationError) -> str:
+    """Each refused variable by its name and why, without its value: one line each."""
+    lines = []
+    for error in exc.errors(include_input=False, include_url=False):
+        loc = error.get("loc") or ()
+        where = f"{PREFIX}{str(loc[0]).upper()}: " if loc else ""
+        why = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+        lines.append(f"{where}{why}")
+    return "invalid settings: " + "; ".join(lines)

@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 from services.cli import degrade, nodes, tokens
 from services.cli.output import seconds
 from shared.errors import SkedError, postgres_refused
+from shared.redact import masked
 
 # `sked service NAME`: the module whose run(argv) is that service's main.
 SERVICES: dict[str, str] = {
@@ -267,20 +269,22 @@ def _rabbitmq_said(exc: Exception) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     func: Command = args.func
+    # what a library says may quote the URL it was given: no password is printed
     try:
         return func(args)
     except SkedError as exc:
-        print(f"sked: {exc}", file=sys.stderr)
+        print(f"sked: {masked(str(exc))}", file=sys.stderr)
         return 1 if _not_allowed(exc) else 2
     except OSError as exc:  # a server not there (refused, unresolvable), a file not readable
-        print(f"sked: {exc}", file=sys.stderr)
+        print(f"sked: {masked(str(exc))}", file=sys.stderr)
         return 2
     except Exception as exc:
         postgres, rabbitmq = _postgres_said(exc), _rabbitmq_said(exc)
         if postgres is None and rabbitmq is None:
-            raise
+            print(masked(traceback.format_exc()), end="", file=sys.stderr)
+            return 2
         server = f"Postgres: {postgres}" if postgres is not None else f"RabbitMQ: {rabbitmq}"
-        print(f"sked: {server}", file=sys.stderr)
+        print(f"sked: {masked(server)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

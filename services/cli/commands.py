@@ -18,17 +18,12 @@ from uuid import UUID
 
 from services.cli import SERVICES
 from services.cli.nodes import state_of
-from services.cli.output import (
-    parse_task_id,
-    print_id,
-    print_json,
-    printable,
-    workflow_json,
-)
+from services.cli.output import parse_task_id, print_id, print_json, workflow_json
 from services.cli.remote import Client, connect
 from shared import fsm
 from shared.errors import SkedError
 from shared.fsm import State
+from shared.redact import printable
 
 # What one command alone needs is imported in it: `sked status` must not pay for the
 # migrations, the workflow models or the submit path (services.cli.command).

@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from services.cli.output import print_json, printable, run
+from services.cli.output import print_json, run
 from shared.errors import SkedError
+from shared.redact import printable
 
 if TYPE_CHECKING:  # loaded when the command runs: building the parser stays cheap
     from shared.degrade import DegradeState

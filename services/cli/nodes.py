@@ -14,7 +14,8 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from services.cli.output import print_json, printable, run, seconds
+from services.cli.output import print_json, run, seconds
+from shared.redact import printable
 
 if TYPE_CHECKING:
     from shared.cordon import Drain

@@ -9,6 +9,7 @@ from uuid import UUID
 
 from shared.errors import SkedError
 from shared.fsm import State
+from shared.redact import printable
 
 if TYPE_CHECKING:  # annotations only: importing these (pydantic models) is the caller's cost
     from shared.models import Task
@@ -31,12 +32,6 @@ def seconds(text: str) -> float:
     if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"a number of seconds, 0 or more: {text!r}")
     return value
-
-
-def printable(text: str) -> str:
-    """`text` with every character a terminal would act on (controls, escapes, line breaks)
-    written as its Python escape: for what anyone could have put there, a refused message."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
 def print_json(value: Any) -> None:

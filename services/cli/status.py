@@ -16,7 +16,7 @@ from shared.task import Task
 def status(args: argparse.Namespace) -> int:
     task_id = parse_task_id(args.id)
     dsn = straight_to_postgres()
-    task: Task
+    task: Task | None
     if dsn is not None:
         from shared.store.libpq import NotConnected, Unavailable
         from shared.store.quick import read_task, read_task_now
@@ -24,7 +24,10 @@ def status(args: argparse.Namespace) -> int:
         try:
             task = read_task_now(dsn, task_id)
         except (Unavailable, NotConnected):
-            # no libpq here, or it would not connect: asyncpg tries (and says why it failed)
+            # no libpq here, or it would not connect: asyncpg tries (and says why it failed,
+            # alone: libpq's words, which may quote the URL, are not chained to its error)
+            task = None
+        if task is None:
             task = run(read_task(dsn, task_id))
     else:
         task = run(_through_api(task_id))

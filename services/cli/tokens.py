@@ -13,8 +13,9 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from services.cli.output import print_json, printable, run
+from services.cli.output import print_json, run
 from shared.errors import NotFound
+from shared.redact import printable
 
 if TYPE_CHECKING:
     from shared.store import Store

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from aiohttp import web
@@ -16,6 +17,16 @@ from shared.heartbeat import Beat
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024
+# Every task's process can reach this endpoint, so no connection may be held for free: one
+# that sends nothing (or stays idle after its answer) is closed after IDLE_S — aiohttp's own
+# default is an hour — and a body must arrive within BODY_S.
+IDLE_S = 10.0
+BODY_S = 5.0
+
+
+def runner(app: web.Application) -> web.AppRunner:
+    """The endpoint's runner: idle connections closed after IDLE_S."""
+    return web.AppRunner(app, access_log=None, keepalive_timeout=IDLE_S)
 
 
 def make_app(beats: Beats, secret: str) -> web.Application:
@@ -25,7 +36,13 @@ def make_app(beats: Beats, secret: str) -> web.Application:
             beats.refused()
             return web.json_response({"error": "missing bearer token"}, status=401)
         try:
-            got = Beat.model_validate_json(await request.read())
+            async with asyncio.timeout(BODY_S):
+                body = await request.read()
+        except TimeoutError:
+            beats.refused()
+            return web.json_response({"error": "the body came too slowly"}, status=408)
+        try:
+            got = Beat.model_validate_json(body)
         except ValidationError as exc:
             beats.refused()
             return web.json_response({"error": str(exc)}, status=400)

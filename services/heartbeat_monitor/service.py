@@ -23,7 +23,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from services.heartbeat_monitor.beats import Beats
-from services.heartbeat_monitor.http import make_app
+from services.heartbeat_monitor.http import make_app, runner
 from services.heartbeat_monitor.ladder import Ladder
 from shared.bus import HEARTBEATS_QUEUE, AmqpBus
 from shared.heartbeat import BeatMessage
@@ -57,7 +57,7 @@ class HeartbeatMonitor(Service):
         self._channel = await self.bus.consumer_channel(prefetch=1000)
         beats = await self._channel.get_queue(HEARTBEATS_QUEUE)
         await beats.consume(self._on_beats)
-        self._runner = web.AppRunner(make_app(self.beats, self.secret), access_log=None)
+        self._runner = runner(make_app(self.beats, self.secret))
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.settings.monitor_host, self.settings.monitor_port)
         await site.start()

@@ -15,6 +15,7 @@ import ctypes
 from collections.abc import Sequence
 
 from shared.errors import SkedError, postgres_refused
+from shared.redact import masked
 
 CONNECTION_OK = 0
 PGRES_TUPLES_OK = 2
@@ -87,7 +88,7 @@ def fetch_text(dsn: str, sql: str, params: Sequence[str]) -> str | None:
     try:
         if lib.PQstatus(conn) != CONNECTION_OK:
             why = _message(lib.PQerrorMessage(conn))
-            raise NotConnected(f"cannot connect to Postgres: {why}")
+            raise NotConnected(f"cannot connect to Postgres: {masked(why)}")  # it quotes URLs
         args = (ctypes.c_char_p * max(len(params), 1))(*(v.encode() for v in params))
         result = lib.PQexecParams(conn, sql.encode(), len(params), None, args, None, None, 0)
         if not result:

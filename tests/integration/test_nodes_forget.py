@@ -9,11 +9,11 @@ from uuid import uuid4
 
 import asyncpg
 import pytest
-from pydantic import ValidationError
 
 from services.executor.service import Executor
 from services.executor.serving import Serving
 from services.recovery.service import Recovery
+from shared.errors import InvalidSettings
 from shared.relay import OutboxRelay
 from shared.settings import Settings
 from shared.store import Store
@@ -67,7 +67,7 @@ async def test_recovery_forgets_at_most_once_a_minute(
 
 
 def test_a_node_is_forgotten_only_once_nothing_counts_it() -> None:
-    with pytest.raises(ValidationError, match="degrade_nodes_seen_s"):
+    with pytest.raises(InvalidSettings, match="SKED_DEGRADE_NODES_SEEN_S"):
         Settings(node_forget_s=600, degrade_nodes_seen_s=3600)
     assert Settings(node_forget_s=0).node_forget_s == 0
     assert Settings(node_forget_s=3600, degrade_nodes_seen_s=3600).node_forget_s == 3600

@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from services.cli.output import printable, status_lines
+from services.cli.output import status_lines
 from shared.bus import DEAD_PREVIEW, REASON_HEADER, dead_letter_of
+from shared.redact import printable
 from tests.fakes.store import new_task
 from tests.helpers import spec
 

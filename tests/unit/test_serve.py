@@ -118,6 +118,7 @@ def test_a_service_process_is_closed_to_its_user_s_other_processes() -> None:
 def test_run_service_keeps_private_first(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
     monkeypatch.setattr(runtime, "keep_private", lambda: calls.append("private"))
+    monkeypatch.setattr(runtime, "open_files_to_the_limit", lambda: None)
     monkeypatch.setattr(runtime, "run_main", lambda main: calls.append("main") or 0)
     # nothing of this process's logging, tracing or metrics set up for a test
     monkeypatch.setattr(runtime, "configure_logging", lambda *a: None)

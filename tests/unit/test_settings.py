@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
 
+from shared.errors import InvalidSettings
 from shared.settings import Settings
 
 
@@ -18,7 +18,7 @@ def test_a_setting_that_is_not_a_finite_number_is_refused(
     name: str, value: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(f"SKED_{name.upper()}", value)
-    with pytest.raises(ValidationError, match=name):
+    with pytest.raises(InvalidSettings, match=f"SKED_{name.upper()}"):
         Settings()
 
 
