@@ -79,11 +79,13 @@ class ReadyQueue:
         queued = task.queued_at or datetime.now(UTC)
         return score(task.priority, queued, self.aging_s)
 
-    async def push(self, tasks: Iterable[Queued]) -> int:
+    async def push(self, tasks: Iterable[Queued], *, back: bool = False) -> int:
+        """Queue tasks at their scores. `back`: tasks a pass popped and puts back as it read
+        them — one queued again meanwhile (an operator's new priority) keeps that entry."""
         mapping = {str(t.id): self.score_of(t) for t in tasks}
         if not mapping:
             return 0
-        await self.redis.zadd(READY_KEY, mapping)
+        await self.redis.zadd(READY_KEY, mapping, nx=back)
         return len(mapping)
 
     async def pop(self, n: int) -> list[UUID]:

@@ -241,10 +241,23 @@ class Starter:
                     dispatch.attempt,
                 )
                 stale.append(item)
-        await node.acks.ack(stale)
+        started = 0
         for task in won.values():
-            self._begin(Attempt(task, messages[task.id], sent_at))
-        return len(won)
+            item, running = messages[task.id], node.active.get((task.id, task.attempt))
+            if running is None:
+                self._begin(Attempt(task, item, sent_at))
+                started += 1
+            elif item.delivery.message is not None and (
+                running.message is None or running.message.delivery.message is None
+            ):
+                # another copy of this attempt was claimed and started meanwhile (a retry that
+                # finds the task ours finds that one): never a second start. Its message is
+                # acknowledged with the outcome, as _checked does for a copy that comes later
+                running.message = item
+            else:
+                stale.append(item)
+        await node.acks.ack(stale)
+        return started
 
     async def _run(self, attempt: Attempt) -> None:
         node, task = self.node, attempt.task

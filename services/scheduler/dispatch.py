@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
 from uuid import UUID
 
@@ -52,6 +53,8 @@ class Dispatcher(Part):
     ) -> None:
         super().__init__(settings, store, queue, hub)
         self.bus = bus
+        # partial mode: where the last pass's candidates ended (_pop_urgent)
+        self._urgent_after: tuple[int, datetime, UUID] | None = None
 
     async def run(self, stopping: asyncio.Event) -> None:
         hub = self.hub
@@ -141,9 +144,12 @@ class Dispatcher(Part):
         pass, chosen in Postgres (index tasks_runnable) and taken out of the queue; those
         below wait in line untouched."""
         s = self.settings
-        ids = await tx.degrade.ready_at_least(
-            s.degrade_min_priority, min(free, s.degrade_partial_batch)
-        )
+        limit = min(free, s.degrade_partial_batch)
+        rows = await tx.degrade.ready_at_least(s.degrade_min_priority, limit, self._urgent_after)
+        # the next pass goes on past these, and from the top once the end is reached: tasks
+        # that cannot be placed yet (a held GPU) no longer take every batch from those behind
+        self._urgent_after = rows[-1] if len(rows) == limit else None
+        ids = [task_id for _, _, task_id in rows]
         await self.queue.remove(ids)
         return ids
 
@@ -267,7 +273,7 @@ class Dispatcher(Part):
             if choice is not None:
                 kind = "resource" if choice.resource else "line" if choice.fits_later else "parked"
                 kinds[kind].append(task)
-        await self.queue.push(kinds["line"])
+        await self.queue.push(kinds["line"], back=True)
         score = self.queue.score_of
         self.hub.queued.keep((t, score(t)) for t in kinds["line"] if t.queued_at is not None)
         await self.queue.park(kinds["parked"])

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
+from uuid import UUID
 
 from shared.degrade import DegradeState, Mode, Snapshot
 from shared.store.db import Db
@@ -59,6 +61,10 @@ class Degrade:
         assert row is not None
         return Snapshot(**{k: row[k] for k in row.keys()})  # noqa: SIM118 - a Record
 
-    async def ready_at_least(self, priority: int, limit: int) -> list[Any]:
-        """Ready task ids at or above `priority`, highest first, at most `limit`."""
-        return [r["id"] for r in await self.db.fetch(Q.ready_at_least, priority, limit)]
+    async def ready_at_least(
+        self, priority: int, limit: int, after: tuple[int, datetime, UUID] | None = None
+    ) -> list[tuple[int, datetime, UUID]]:
+        """Ready tasks at or above `priority` as (priority, queued_at, id), highest first, at
+        most `limit`; after `after` in that order when given."""
+        rows = await self.db.fetch(Q.ready_at_least, priority, limit, *(after or (None,) * 3))
+        return [(r["priority"], r["queued_at"], r["id"]) for r in rows]

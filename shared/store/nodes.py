@@ -107,7 +107,8 @@ class Nodes:
     ) -> bool:
         """Refresh the node (and its backlog, unless None); False if another executor has
         since taken over this node id."""
-        found = await self.db.fetchval(Q.node_heartbeat, node_id, boot_id, load, prefetch)
+        args = (node_id, boot_id, load, prefetch, self.ttl_s)
+        found = await self.db.fetchval(Q.node_heartbeat, *args)
         return found is not None
 
     async def owner(self, node_id: str) -> UUID | None:

@@ -38,8 +38,10 @@ class Workflows:
     async def downstream_of(self, upstream_ids: Sequence[UUID]) -> list[UUID]:
         return [r["task_id"] for r in await self.db.fetch(Q.downstream_of, list(upstream_ids))]
 
-    async def pending_with_deps(self, limit: int) -> list[UUID]:
-        return [r["task_id"] for r in await self.db.fetch(Q.pending_with_deps, limit)]
+    async def pending_with_deps(self, limit: int, after: UUID | None = None) -> list[UUID]:
+        """Up to `limit` Pending tasks with upstreams, in id order, after `after` if given."""
+        rows = await self.db.fetch(Q.pending_with_deps, limit, after)
+        return [r["task_id"] for r in rows]
 
     async def lock_pending(self, ids: Sequence[UUID]) -> list[Task]:
         """Inside a transaction: the Pending ones of these tasks, locked in id order."""

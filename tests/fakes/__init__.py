@@ -48,10 +48,11 @@ class FakeReadyQueue:
 
     score_of = _score
 
-    async def push(self, tasks: Iterable[Any]) -> int:
+    async def push(self, tasks: Iterable[Any], *, back: bool = False) -> int:
         n = 0
         for task in tasks:
-            self.sets[READY_KEY][task.id] = self._score(task)
+            if not (back and task.id in self.sets[READY_KEY]):  # back: as ZADD NX
+                self.sets[READY_KEY][task.id] = self._score(task)
             n += 1
         return n
 

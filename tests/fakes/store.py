@@ -414,12 +414,19 @@ class FakeDegrade:
         )
         return self.d.degrade
 
-    async def ready_at_least(self, priority: int, limit: int) -> list[UUID]:
+    async def ready_at_least(
+        self, priority: int, limit: int, after: tuple[int, datetime, UUID] | None = None
+    ) -> list[tuple[int, datetime, UUID]]:
         ready = [
-            t for t in self.d.tasks.values() if t.status is State.READY and t.priority >= priority
+            (t.priority, t.queued_at or _now(), t.id)
+            for t in self.d.tasks.values()
+            if t.status is State.READY and t.priority >= priority
         ]
-        ready.sort(key=lambda t: (-t.priority, t.queued_at or _now(), t.id))
-        return [t.id for t in ready[:limit]]
+        ready.sort(key=lambda r: (-r[0], r[1], r[2]))
+        if after is not None:
+            mark = (-after[0], after[1], after[2])
+            ready = [r for r in ready if (-r[0], r[1], r[2]) > mark]
+        return ready[:limit]
 
 
 class InMemoryStore:

@@ -46,7 +46,13 @@ SELECT (SELECT count(*) FROM n)::int AS nodes_total,
 
 -- name: ready_at_least
 -- Partial mode's candidates: Ready tasks at or above priority $1, highest first, oldest first
--- within a priority (index tasks_runnable), at most $2.
-SELECT id FROM tasks WHERE status = 'ready' AND priority >= $1
+-- within a priority (index tasks_runnable), at most $2; with $3-$5, those after the task of
+-- that (priority, queued_at, id) in this order: the passes take turns through them, so tasks
+-- that cannot be placed yet do not take every pass's batch from those behind that could.
+SELECT id, priority, queued_at FROM tasks
+WHERE status = 'ready' AND priority >= $1
+  AND ($3::int IS NULL
+       OR priority < $3::int
+       OR (priority = $3::int AND (queued_at, id) > ($4::timestamptz, $5::uuid)))
 ORDER BY priority DESC, queued_at, id
 LIMIT $2

@@ -20,11 +20,18 @@ SELECT pg_notify('sked_node', id) FROM up
 -- name: node_heartbeat
 -- An executor's heartbeat, which also re-asserts that it is ready (a monitor may have marked
 -- it not ready while it was only reconnecting) and the backlog it holds now ($4; NULL: as it
--- is); nothing if another executor took the node over.
-UPDATE nodes SET heartbeat_at = now(), load = $3, ready = true,
-                 prefetch = COALESCE($4::int, prefetch)
-WHERE id = $1 AND boot_id = $2
-RETURNING ready
+-- is); nothing if another executor took the node over. A node that comes back (not ready, or
+-- silent past the TTL $5, before this beat) is told to the schedulers (NOTIFY sked_node):
+-- tasks parked while it was away, for want of a node only it matches, may fit now.
+WITH up AS (
+    UPDATE nodes n SET heartbeat_at = now(), load = $3, ready = true,
+                       prefetch = COALESCE($4::int, n.prefetch)
+    FROM nodes old  -- the row as this statement found it
+    WHERE n.id = $1 AND n.boot_id = $2 AND old.id = n.id
+    RETURNING n.id, n.ready,
+              NOT old.ready OR old.heartbeat_at < now() - make_interval(secs => $5) AS back
+)
+SELECT ready, CASE WHEN back THEN pg_notify('sked_node', id) END AS told FROM up
 
 -- name: set_node_prefetch
 -- The backlog a node holds changed (shared/backlog.py): placement sees it from its next pass,

@@ -49,9 +49,11 @@ WHERE task_deps.task_id = u.task_id AND task_deps.upstream_id = u.upstream_id
   AND task_deps.timed_out_at IS NULL
 
 -- name: pending_with_deps
--- Pending tasks that wait for upstreams (the resolver's periodic sweep).
+-- Up to $1 Pending tasks that wait for upstreams, in id order, after task $2 when given (the
+-- resolver's periodic sweep pages through them all along task_deps' key).
 SELECT DISTINCT d.task_id FROM task_deps d JOIN tasks t ON t.id = d.task_id
-WHERE t.status = 'pending'
+WHERE t.status = 'pending' AND ($2::uuid IS NULL OR d.task_id > $2::uuid)
+ORDER BY d.task_id
 LIMIT $1
 
 -- name: get_workflow
