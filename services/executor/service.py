@@ -132,11 +132,13 @@ class Executor(Service):
         if not keys:
             return 0
         current = {t.id: t for t in await self.store.tasks.get_many(list({k[0] for k in keys}))}
+        # only a task this database holds and that moved on: a Job of a task it does not know
+        # may be another installation's in a shared namespace, and is left alone
         stale = {
             (task_id, attempt)
             for task_id, attempt in keys
-            if (t := current.get(task_id)) is None
-            or not (t.status is State.RUNNING and t.attempt == attempt)
+            if (t := current.get(task_id)) is not None
+            and not (t.status is State.RUNNING and t.attempt == attempt)
         }
         await node.backend.discard(stale)
         return len(stale)

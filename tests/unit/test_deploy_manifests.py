@@ -59,7 +59,7 @@ K8S_BACKEND_SETTINGS = frozenset(
 EXECUTOR_GRANTS = frozenset(
     {(None, "", "nodes", v) for v in ("get", "list", "watch")}
     | {("sked-jobs", "batch", "jobs", v) for v in ("create", "get", "list", "watch", "delete")}
-    | {("sked-jobs", "", "pods", v) for v in ("get", "list", "watch")}
+    | {("sked-jobs", "", "pods", v) for v in ("get", "list", "watch", "delete")}
     | {("sked-jobs", "", "pods/log", "get")}  # the log subresource serves only get
 )
 Grant = tuple[str | None, str, str, str]

@@ -253,3 +253,11 @@ def test_a_workflow_task_names_its_image_beside_its_command() -> None:
     assert spec.job == CommandJob(argv=["run"], image="app:3")
     with pytest.raises(InvalidSpec, match="image goes with command"):
         WorkflowTask.model_validate({"name": "t", "handler": "m:f", "image": "app:3"}).spec()
+
+
+def test_a_node_reporting_nonsense_offers_nothing_of_it() -> None:
+    """Infinity, NaN, a negative or a number past a column: each counts as 0 or the most the
+    column holds, never an exception that would stop every launch on the cluster."""
+    offer = node_offer(node(memory="1e999", cpu="-3", pods="1e300", **{GPU: "nan"}))
+    assert offer is not None
+    assert (offer.memory_mb, offer.cpu, offer.slots, offer.gpu) == (0, 0.0, 2**31 - 1, 0)

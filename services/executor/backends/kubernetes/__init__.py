@@ -23,27 +23,26 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import TypeVar
 from uuid import UUID
-
-import aiohttp
 
 from services.executor.backends import Key, Launch, NodeOffer, Outcome
 from services.executor.backends.kubernetes.kube import (
+    API_TROUBLE,
     Informer,
     Kube,
     KubeError,
     Obj,
     cancel,
     name_of,
+    patiently,
 )
 from services.executor.backends.kubernetes.launch import (
     LaunchBook,
     Launcher,
     LaunchFailed,
+    owned_by,
     uid_of,
 )
 from services.executor.backends.kubernetes.manifest import (
@@ -175,11 +174,15 @@ class KubernetesBackend:
             if uid is not None:  # launched before (a redelivered dispatch): never created twice
                 return await self._follow_recorded(key, followed, uid, launch.timeout_s)
             try:
-                await self.launcher.launch(launch, job)
+                await self.launcher.launch(launch, job, lambda: followed.stopped)
             except LaunchFailed as exc:
+                if followed.stopped:  # stopped before its Job was made: nothing runs
+                    return Outcome.halted("")
                 return Outcome.launch_failed(str(exc), final=exc.permanent)
             except API_TROUBLE as exc:  # a next attempt's fence deletes what this one left
                 return Outcome.launch_failed(f"Kubernetes API: {one_line(exc)}")
+            if followed.stopped:  # a stop whose delete came before the create: delete it now
+                await patiently(lambda: self.kube.delete_job(name))
             return await self._follow(key, followed, launch.timeout_s)
         finally:
             self.followed.pop(key, None)
@@ -223,7 +226,11 @@ class KubernetesBackend:
                 tail = await self._log(key)
                 if code == 0:
                     return Outcome(True, {"exit_code": 0}, None, False, False, tail)
-                return Outcome(False, {"exit_code": code}, f"exit code {code}", False, False, tail)
+                why = f" ({verdict.reason})" if verdict.reason not in ("", "Error") else ""
+                error = f"exit code {code}{why}"  # OOMKilled says what to fix
+                return Outcome(False, {"exit_code": code}, error, False, False, tail)
+            elif verdict.kind == "deadline":  # it ran: a timeout, not a launch failure
+                return Outcome.failed(verdict.reason, await self._log(key), timed_out=True)
             elif verdict.kind == "lost":
                 if followed.name not in self.jobs.objects:
                     # the cache may lag the API (a create not yet watched, a list taken before
@@ -244,8 +251,8 @@ class KubernetesBackend:
                     return lost
             wait = self._next_look(followed, timeout_s)
             if wait is not None and wait <= 0:  # sked's run timer, from the container's start
+                tail = await self._log(key)  # before the delete: then its pod goes
                 await patiently(lambda: self.kube.delete_job(followed.name))
-                tail = await self._log(key)
                 return Outcome.failed(
                     f"ran past its timeout of {timeout_s:g} s", tail, timed_out=True
                 )
@@ -309,10 +316,16 @@ class KubernetesBackend:
         followed = self.followed.get(key)
         name = followed.name if followed else job_name(*key)
         waited = time.monotonic() - followed.since if followed else 0.0
-        return judge(self.jobs.objects.get(name), self._pods_of(key), waited, self.start_budget_s)
+        started = followed is not None and followed.started is not None
+        job = self.jobs.objects.get(name)
+        return judge(job, self._pods_of(key), waited, self.start_budget_s, started)
 
     def _pods_of(self, key: Key) -> list[Obj]:
-        return [p for p in self.pods.objects.values() if key_of(p) == key]
+        """The attempt's pods: labelled so, and owned by its Job while the Job is known — a
+        copy keeping sked's labels (`kubectl debug --copy-to`) decides nothing."""
+        pods = [p for p in self.pods.objects.values() if key_of(p) == key]
+        job = self.jobs.objects.get(job_name(*key))
+        return pods if job is None else [p for p in pods if owned_by(p, uid_of(job))]
 
     def _has_pods(self, key: Key) -> bool:
         return bool(self._pods_of(key))
@@ -347,13 +360,16 @@ class KubernetesBackend:
         followed = self.followed.get((task_id, attempt))
         if followed is None:
             return False
-        followed.last_log = await self._log((task_id, attempt))
         followed.stopped, followed.stopped_at = True, time.monotonic()
+        # its log read beside the delete, not before it: a log that does not answer (the
+        # node unreachable) must not hold the delete back
+        reading = asyncio.create_task(self._log((task_id, attempt)))
         try:  # the watch loop calls this: bounded; the next attempt's fence deletes it anyway
             async with asyncio.timeout(10):
                 await patiently(lambda: self.kube.delete_job(followed.name))
         except TimeoutError:
             log.warning("Job %s not deleted yet (the API does not answer)", followed.name)
+        followed.last_log = await reading  # bounded by the log's own read timeout
         followed.changed.set()
         return True
 
@@ -371,21 +387,3 @@ class KubernetesBackend:
     def _on_pod(self, name: str, obj: Obj | None) -> None:
         self._pods_changed.set()
         self._wake(obj, name)
-
-
-# What the API or the network may do to any call; none of it is the task's fault.
-API_TROUBLE = (KubeError, OSError, aiohttp.ClientError, TimeoutError, ValueError)
-T = TypeVar("T")
-
-
-async def patiently(call: Callable[[], Awaitable[T]], what: str = "Kubernetes API") -> T:
-    """`call()` until it answers: an attempt is followed through an API outage, not given up
-    (the executor's shutdown cancels it)."""
-    pause = 0.2
-    while True:
-        try:
-            return await call()
-        except API_TROUBLE as exc:
-            log.warning("%s: %s; trying again in %.1f s", what, one_line(exc), pause)
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 5.0)

@@ -17,8 +17,9 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import aiohttp
 from kubernetes_asyncio import client, config
 
 from shared.errors import one_line
@@ -54,6 +55,9 @@ async def api_client(
     else:
         config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
     return client.ApiClient(cfg)
+
+
+LOG_READ_S = 5.0  # the longest a pod's log is waited for
 
 
 class Kube:
@@ -116,6 +120,18 @@ class Kube:
             raise
         return True
 
+    async def delete_pod(self, name: str) -> bool:
+        """Delete a pod; False if it was gone."""
+        try:
+            await self._read(
+                self.core.delete_namespaced_pod(name, self.namespace, _preload_content=False)
+            )
+        except KubeError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
     async def jobs(self, selector: str) -> tuple[list[Obj], str]:
         got = await self._json(
             self.batch.list_namespaced_job(
@@ -137,13 +153,21 @@ class Kube:
         return _items(got)
 
     async def pod_log(self, name: str, limit: int) -> str:
-        """The end of a pod's log (at most `limit` characters), '' if it has none."""
+        """The end of a pod's log (at most `limit` characters), '' if it has none. Bounded:
+        in bytes (a line may be any length: limitBytes keeps a few lines of gigabytes out of
+        the executor's memory) and in time (the API server's proxy to an unreachable node
+        hangs: LOG_READ_S)."""
         try:
-            body = await self._read(
-                self.core.read_namespaced_pod_log(
-                    name, self.namespace, tail_lines=2000, _preload_content=False
+            async with asyncio.timeout(LOG_READ_S):
+                body = await self._read(
+                    self.core.read_namespaced_pod_log(
+                        name,
+                        self.namespace,
+                        tail_lines=2000,
+                        limit_bytes=4 * limit,  # UTF-8: at most four bytes a character
+                        _preload_content=False,
+                    )
                 )
-            )
         except KubeError as exc:
             if exc.status in (400, 404):  # not started, or gone
                 return ""
@@ -285,3 +309,21 @@ async def cancel(tasks: list[asyncio.Task[None]]) -> None:
     for task in tasks:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
+
+
+# What the API or the network may do to any call; none of it is the task's fault.
+API_TROUBLE = (KubeError, OSError, aiohttp.ClientError, TimeoutError, ValueError)
+T = TypeVar("T")
+
+
+async def patiently(call: Callable[[], Awaitable[T]], what: str = "Kubernetes API") -> T:
+    """`call()` until it answers: an attempt is followed through an API outage, not given up
+    (the executor's shutdown cancels it)."""
+    pause = 0.2
+    while True:
+        try:
+            return await call()
+        except API_TROUBLE as exc:
+            log.warning("%s: %s; trying again in %.1f s", what, one_line(exc), pause)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 5.0)

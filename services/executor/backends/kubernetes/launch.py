@@ -20,6 +20,7 @@ from uuid import UUID
 from services.executor.backends import Key, Launch, NodeOffer
 from services.executor.backends.kubernetes.kube import Kube, KubeError, Obj, name_of
 from services.executor.backends.kubernetes.manifest import (
+    DIGEST,
     TASK_LABEL,
     JobOptions,
     job_manifest,
@@ -76,8 +77,11 @@ class Launcher:
         self.start_budget_s = start_budget_s
         self._pods_changed = pods_changed
 
-    async def launch(self, launch: Launch, job: CommandJob) -> None:
-        """Create the attempt's Job once: fenced, idempotent, recorded."""
+    async def launch(
+        self, launch: Launch, job: CommandJob, stopped: Callable[[], bool] = lambda: False
+    ) -> None:
+        """Create the attempt's Job once: fenced, idempotent, recorded. A create is not tried
+        once `stopped()` (the attempt was stopped meanwhile: it would run on)."""
         task_id, attempt = launch.task_id, launch.attempt
         await self._fence(task_id, attempt)
         node = self.offers().get(launch.node or "")
@@ -100,18 +104,22 @@ class Launcher:
             )
         except ValueError as exc:
             raise LaunchFailed(str(exc), permanent=True) from None
-        created = await self._create(body, task_id, attempt)
+        created = await self._create(body, task_id, attempt, stopped)
         await self.book.record(task_id, attempt, name_of(created), uid_of(created))
 
-    async def _create(self, body: Mapping[str, Any], task_id: UUID, attempt: int) -> Obj:
+    async def _create(
+        self, body: Mapping[str, Any], task_id: UUID, attempt: int, stopped: Callable[[], bool]
+    ) -> Obj:
         name = body["metadata"]["name"]
         pause = 0.2
         for tries in range(1, CREATE_TRIES + 1):
+            if stopped():
+                raise LaunchFailed("stopped before its Job was created")
             try:
                 return await self.kube.create_job(body)
             except KubeError as exc:
                 if exc.status == 409:
-                    return await self._adopt(name, task_id, attempt)
+                    return await self._adopt(body, task_id, attempt)
                 if exc.status in (400, 403, 422):  # an invalid manifest, a refusal: permanent
                     raise LaunchFailed(f"Job refused: {exc}", permanent=exc.status != 403) from None
                 why = str(exc)
@@ -124,14 +132,17 @@ class Launcher:
             pause = min(pause * 2, 2.0)
         raise AssertionError("unreachable")
 
-    async def _adopt(self, name: str, task_id: UUID, attempt: int) -> Obj:
-        """A Job by this attempt's name exists: ours only if its labels say so (and its uid is
-        the recorded one, when one is): a stranger's object is never adopted by name alone."""
+    async def _adopt(self, body: Mapping[str, Any], task_id: UUID, attempt: int) -> Obj:
+        """A Job by this attempt's name exists: ours only if its labels say so, it was made
+        from this very spec (its digest annotation: labels anyone may copy), and its uid is
+        the recorded one, when one is: a stranger's object is never adopted by name alone."""
+        name = body["metadata"]["name"]
         found = await self.kube.get_job(name)
         if found is None:
             raise LaunchFailed(f"Job {name} answered 409 but is gone")
         recorded = await self.book.recorded(task_id, attempt)
-        if key_of(found) != (task_id, attempt) or (recorded and recorded != uid_of(found)):
+        ours = key_of(found) == (task_id, attempt) and _annotation(found) == _annotation(body)
+        if not ours or (recorded and recorded != uid_of(found)):
             raise LaunchFailed(f"a Job named {name} exists and is not this attempt's", True)
         log.info("Job %s existed already (a create whose answer was lost): adopted", name)
         return found
@@ -150,6 +161,9 @@ class Launcher:
             older = [p for p in pods if (k := key_of(p)) is not None and k[1] < attempt]
             if not older:
                 return
+            for orphan in [p for p in older if not _owners(p)]:
+                # its Job deleted with the Orphan policy: nothing collects it, so this does
+                await self.kube.delete_pod(name_of(orphan))
             if time.monotonic() > deadline:
                 raise LaunchFailed(f"pods of an older attempt still present: {name_of(older[0])}")
             self._pods_changed.clear()
@@ -162,3 +176,18 @@ class Launcher:
 
 def uid_of(obj: Mapping[str, Any]) -> str:
     return str((obj.get("metadata") or {}).get("uid") or "")
+
+
+def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
+    """Whether `obj` (a pod) names the object of `uid` (its Job) among its owners."""
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return any(ref.get("uid") == uid for ref in refs)
+
+
+def _owners(obj: Mapping[str, Any]) -> list[Any]:
+    return list((obj.get("metadata") or {}).get("ownerReferences") or [])
+
+
+def _annotation(obj: Mapping[str, Any]) -> str | None:
+    value = ((obj.get("metadata") or {}).get("annotations") or {}).get(DIGEST)
+    return None if value is None else str(value)

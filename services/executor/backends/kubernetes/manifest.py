@@ -10,6 +10,9 @@ also counts the image pull).
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -25,6 +28,7 @@ ATTEMPT_LABEL = "sked.io/attempt"
 NODE_LABEL = "sked.io/node"
 SELECTOR = f"{MANAGED_BY}=sked"  # every object sked creates
 CONTAINER = "task"
+DIGEST = "sked.io/spec-sha256"  # the annotation naming the spec a Job was made from
 GPU = "nvidia.com/gpu"
 HOSTNAME = "kubernetes.io/hostname"
 
@@ -32,6 +36,7 @@ HOSTNAME = "kubernetes.io/hostname"
 # beyond the run timeout; sked's own timer (from the container's start) normally acts first.
 BACKSTOP_EXTRA_S = 600
 
+_INT32 = 2**31 - 1
 _NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")  # what a sked node id may be
 
 
@@ -102,8 +107,9 @@ def job_manifest(
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": job.image,
-        "command": list(job.argv),
-        "env": [{"name": k, "value": v} for k, v in {**job.env, **env}.items()],
+        # as written: the kubelet expands $(NAME) in both and reads $$ as $
+        "command": [_literal(a) for a in job.argv],
+        "env": [{"name": k, "value": _literal(v)} for k, v in {**job.env, **env}.items()],
         "resources": {"requests": requests, "limits": limits},
         # the end of the log stands in for the termination message when the task wrote none
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -149,9 +155,20 @@ def job_manifest(
             "name": job_name(task_id, attempt),
             "namespace": options.namespace,
             "labels": marks,
+            # what this spec is: a Job met by name (409) is this attempt's only if it says so
+            # (its spec holds the attempt's heartbeat token, which no stranger can make)
+            "annotations": {DIGEST: spec_digest(spec)},
         },
         "spec": spec,
     }
+
+
+def spec_digest(spec: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+def _literal(text: str) -> str:
+    return text.replace("$", "$$")
 
 
 # -- cluster nodes as sked nodes ---------------------------------------------------------------
@@ -178,15 +195,20 @@ def quantity(text: object) -> float:
     in bytes). A value that is not a quantity counts as 0: a node that reports nonsense
     offers nothing rather than stopping the executor."""
     value = str(text or "").strip()
-    try:
-        if value.endswith("m"):
-            return float(value[:-1]) / 1000
+    scale, per = 1, 1
+    if value.endswith("m"):
+        value, per = value[:-1], 1000
+    else:
         for suffix in sorted(_SUFFIX, key=len, reverse=True):
             if value.endswith(suffix):
-                return float(value[: -len(suffix)]) * _SUFFIX[suffix]
-        return float(value)
-    except ValueError:
+                value, scale = value[: -len(suffix)], _SUFFIX[suffix]
+                break
+    try:
+        number = float(value) * scale / per
+    except (ValueError, OverflowError):
         return 0.0
+    # infinity ("1e999"), NaN or a negative is nonsense too: int() of it would raise
+    return number if math.isfinite(number) and number >= 0 else 0.0
 
 
 def node_ready(node: Mapping[str, Any]) -> bool:
@@ -207,12 +229,13 @@ def node_offer(node: Mapping[str, Any]) -> NodeOffer | None:
     free = status.get("allocatable") or {}
     cordoned = bool((node.get("spec") or {}).get("unschedulable"))
     node_labels = {str(k): str(v) for k, v in (meta.get("labels") or {}).items()}
+    # each within its column (a node reporting 1e300 pods must not fail its row's write)
     return NodeOffer(
         id=name,
-        slots=max(1, int(quantity(free.get("pods", "110")))),
-        cpu=quantity(free.get("cpu")),
-        memory_mb=int(quantity(free.get("memory")) // 2**20),
-        gpu=int(quantity(free.get(GPU))),
+        slots=min(max(1, int(quantity(free.get("pods", "110")))), _INT32),
+        cpu=min(quantity(free.get("cpu")), 1e9),
+        memory_mb=min(int(quantity(free.get("memory")) // 2**20), 2**63 - 1),
+        gpu=min(int(quantity(free.get(GPU))), _INT32),
         labels=node_labels,
         ready=node_ready(node) and not cordoned,
         hostname=node_labels.get(HOSTNAME, name),

@@ -7,6 +7,7 @@ Kinds, in the order they are checked:
                  invalid manifest) fails the task at once; otherwise (unschedulable, image pull
                  back-off, no pod) only once the start budget is spent, and the task goes back
                  to Ready without spending a retry
+  deadline       the Job's backstop deadline ended it after its container was seen running
   running        the container started (sked's run timer counts from `started_at`)
   pending        none of the above yet
 """
@@ -18,14 +19,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Kind = Literal["pending", "running", "exited", "launch_failed", "lost"]
+from services.executor.backends.kubernetes.manifest import CONTAINER
 
-# An image that will never be pulled, however long we wait.
+Kind = Literal["pending", "running", "exited", "launch_failed", "lost", "deadline"]
+
+# An image that will never be pulled, however long we wait. Matched against the runtime's
+# message with the image's reference taken out (_QUOTED): an image named ".../denied-x" once
+# made a registry's i/o timeout permanent. "no such host" is not here: a DNS failure passes.
 _NOT_PULLABLE = re.compile(
     r"not found|manifest unknown|unauthorized|denied|repository does not exist|"
-    r"invalid reference format|no such host",
+    r"invalid reference format",
     re.IGNORECASE,
 )
+_QUOTED = re.compile(r'"[^"]*"')
 _PERMANENT_WAITING = {"InvalidImageName", "ErrImageNeverPull"}
 _PULLING = {"ErrImagePull", "ImagePullBackOff"}
 
@@ -47,8 +53,13 @@ def _condition(obj: Mapping[str, Any], kind: str) -> Mapping[str, Any] | None:
 
 
 def _container(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The task's container's state: the status named as sked names it, never another's — a
+    webhook's sidecar may be listed first (the kubelet sorts them by name)."""
     statuses = (pod.get("status") or {}).get("containerStatuses") or []
-    return dict(statuses[0].get("state") or {}) if statuses else {}
+    for status in statuses:
+        if status.get("name") == CONTAINER:
+            return dict(status.get("state") or {})
+    return {}
 
 
 def _said(obj: Mapping[str, Any] | None) -> str:
@@ -74,9 +85,11 @@ def judge(
     pods: Sequence[Mapping[str, Any]],
     waited_s: float,
     budget_s: float,
+    started: bool = False,
 ) -> Verdict:
     """The attempt's state from its Job (None: gone) and pods; `waited_s` since the Job was
-    created or adopted (a monotonic duration), `budget_s` the start budget."""
+    created or adopted (a monotonic duration), `budget_s` the start budget; `started`: its
+    container was seen running (its pod may be gone since)."""
     if job is None:
         return Verdict("lost", "its Job vanished")
     pod = latest(pods)
@@ -101,12 +114,15 @@ def judge(
         waiting = state.get("waiting") or {}
         why = waiting.get("reason") or ""
         message = str(waiting.get("message") or "")
-        if why in _PERMANENT_WAITING or (why in _PULLING and _NOT_PULLABLE.search(message)):
+        unquoted = _QUOTED.sub('""', message)
+        if why in _PERMANENT_WAITING or (why in _PULLING and _NOT_PULLABLE.search(unquoted)):
             return Verdict(
                 "launch_failed", f"image cannot be pulled ({_said(waiting)})", permanent=True
             )
     failed = _condition(job, "Failed")
     if failed is not None:
+        if failed.get("reason") == "DeadlineExceeded" and started:
+            return Verdict("deadline", f"its backstop deadline ran out ({_said(failed)})")
         if failed.get("reason") == "DeadlineExceeded":
             return Verdict(
                 "launch_failed", f"deadline before the container started ({_said(failed)})"
