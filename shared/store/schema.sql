@@ -79,6 +79,9 @@ CREATE INDEX tasks_runnable ON tasks (priority DESC, queued_at, id) WHERE status
 CREATE INDEX tasks_retry_due ON tasks (next_retry_at) WHERE status = 'retry_wait';
 CREATE INDEX tasks_status_created ON tasks (status, created_at DESC);
 CREATE INDEX tasks_active_by_node ON tasks (node) WHERE status IN ('scheduling', 'running');
+-- attempts paused or canceled unheard, running on until their leases end (0019)
+CREATE INDEX tasks_lease_held ON tasks (node, lease_until)
+    WHERE lease_until IS NOT NULL AND status NOT IN ('scheduling', 'running');
 CREATE INDEX tasks_hb_deadline ON tasks (hb_deadline) WHERE status = 'running';
 CREATE INDEX tasks_scheduling_since ON tasks (updated_at) WHERE status = 'scheduling';
 CREATE INDEX tasks_lost_since ON tasks (updated_at) WHERE status = 'lost';

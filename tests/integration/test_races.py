@@ -341,3 +341,62 @@ async def test_an_attempt_delivered_twice_is_started_twice_when_the_second_claim
     if executor.node.runs:
         await asyncio.wait(executor.node.runs, timeout=30)
     assert runs == [(task.id, 1)], f"attempt 1 started {len(runs)} times ({started})"
+
+
+async def test_an_attempt_paused_or_canceled_unheard_holds_its_slot_and_resource(
+    settings: Settings, pool: asyncpg.Pool
+) -> None:
+    """A task paused (or canceled) while its executor cannot hear it runs on until its lease
+    ends. Its node's slot and its workflow's named resource were counted free at once, so the
+    next pass placed a second holder beside it: a resource of capacity 1 held twice, a node
+    of one slot running two attempts. Now such an attempt holds both until its lease ends or
+    its executor releases it; then the task waiting is placed."""
+    from services.scheduler.service import Scheduler
+    from shared.wiring import backends
+    from tests.helpers import spec
+
+    async with backends(settings) as b:
+        scheduler = Scheduler(settings, b.store, b.bus, b.ready_queue)
+        for node in ("n1", "n2"):
+            await b.bus.declare_node_queue(await b.bus.consumer_channel(2), node)
+        await b.store.nodes.register("n1", 4, 4.0, 0, 0, {"zone": "a"}, uuid4(), prefetch=0)
+        await b.store.nodes.register("n2", 1, 4.0, 0, 0, {"zone": "b"}, uuid4(), prefetch=0)
+        wf = uuid4()
+        flow = {
+            "name": "licensed",
+            "resources": {"licence": 1},
+            "tasks": [
+                {"name": "a", "command": ["true"], "uses": ["licence"], "selector": {"zone": "a"}},
+                {"name": "b", "command": ["true"], "uses": ["licence"], "selector": {"zone": "a"}},
+            ],
+        }
+        await workflows.admit(b.store, wf, WorkflowSpec.parse(flow))
+        a, later = (workflows.task_id(wf, n) for n in ("a", "b"))
+        (alone,) = await b.store.tasks.create_many(
+            [spec("alone", selector={"zone": "b"})], walk=(State.PENDING, State.READY)
+        )
+        (beside,) = await b.store.tasks.create_many(
+            [spec("beside", selector={"zone": "b"})], walk=(State.PENDING, State.READY)
+        )
+        for task_id, node in ((a, "n1"), (alone.id, "n2")):  # running, leases live (30 s)
+            t = await fsm.apply(
+                b.store.tasks, await b.store.tasks.get(task_id), State.SCHEDULING, node=node
+            )
+            await fsm.apply(b.store.tasks, t, State.RUNNING, lease_owner=str(uuid4()))
+        await b.ready_queue.push(await b.store.tasks.get_many([later, beside.id]))
+        await control.pause(b.store, a, "maintenance", by="ops")  # its executor does not hear
+        await control.cancel(b.store, b.ready_queue, alone.id, "no longer wanted", by="ops")
+
+        await scheduler.dispatch.dispatch_once()
+        for waiting in (later, beside.id):
+            assert (await b.store.tasks.get(waiting)).status is State.READY  # held, not placed
+
+        # the leases end (or their executors release them): the slot and the licence are free
+        await pool.execute(
+            "UPDATE tasks SET lease_until = now() - interval '1 s' WHERE id = ANY($1::uuid[])",
+            [a, alone.id],
+        )
+        await b.ready_queue.push(await b.store.tasks.get_many([later, beside.id]))
+        await scheduler.dispatch.dispatch_once()
+        for waiting in (later, beside.id):
+            assert (await b.store.tasks.get(waiting)).status is State.SCHEDULING

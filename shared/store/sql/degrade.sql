@@ -38,7 +38,7 @@ SELECT (SELECT count(*) FROM n)::int AS nodes_total,
        (SELECT count(*) FROM n WHERE healthy)::int AS nodes_healthy,
        (SELECT COALESCE(sum(gpu), 0) FROM n WHERE healthy)::int AS gpu_total,
        (SELECT COALESCE(sum(t.gpu), 0) FROM tasks t JOIN n ON n.id = t.node AND n.healthy
-        WHERE t.status IN ({{slot_states}}))::int AS gpu_used,
+        WHERE {{holds_slot}})::int AS gpu_used,
        (SELECT count(*) FROM tasks WHERE status = 'ready')::int AS waiting,
        (SELECT count(*) FROM outbox)::int AS outbox_backlog,
        ARRAY(SELECT id FROM n WHERE NOT healthy ORDER BY id) AS unhealthy,

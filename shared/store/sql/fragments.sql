@@ -158,6 +158,17 @@ string_agg(id::text || ':' || version || ':' || attempt || ':' || retry_count ||
 -- The states in which an attempt holds its node's slot and resources (fsm.HOLDS_SLOT).
 'scheduling', 'running'
 
+-- fragment: holds_slot
+-- The task's attempt holds its node's slot and resources, and its workflow's named resources:
+-- placed or running; or paused or canceled (or resumed since) while its executor could not
+-- hear it, running on until its lease ends or is released (index tasks_lease_held). Else a
+-- task placed beside it could overcommit the node, or a second holder take a resource of 1.
+(t.status IN ({{slot_states}}) OR {{held_past_stop}})
+
+-- fragment: held_past_stop
+-- holds_slot's second part alone: paused or canceled unheard, its lease not over yet.
+(t.lease_until IS NOT NULL AND t.status NOT IN ({{slot_states}}) AND t.lease_until > now())
+
 -- fragment: awaits_start_states
 -- The states in which a task waits for its attempt to start (fsm.AWAITS_START); the partial
 -- index tasks_schedule_deadline is written over the same list.

@@ -61,8 +61,9 @@ SELECT * FROM sked_nodes($1::float8, false)
 SELECT * FROM sked_nodes($1::float8, true)
 
 -- name: define_nodes
--- Every node with its usage: the attempts that hold it (Scheduling or Running there) and what
--- they asked for; `live`: it heartbeat within ttl_s seconds. Each row also carries the degrade
+-- Every node with its usage: the attempts that hold it (holds_slot: Scheduling or Running
+-- there, or running on past a pause or cancel until their leases end) and what they asked
+-- for; `live`: it heartbeat within ttl_s seconds. Each row also carries the degrade
 -- mode and the seconds left until its end (Postgres's clock): placement reads it with the
 -- usage, at the same snapshot, rather than by another round trip. With `lock`, the live
 -- nodes' rows are locked first, in id order: placement runs with them locked, so two
@@ -125,9 +126,16 @@ BEGIN
     FROM nodes n
     LEFT JOIN degrade d ON true
     LEFT JOIN (
-        SELECT t.node, count(*) AS used_slots, sum(t.cpu) AS used_cpu,
-               sum(t.memory_mb) AS used_memory_mb, sum(t.gpu) AS used_gpu
-        FROM tasks t WHERE t.status IN ({{slot_states}}) GROUP BY t.node
+        -- holds_slot in two reads, each a plain index scan of its partial index (a bitmap
+        -- scan, which an OR makes, revisits the heap pages of entries that moved on)
+        SELECT h.node, count(*) AS used_slots, sum(h.cpu) AS used_cpu,
+               sum(h.memory_mb) AS used_memory_mb, sum(h.gpu) AS used_gpu
+        FROM (
+            SELECT t.node, t.cpu, t.memory_mb, t.gpu FROM tasks t
+            WHERE t.status IN ({{slot_states}})
+            UNION ALL
+            SELECT t.node, t.cpu, t.memory_mb, t.gpu FROM tasks t WHERE {{held_past_stop}}
+        ) h GROUP BY h.node
     ) u ON u.node = n.id
     ORDER BY n.id;
 END
@@ -154,8 +162,9 @@ WITH up AS (
 SELECT up.id, (SELECT count(*) FROM note) AS _notified FROM up
 
 -- name: node_holders
--- The attempts that hold a node (Scheduling or Running on it): what a drain waits for.
-SELECT id FROM tasks WHERE node = $1 AND status IN ({{slot_states}}) ORDER BY id
+-- The attempts that hold a node (holds_slot: Scheduling or Running on it, or paused or canceled
+-- there and running on until their leases end): what a drain waits for.
+SELECT t.id FROM tasks t WHERE t.node = $1 AND {{holds_slot}} ORDER BY t.id
 
 -- name: forget_nodes
 -- Nodes gone $1 seconds or longer (no heartbeat, by Postgres's clock) that hold no attempt
@@ -166,7 +175,7 @@ SELECT id FROM tasks WHERE node = $1 AND status IN ({{slot_states}}) ORDER BY id
 DELETE FROM nodes n
 WHERE n.heartbeat_at < now() - make_interval(secs => $1)
   AND n.cordoned_at IS NULL
-  AND NOT EXISTS (SELECT 1 FROM tasks t WHERE t.node = n.id AND t.status IN ({{slot_states}}))
+  AND NOT EXISTS (SELECT 1 FROM tasks t WHERE t.node = n.id AND {{holds_slot}})
 RETURNING n.id
 
 -- name: node_owner

@@ -118,7 +118,7 @@ BEGIN
         LEFT JOIN LATERAL (
             SELECT count(*) AS n, COALESCE(sum(t.cpu), 0) AS cpu,
                    COALESCE(sum(t.memory_mb), 0) AS memory_mb, COALESCE(sum(t.gpu), 0) AS gpu
-            FROM tasks t WHERE t.node = want.node AND t.status IN ({{slot_states}})
+            FROM tasks t WHERE t.node = want.node AND {{holds_slot}}
         ) used ON true
         WHERE n.id = ANY(held)
           AND used.n + want.n <= n.slots + n.prefetch

@@ -76,11 +76,12 @@ SELECT EXISTS (SELECT 1 FROM task_deps WHERE task_id = $1)
 
 -- name: resources_held
 -- Each named resource of these workflows: its capacity, and how many units its tasks in
--- Scheduling or Running hold now. Read under the placement locks, so it is current. A
--- capacity past an int (stored before dag.MAX_CAPACITY bounded it) reads as the int's most.
+-- Scheduling or Running (or running on past a pause or cancel: holds_slot) hold now. Read
+-- under the placement locks, so it is current. A capacity past an int (stored before
+-- dag.MAX_CAPACITY bounded it) reads as the int's most.
 SELECT w.id AS workflow_id, r.name, LEAST(r.capacity::numeric, 2147483647)::int AS capacity,
        (SELECT count(*) FROM tasks t
-        WHERE t.workflow_id = w.id AND t.status IN ({{slot_states}})
+        WHERE t.workflow_id = w.id AND {{holds_slot}}
           AND r.name = ANY(t.uses)) AS held
 FROM workflows w, jsonb_each_text(w.spec -> 'resources') AS r(name, capacity)
 WHERE w.id = ANY($1::uuid[])
