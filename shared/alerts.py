@@ -17,8 +17,11 @@ The names (docs/architecture.md, "Alerts"):
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -33,6 +36,11 @@ from shared.redact import masked
 log = logging.getLogger(__name__)
 
 POST_TIMEOUT_S = 5.0
+# Alerts waiting for Alertmanager, at most: past it the oldest are dropped (and counted in the
+# log). Posted by a task of their own, POST_BATCH a request: the work that raised them (a
+# recovery pass, the degrade evaluator) never waits for Alertmanager.
+MAX_PENDING = 10_000
+POST_BATCH = 500
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,9 @@ class Alerter:
         self.bus = bus
         self.url = url.rstrip("/") if url else None
         self._session: aiohttp.ClientSession | None = None
+        self._pending: deque[dict[str, Any]] = deque(maxlen=MAX_PENDING)
+        self._posting: asyncio.Task[None] | None = None
+        self._dropped = 0
 
     async def send(self, alerts: Sequence[Alert], now: datetime) -> None:
         """Log, publish and post `alerts` (`now`: Postgres time). Never raises: an alert
@@ -103,7 +114,28 @@ class Alerter:
             except Exception as exc:  # an alert is not worth failing the caller for
                 log.error("alerts not published: %s", one_line(exc))
         if self.url is not None:
-            await self._post(wire)
+            self._queue(wire)
+
+    def _queue(self, wire: list[dict[str, Any]]) -> None:
+        """Hand alerts to the poster: a flood of them, or an Alertmanager that does not answer
+        (each try waits up to POST_TIMEOUT_S), held up recovery's pass for minutes."""
+        room = MAX_PENDING - len(self._pending)
+        if len(wire) > room:
+            self._dropped += len(wire) - room
+            log.error("%d alerts dropped: Alertmanager is behind", self._dropped)
+        self._pending.extend(wire)
+        if self._posting is None or self._posting.done():
+            self._posting = asyncio.create_task(self._post_pending())
+
+    async def _post_pending(self) -> None:
+        while self._pending:
+            batch = [self._pending.popleft() for _ in range(min(POST_BATCH, len(self._pending)))]
+            await self._post(batch)
+
+    async def flush(self, timeout: float = POST_TIMEOUT_S) -> None:
+        """Wait (at most `timeout`) until what was queued has been posted or given up."""
+        if self._posting is not None and not self._posting.done():
+            await asyncio.wait({self._posting}, timeout=timeout)
 
     async def _post(self, wire: list[dict[str, Any]]) -> None:
         if self._session is None:
@@ -121,6 +153,11 @@ class Alerter:
             log.error("Alertmanager not reached (%s): %s", masked(self.url or ""), one_line(exc))
 
     async def close(self) -> None:
+        await self.flush()
+        if self._posting is not None:
+            self._posting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._posting
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
+from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
@@ -80,9 +81,35 @@ def install(hook: Hook) -> None:
     installed.append(hook)
 
 
+# Inside a store transaction, the moves it made are told once it commits, and never if it
+# rolls back (shared.store.Store.transaction): a refused workflow's rolled-back tasks were
+# counted in sked_transitions_total and traced as if they existed.
+_held: ContextVar[list[tuple[Sequence[tuple[Task, Move]], int, int]] | None] = ContextVar(
+    "sked_hooks_held", default=None
+)
+
+
 def transitions(moved: Sequence[tuple[Task, Move]], start_ns: int, end_ns: int) -> None:
+    held = _held.get()
+    if held is not None:
+        held.append((moved, start_ns, end_ns))
+        return
     for hook in installed:
         hook.transitions(moved, start_ns, end_ns)
+
+
+def hold() -> tuple[Token[Any], list[tuple[Sequence[tuple[Task, Move]], int, int]]]:
+    """Hold the transitions told from here (a transaction began); `release` ends the hold."""
+    held: list[tuple[Sequence[tuple[Task, Move]], int, int]] = []
+    return _held.set(held), held
+
+
+def release(token: Token[Any], held: list[Any], committed: bool) -> None:
+    """End a hold; when the transaction committed, tell what it held."""
+    _held.reset(token)
+    if committed:
+        for moved, start_ns, end_ns in held:
+            transitions(moved, start_ns, end_ns)
 
 
 def received(

@@ -20,7 +20,12 @@ from shared.models import TaskSpec, task_id_for
 from shared.policy import JobPolicy
 
 JSON_TYPES = {None, "", "application/json"}
-_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+# W3C trace context: a shape, and a meaning — version ff and an all-zero trace or span id are
+# invalid, and OpenTelemetry drops them on extract: kept, such a parent made every span of the
+# task start a trace of its own (a parent seemed present, so no root span was started)
+_TRACEPARENT = re.compile(
+    r"(?!ff)[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}"
+)
 
 
 @dataclass(frozen=True)
@@ -221,7 +226,7 @@ def header_text(
             value = value.decode("utf-8")
         except UnicodeDecodeError:
             return None
-    if isinstance(value, str) and len(value) <= 256 and pattern.match(value):
+    if isinstance(value, str) and len(value) <= 256 and pattern.fullmatch(value):
         return value
     return None
 

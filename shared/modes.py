@@ -28,10 +28,13 @@ class ModeChanged(SkedError):
 
 
 def event(before: DegradeState, after: DegradeState) -> dict[str, Any]:
-    """The `scheduler.degrade` event's body."""
+    """The `scheduler.degrade` event's body. `previous` is the mode that was set, even when
+    its until had passed (the evaluator ending it then says which mode ended);
+    `previous_in_force` what was obeyed just before."""
     return {
         "mode": after.mode.value,
-        "previous": before.effective().value,
+        "previous": before.mode.value,
+        "previous_in_force": before.effective().value,
         "automatic": after.automatic,
         "reason": after.reason,
         "by": after.set_by,
@@ -42,36 +45,51 @@ def event(before: DegradeState, after: DegradeState) -> dict[str, Any]:
 
 
 def alerts(before: DegradeState, after: DegradeState) -> list[Alert]:
-    """Entering (or changing) a mode fires SkedDegraded, ending at its until; leaving it
-    resolves the one that fired (same labels)."""
+    """Entering, changing or extending a mode fires SkedDegraded, ending at its until (sent
+    again when its until, reason or setter changes: Alertmanager keeps the first endsAt
+    otherwise, and resolved an extended mode at its old end); leaving it resolves the one
+    that fired, with the same labels, severity included."""
     out = []
     previous = before.effective()
     if previous is not Mode.NORMAL and previous is not after.mode:
-        out.append(
-            Alert(
-                "SkedDegraded",
-                "warning",
-                f"left {previous.value} mode",
-                after.reason,
-                {"mode": previous.value},
-                starts_at=before.since,
-                resolved=True,
-            )
-        )
-    if after.mode is not Mode.NORMAL and after.mode is not previous:
-        how = "automatically" if after.automatic else f"by {after.set_by or 'an operator'}"
-        out.append(
-            Alert(
-                "SkedDegraded",
-                "warning" if after.mode is Mode.PARTIAL else "critical",
-                f"scheduler in {after.mode.value} mode ({how})",
-                after.reason,
-                {"mode": after.mode.value},
-                starts_at=after.since,
-                ends_at=after.until,
-            )
-        )
+        out.append(_degraded(previous, after.reason, before.since, resolved=True))
+    if (firing := degraded_alert(after)) is not None:
+        out.append(firing)
     return out
+
+
+def degraded_alert(state: DegradeState) -> Alert | None:
+    """The SkedDegraded alert the mode in force fires, as `alerts` sends it; None in normal
+    mode. (The evaluator sends it again while the mode lasts.)"""
+    mode = state.effective()
+    if mode is Mode.NORMAL:
+        return None
+    how = "automatically" if state.automatic else f"by {state.set_by or 'an operator'}"
+    return _degraded(mode, state.reason, state.since, ends_at=state.until, how=how)
+
+
+def _degraded(
+    mode: Mode,
+    reason: str,
+    since: datetime,
+    *,
+    resolved: bool = False,
+    ends_at: datetime | None = None,
+    how: str = "",
+) -> Alert:
+    """SkedDegraded for `mode`: firing and resolving build the same labels (a resolve whose
+    severity differed matched no alert, and a lifted full mode's stayed firing)."""
+    summary = f"left {mode.value} mode" if resolved else f"scheduler in {mode.value} mode ({how})"
+    return Alert(
+        "SkedDegraded",
+        "warning" if mode is Mode.PARTIAL else "critical",
+        summary,
+        reason,
+        {"mode": mode.value},
+        starts_at=since,
+        ends_at=ends_at,
+        resolved=resolved,
+    )
 
 
 async def announce(

@@ -40,11 +40,14 @@ def setup(service_name: str) -> None:
         return
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace import SpanLimits, TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     name = os.environ.get("OTEL_SERVICE_NAME", service_name)
-    provider = TracerProvider(resource=Resource.create({"service.name": name}))
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": name}),
+        span_limits=SpanLimits(max_attribute_length=MAX_ATTRIBUTE_CHARS),
+    )
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     use(provider)
 
@@ -158,8 +161,19 @@ def messaging(destination: str, operation: str, task_id: Any, **more: Any) -> di
     }
 
 
+# The longest text a span attribute carries: errors and reasons come from tasks and producers
+# (an attempt's error once exported 300 KB a span), and OpenTelemetry bounds none by default.
+MAX_ATTRIBUTE_CHARS = 2000
+
+
 def _clean(attributes: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in attributes.items() if v is not None}
+    return {k: _bounded(v) for k, v in attributes.items() if v is not None}
+
+
+def _bounded(value: Any) -> Any:
+    if isinstance(value, str) and len(value) > MAX_ATTRIBUTE_CHARS:
+        return value[:MAX_ATTRIBUTE_CHARS] + " …[cut]"
+    return value
 
 
 class TracingHook(hooks.Hook):
@@ -237,4 +251,4 @@ class _SpanAttempt(hooks.Attempt):
     def ended(self, ok: bool, error: str | None) -> None:
         self.run.set_attribute("sked.ok", ok)
         if error:
-            self.run.set_attribute("sked.error", error)
+            self.run.set_attribute("sked.error", _bounded(error))

@@ -24,6 +24,8 @@ from shared.runtime import wait_any
 from shared.settings import Settings
 from shared.store import Store
 
+RESEND_S = 60.0  # what still fires is sent to Alertmanager again this often
+
 log = logging.getLogger(__name__)
 
 AUTOMATIC = "sked (automatic)"
@@ -57,6 +59,8 @@ class Degrade(Part):
         # what this evaluator has alerted on and not yet resolved
         self.nodes_down: set[str] = set()
         self.backlogs: set[str] = set()
+        self.firing: dict[tuple[str, str], Alert] = {}  # by name and node: sent again
+        self._resend_at = 0.0  # monotonic
 
     async def run(self, stopping: asyncio.Event) -> None:
         hub, period = self.hub, self.settings.degrade_check_s
@@ -103,7 +107,23 @@ class Degrade(Part):
         if after is not None:
             await modes.announce(before, after, self.bus, self.alerter)
             self.hub.degrade_changed.set()
-        await self.alerter.send(self.watch(snapshot), snapshot.at or before.since)
+        raised = self.watch(snapshot)
+        if time.monotonic() >= self._resend_at:
+            # Alertmanager resolves an alert not heard of for its resolve_timeout (5 min by
+            # default): what still fires — a mode set until lifted, a node still down, a
+            # backlog still over — is sent again, by whichever scheduler evaluates
+            self._resend_at = time.monotonic() + RESEND_S
+            raised += self.still_firing(after or before, raised)
+        await self.alerter.send(raised, snapshot.at or before.since)
+
+    def still_firing(self, state: DegradeState, raised: list[Alert]) -> list[Alert]:
+        """The alerts this evaluator raised that still fire, and the mode's, not sent now."""
+        sent = {(a.name, a.labels.get("node", "")) for a in raised}
+        again = [a for key, a in self.firing.items() if key not in sent]
+        mode = modes.degraded_alert(state)
+        if mode is not None and not any(a.name == mode.name for a in raised):
+            again.append(mode)
+        return again
 
     def watch(self, snapshot: Snapshot) -> list[Alert]:
         """Nodes that turned unhealthy (or came back), and backlogs past their bounds."""
@@ -159,4 +179,10 @@ class Degrade(Part):
                 out.append(
                     Alert(name, severity, f"{value} {what}: under {bound} again", resolved=True)
                 )
+        for alert in out:
+            key = (alert.name, alert.labels.get("node", ""))
+            if alert.resolved:
+                self.firing.pop(key, None)
+            else:
+                self.firing[key] = alert
         return out

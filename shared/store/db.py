@@ -12,6 +12,7 @@ from uuid import UUID
 
 import asyncpg
 
+from shared import hooks
 from shared.errors import NotFound, purged
 from shared.store.queries import Q, Query
 from shared.task import Task
@@ -92,8 +93,15 @@ class Db:
         if isinstance(self.target, asyncpg.Connection):
             yield self
             return
-        async with self.target.acquire() as conn, conn.transaction():
-            yield Db(conn, self.lease_margin_s)
+        async with self.target.acquire() as conn:
+            token, held = hooks.hold()  # told once it commits (Store.transaction says why)
+            committed = False
+            try:
+                async with conn.transaction():
+                    yield Db(conn, self.lease_margin_s)
+                committed = True
+            finally:
+                hooks.release(token, held, committed)
 
 
 def task(row: asyncpg.Record) -> Task:

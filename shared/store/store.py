@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 
 import asyncpg
 
+from shared import hooks
 from shared.store.claims import Claims
 from shared.store.db import Db, create_pool
 from shared.store.degrade import Degrade
@@ -65,9 +66,17 @@ class Store(Tx):
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[Tx]:
-        """One transaction: everything done through the Tx commits together, or not at all."""
-        async with self.pool.acquire() as conn, conn.transaction():
-            yield Tx(Db(conn, self.lease_margin_s), self.node_ttl_s)
+        """One transaction: everything done through the Tx commits together, or not at all;
+        and the moves it made are told to the hooks (metrics, traces) only once it commits."""
+        async with self.pool.acquire() as conn:
+            token, held = hooks.hold()
+            committed = False
+            try:
+                async with conn.transaction():
+                    yield Tx(Db(conn, self.lease_margin_s), self.node_ttl_s)
+                committed = True
+            finally:
+                hooks.release(token, held, committed)
 
     def listener(
         self,

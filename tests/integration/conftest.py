@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.executor.backends.local import LocalBackend
 from services.executor.service import Executor
+from shared import telemetry
 from shared.settings import Settings
 from shared.wiring import backends
 
@@ -25,3 +30,21 @@ async def executor(settings: Settings, tmp_path: Path) -> AsyncIterator[Executor
             yield Executor(node, b.store, b.bus, backend, b.ready_queue)
         finally:
             await backend.close()
+
+
+# One tracer provider a process (OpenTelemetry takes the first): every test module that reads
+# spans shares this exporter.
+_EXPORTER = InMemorySpanExporter()
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    """The in-memory exporter behind this process's tracer provider (installed once)."""
+    if not telemetry.enabled():
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
+        telemetry.use(provider)
+    assert isinstance(trace.get_tracer_provider(), TracerProvider)
+    _EXPORTER.clear()
+    yield _EXPORTER
+    _EXPORTER.clear()

@@ -7,39 +7,19 @@ executor's worker processes are real) so that one exporter sees every span.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
 from services.executor.backends.local import LocalBackend
 from services.executor.service import Executor
 from services.scheduler.service import Scheduler
-from shared import telemetry
 from shared.client import SkedClient
 from shared.fsm import State
 from shared.settings import Settings
 from shared.wiring import backends
-
-_EXPORTER = InMemorySpanExporter()
-
-
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    """The in-memory exporter behind this process's tracer provider (installed once)."""
-    if not telemetry.enabled():
-        provider = TracerProvider()
-        provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
-        telemetry.use(provider)
-    assert isinstance(trace.get_tracer_provider(), TracerProvider)
-    _EXPORTER.clear()
-    yield _EXPORTER
-    _EXPORTER.clear()
 
 
 def trace_of(task_traceparent: str | None) -> int:
