@@ -13,23 +13,33 @@ the task (the API has no push), a few times a second.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import functools
 import json
 import time
-import typing
-from collections.abc import Iterable, Mapping
-from datetime import datetime
+from collections.abc import Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import quote
 from uuid import UUID
 
 import aiohttp
 
 from shared import fsm
+from shared.api_answers import (
+    deadline_of,
+    drain_of,
+    from_json,
+    ident_of,
+    no_constant,
+    node_of,
+    read_answer,
+    task_of,
+)
 from shared.client import WaitTimeout
 from shared.errors import InvalidSpec, NotFound, Purged, SkedError
 from shared.fsm import State
 from shared.models import Event, Task, TaskSpec
+from shared.redact import masked, printable
 from shared.views import WorkflowSummary, WorkflowView
 
 # The store's modules (NodeRow, Drain, NotAllowed) and the workflow models are imported by the
@@ -40,7 +50,11 @@ if TYPE_CHECKING:
     from shared.dag import WorkflowSpec
     from shared.store import NodeRow
 
+T = TypeVar("T")
 POLL_S = (0.1, 1.0)  # a wait polls from every 0.1 s, slowing to every second
+# The largest answer read, decoded (a listing of 1,000 tasks is a few MB): a broken or hostile
+# server's endless or compressed body is refused past it, not read into memory.
+MAX_ANSWER_BYTES = 8 * 1024 * 1024
 
 
 class ApiRefused(SkedError):
@@ -64,38 +78,6 @@ def error_for(status: int) -> type[SkedError]:
 
         return NotAllowed
     return ERRORS.get(status, SkedError)
-
-
-def from_json(cls: type[Any], data: Mapping[str, Any], **given: Any) -> Any:
-    """A row dataclass (Task, NodeRow) back from its `as_json()`: datetimes, UUIDs and states
-    parsed by the field's type; `given` fields are taken as they are."""
-    hints = typing.get_type_hints(cls)
-    values: dict[str, Any] = dict(given)
-    for f in dataclasses.fields(cls):
-        if f.name in values or f.name not in data:
-            continue
-        value, kinds = data[f.name], typing.get_args(hints[f.name]) or (hints[f.name],)
-        if value is not None:
-            if datetime in kinds:
-                value = datetime.fromisoformat(value)
-            elif UUID in kinds:
-                value = UUID(value)
-            elif State in kinds:
-                value = State(value)
-        values[f.name] = value
-    return cls(**values)
-
-
-def task_of(data: Mapping[str, Any]) -> Task:
-    task: Task = from_json(Task, data, spec_json=json.dumps(data["spec"]))
-    return task
-
-
-def node_of(data: Mapping[str, Any]) -> NodeRow:
-    from shared.store import NodeRow
-
-    node: NodeRow = from_json(NodeRow, data)
-    return node
 
 
 class ApiClient:
@@ -133,35 +115,62 @@ class ApiClient:
         wait = aiohttp.ClientTimeout(total=timeout or self.timeout)
         try:
             async with self._session.request(
-                method, f"{self.url}{path}", json=body, params=params, timeout=wait
+                method,
+                f"{self.url}{path}",
+                json=body,
+                params=params,
+                timeout=wait,
+                allow_redirects=False,  # a redirect elsewhere would get the spec (and answer)
             ) as r:
-                text = await r.text()
-                data = json.loads(text) if text else None
                 status = r.status
+                raw = await r.content.read(MAX_ANSWER_BYTES + 1)  # decoded bytes: bounded
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            raise SkedError(f"the API at {self.url} did not answer: {exc}") from None
+            raise SkedError(f"the API at {masked(self.url)} did not answer: {exc}") from None
+        if len(raw) > MAX_ANSWER_BYTES:
+            raise SkedError(f"the API answered {path} with over {MAX_ANSWER_BYTES} bytes")
+        text = raw.decode("utf-8", "replace")
+        try:
+            data = json.loads(text, parse_constant=no_constant) if text else None
+        except (ValueError, RecursionError):
+            if status < 400:
+                raise SkedError(f"the API answered {path} with a body that is not JSON") from None
+            data = None
+        if 300 <= status < 400:
+            raise SkedError(f"the API redirected {path} (HTTP {status}): not followed")
         if status >= 400:
-            message = data.get("error") if isinstance(data, dict) else text
-            raise error_for(status)(f"{message} (HTTP {status})")
+            found = data.get("error") if isinstance(data, dict) else None
+            message = found if isinstance(found, str) else text
+            raise error_for(status)(f"{printable(message[:300])} (HTTP {status})")
         return data
 
     # -- submit -------------------------------------------------------------------------------
 
     async def submit(self, spec: TaskSpec | dict[str, Any]) -> UUID:
-        parsed = spec if isinstance(spec, TaskSpec) else TaskSpec.parse(spec)
-        return UUID((await self.call("POST", "/v1/tasks", parsed.model_dump(mode="json")))["id"])
+        parsed = TaskSpec.parse(
+            spec.model_dump(mode="json") if isinstance(spec, TaskSpec) else spec
+        )
+        answer = await self.call("POST", "/v1/tasks", parsed.model_dump(mode="json"))
+        return read_answer("/v1/tasks", lambda: UUID(answer["id"]))
 
     async def submit_workflow(self, spec: WorkflowSpec | dict[str, Any]) -> UUID:
         from shared.dag import WorkflowSpec
 
-        parsed = spec if isinstance(spec, WorkflowSpec) else WorkflowSpec.parse(spec)
+        parsed = WorkflowSpec.parse(
+            spec.model_dump(mode="json") if isinstance(spec, WorkflowSpec) else spec
+        )
         body = parsed.model_dump(mode="json")
-        return UUID((await self.call("POST", "/v1/workflows", body))["id"])
+        answer = await self.call("POST", "/v1/workflows", body)
+        return read_answer("/v1/workflows", lambda: UUID(answer["id"]))
 
     # -- read ---------------------------------------------------------------------------------
 
     async def get(self, task_id: UUID | str) -> Task:
-        return task_of(await self.call("GET", f"/v1/tasks/{task_id}"))
+        return await self._get(task_id)
+
+    async def _get(self, task_id: UUID | str, timeout: float | None = None) -> Task:
+        path = f"/v1/tasks/{ident_of(task_id)}"
+        answer = await self.call("GET", path, timeout=timeout)
+        return read_answer(path, lambda: task_of(answer))
 
     async def tasks(
         self,
@@ -174,45 +183,54 @@ class ApiClient:
         found = await self.call(
             "GET", "/v1/tasks", status=wanted, limit=limit, after=after, name=name
         )
-        return [task_of(t) for t in found]
+        return read_answer("/v1/tasks", lambda: [task_of(t) for t in found])
 
     async def workflows(
         self, limit: int = 100, after: UUID | None = None, name: str | None = None
     ) -> list[WorkflowSummary]:
         found = await self.call("GET", "/v1/workflows", limit=limit, after=after, name=name)
-        return [from_json(WorkflowSummary, w) for w in found]
+        return read_answer("/v1/workflows", lambda: [from_json(WorkflowSummary, w) for w in found])
 
     async def history(self, task_id: UUID | str) -> list[Event]:
-        events = await self.call("GET", f"/v1/tasks/{task_id}/events")
-        return [Event.model_validate(e) for e in events]
+        events = await self.call("GET", f"/v1/tasks/{ident_of(task_id)}/events")
+        return read_answer("events", lambda: [Event.model_validate(e) for e in events])
 
     async def log(self, task_id: UUID | str, timeout: float = 5.0) -> str | None:
-        answer = await self.call("GET", f"/v1/tasks/{task_id}/logs", timeout=timeout + 30)
-        text: str | None = answer["log"]
+        answer = await self.call("GET", f"/v1/tasks/{ident_of(task_id)}/logs", timeout=timeout + 30)
+        text = read_answer("logs", lambda: answer["log"])
+        if text is not None and not isinstance(text, str):
+            raise SkedError("the API answered a log that is not text")
         return text
 
     async def workflow(self, workflow_id: UUID | str) -> WorkflowView:
-        data = await self.call("GET", f"/v1/workflows/{workflow_id}")
-        edges = [(UUID(e["upstream"]), UUID(e["task"]), e["condition"]) for e in data["edges"]]
-        return WorkflowView(
-            UUID(data["id"]), data["name"], [task_of(t) for t in data["tasks"]], edges
-        )
+        data = await self.call("GET", f"/v1/workflows/{ident_of(workflow_id, 'workflow')}")
+
+        def view() -> WorkflowView:
+            edges = [(UUID(e["upstream"]), UUID(e["task"]), e["condition"]) for e in data["edges"]]
+            tasks = [task_of(t) for t in data["tasks"]]
+            return WorkflowView(UUID(data["id"]), data["name"], tasks, edges)
+
+        return read_answer("workflow", view)
 
     async def nodes(self) -> list[NodeRow]:
-        return [node_of(n) for n in await self.call("GET", "/v1/nodes")]
+        found = await self.call("GET", "/v1/nodes")
+        return read_answer("/v1/nodes", lambda: [node_of(n) for n in found])
 
     # -- control ------------------------------------------------------------------------------
 
     async def pause(self, task_id: UUID | str, reason: str, by: str | None = None) -> Task:
         body = {"reason": reason, "by": by}
-        return task_of(await self.call("POST", f"/v1/tasks/{task_id}/pause", body))
+        answer = await self.call("POST", f"/v1/tasks/{ident_of(task_id)}/pause", body)
+        return read_answer("control", lambda: task_of(answer))
 
     async def resume(self, task_id: UUID | str, by: str | None = None) -> Task:
-        return task_of(await self.call("POST", f"/v1/tasks/{task_id}/resume", {"by": by}))
+        answer = await self.call("POST", f"/v1/tasks/{ident_of(task_id)}/resume", {"by": by})
+        return read_answer("control", lambda: task_of(answer))
 
     async def cancel(self, task_id: UUID | str, reason: str = "", by: str | None = None) -> Task:
         body = {"reason": reason, "by": by}
-        return task_of(await self.call("POST", f"/v1/tasks/{task_id}/cancel", body))
+        answer = await self.call("POST", f"/v1/tasks/{ident_of(task_id)}/cancel", body)
+        return read_answer("control", lambda: task_of(answer))
 
     async def cancel_workflow(
         self, workflow_id: UUID | str, reason: str = "", by: str | None = None
@@ -230,37 +248,49 @@ class ApiClient:
     async def _workflow_control(
         self, workflow_id: UUID | str, action: str, body: dict[str, Any]
     ) -> list[Task]:
-        moved = await self.call("POST", f"/v1/workflows/{workflow_id}/{action}", body)
-        return [task_of(t) for t in moved]
+        path = f"/v1/workflows/{ident_of(workflow_id, 'workflow')}/{action}"
+        moved = await self.call("POST", path, body)
+        return read_answer(path, lambda: [task_of(t) for t in moved])
 
     async def dead_letters(self, limit: int = 100) -> list[DeadLetter]:
         from shared.bus import DeadLetter
 
-        return [from_json(DeadLetter, d) for d in await self.call("GET", "/v1/dead", limit=limit)]
+        found = await self.call("GET", "/v1/dead", limit=limit)
+        return read_answer("/v1/dead", lambda: [from_json(DeadLetter, d) for d in found])
 
     async def set_priority(self, task_id: UUID | str, priority: int) -> list[Task]:
         body = {"priority": priority}
-        return [task_of(t) for t in await self.call("POST", f"/v1/tasks/{task_id}/priority", body)]
+        path = f"/v1/tasks/{ident_of(task_id)}/priority"
+        changed = await self.call("POST", path, body)
+        return read_answer(path, lambda: [task_of(t) for t in changed])
 
     async def cordon(self, node_id: str, reason: str = "") -> NodeRow:
-        return node_of(await self.call("POST", f"/v1/nodes/{node_id}/cordon", {"reason": reason}))
+        answer = await self.call(
+            "POST", f"/v1/nodes/{quote(node_id, safe='')}/cordon", {"reason": reason}
+        )
+        return read_answer("nodes", lambda: node_of(answer))
 
     async def uncordon(self, node_id: str) -> NodeRow:
-        return node_of(await self.call("POST", f"/v1/nodes/{node_id}/uncordon"))
+        answer = await self.call("POST", f"/v1/nodes/{quote(node_id, safe='')}/uncordon")
+        return read_answer("nodes", lambda: node_of(answer))
 
     async def drain(self, node_id: str, timeout: float | None = None, reason: str = "") -> Drain:
         """Cordon, then wait up to `timeout` s (None: until drained), asking the API to wait
         up to 10 minutes at a time."""
-        from shared.cordon import Drain
 
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = deadline_of(timeout)
+        pause = POLL_S[0]
         while True:
             left = 600.0 if deadline is None else max(0.0, min(600.0, deadline - time.monotonic()))
-            path, body = f"/v1/nodes/{node_id}/drain", {"reason": reason}
+            path, body = f"/v1/nodes/{quote(node_id, safe='')}/drain", {"reason": reason}
+            asked = time.monotonic()
             data = await self.call("POST", path, body, timeout=left + 30, wait=round(left, 3))
-            done = Drain(node_of(data["node"]), [UUID(i) for i in data["holding"]])
+            done = read_answer(path, functools.partial(drain_of, data))
             if done.done or (deadline is not None and time.monotonic() >= deadline):
                 return done
+            if time.monotonic() - asked < left / 2:  # answered early: never a busy loop
+                await asyncio.sleep(pause)
+                pause = min(pause * 1.5, POLL_S[1])
 
     # -- wait ---------------------------------------------------------------------------------
 
@@ -270,25 +300,38 @@ class ApiClient:
     async def wait_all(
         self, task_ids: Iterable[UUID | str], timeout: float | None = None
     ) -> dict[UUID, Task]:
-        """Poll until every task is terminal. A task not yet admitted counts as pending."""
-        pending = {UUID(str(i)) for i in task_ids}
+        """Poll until every task is terminal. A task not yet admitted counts as pending. Each
+        request is bounded by what is left of the timeout: a slow server ends the wait on
+        time, as WaitTimeout."""
+        if isinstance(task_ids, str | bytes | UUID):
+            raise InvalidSpec("wait_all takes a collection of task ids, not one id")
+        pending = {ident_of(i) for i in task_ids}
         done: dict[UUID, Task] = {}
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = deadline_of(timeout)
         pause = POLL_S[0]
         while True:
             for task_id in sorted(pending):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
                 try:
-                    task = await self.get(task_id)
+                    task = await self._get(
+                        task_id, None if left is None else min(self.timeout, left)
+                    )
                 except Purged:
                     raise
                 except NotFound:
                     continue  # its submission is still on its way
+                except SkedError:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        break  # the request ran into the deadline: the wait is over
+                    raise
                 if fsm.is_terminal(task.status, fsm.has_retry_left(task)):
                     done[task_id] = task
                     pending.discard(task_id)
             if not pending:
                 return done
-            if deadline is not None and time.monotonic() > deadline:
+            if deadline is not None and time.monotonic() >= deadline:
                 raise WaitTimeout(pending, timeout or 0)
             await asyncio.sleep(pause)
             pause = min(pause * 1.5, POLL_S[1])
@@ -296,7 +339,7 @@ class ApiClient:
     async def wait_workflow(
         self, workflow_id: UUID | str, timeout: float | None = None
     ) -> WorkflowView:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = deadline_of(timeout)
         while True:
             try:
                 view = await self.workflow(workflow_id)
@@ -305,7 +348,7 @@ class ApiClient:
                 raise
             except NotFound:
                 if deadline is not None and time.monotonic() > deadline:
-                    raise
+                    raise WaitTimeout([ident_of(workflow_id, "workflow")], timeout or 0) from None
                 await asyncio.sleep(POLL_S[0])
         left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         await self.wait_all([t.id for t in view.tasks], left)

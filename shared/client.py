@@ -47,7 +47,10 @@ def _deadline(timeout: float | None) -> float | None:
     compares past it, so the wait would never end."""
     if timeout is not None and timeout != timeout:
         raise InvalidSpec("a timeout must be a number of seconds, not NaN")
-    return None if timeout is None else time.monotonic() + timeout
+    try:
+        return None if timeout is None else time.monotonic() + float(timeout)
+    except OverflowError:  # an integer past any float: as long as forever
+        return None
 
 
 class WaitTimeout(SkedError, TimeoutError):
@@ -156,7 +159,12 @@ class SkedClient(Control):
         ids in order. Specs are validated here first: a bad one raises InvalidSpec, none sent."""
         from shared.bus import SUBMIT_KEY
 
-        parsed = [s if isinstance(s, TaskSpec) else TaskSpec.parse(s) for s in specs]
+        # a TaskSpec built by its constructor skipped what only a submission is held to
+        # (NEW): judged again from its JSON, as intake will
+        parsed = [
+            TaskSpec.parse(s.model_dump(mode="json") if isinstance(s, TaskSpec) else s)
+            for s in specs
+        ]
         limit = self.settings.max_message_bytes
         bodies = [(rendered(s, limit), task_id_for(s), s.name) for s in parsed]
         await self._publish(SUBMIT_KEY, bodies, batch=len(bodies) > 1)
@@ -168,7 +176,9 @@ class SkedClient(Control):
         from shared.bus import WORKFLOW_KEY
         from shared.dag import WorkflowSpec
 
-        parsed = spec if isinstance(spec, WorkflowSpec) else WorkflowSpec.parse(spec)
+        parsed = WorkflowSpec.parse(
+            spec.model_dump(mode="json") if isinstance(spec, WorkflowSpec) else spec
+        )  # one built by its constructor was never checked (a cycle, an unknown edge)
         workflow_id = uuid4()
         body = rendered(parsed, self.settings.max_message_bytes)
         await self._publish(WORKFLOW_KEY, [(body, workflow_id, parsed.name)])
@@ -210,7 +220,7 @@ class SkedClient(Control):
     # -- read ---------------------------------------------------------------------------------
 
     async def get(self, task_id: UUID | str) -> Task:
-        return await (await self._db()).tasks.get(UUID(str(task_id)))
+        return await (await self._db()).tasks.get(task_uuid(task_id))
 
     async def log(self, task_id: UUID | str, timeout: float = 5.0) -> str | None:
         """The task's log: while an attempt runs, as it is now, asked of its executor (a
@@ -232,7 +242,7 @@ class SkedClient(Control):
         return task.log_tail
 
     async def history(self, task_id: UUID | str) -> list[Event]:
-        return await (await self._db()).tasks.history(UUID(str(task_id)))
+        return await (await self._db()).tasks.history(task_uuid(task_id))
 
     async def tasks(
         self,
@@ -243,14 +253,14 @@ class SkedClient(Control):
     ) -> list[Task]:
         """Tasks, newest first, optionally only those in `statuses` or of `name`; `after` (the
         last task of the page before) gives the next page."""
-        return await (await self._db()).tasks.list_tasks(statuses, name, limit, after)
+        return await (await self._db()).tasks.list_tasks(statuses, name, page_size(limit), after)
 
     async def workflows(
         self, limit: int = 100, after: UUID | None = None, name: str | None = None
     ) -> list[WorkflowSummary]:
         """Workflows, newest first, each with its status and tasks counted; `after` (the last
         of the page before) gives the next page."""
-        return await (await self._db()).workflows.page(limit, after, name)
+        return await (await self._db()).workflows.page(page_size(limit), after, name)
 
     async def degrade_status(self) -> DegradeState:
         """The degrade mode every scheduler obeys."""
@@ -277,7 +287,7 @@ class SkedClient(Control):
     async def dead_letters(self, limit: int = 100) -> list[DeadLetter]:
         """The oldest submissions intake refused (sked.dead), each with its reason; left where
         they are."""
-        return await (await self._publisher()).peek_dead(limit)
+        return await (await self._publisher()).peek_dead(page_size(limit))
 
     async def nodes(self) -> list[NodeRow]:
         """The registered nodes with their capacity and usage."""
@@ -285,7 +295,7 @@ class SkedClient(Control):
 
     async def wait(self, task_id: UUID | str, timeout: float | None = None) -> Task:
         """Wait until the task is terminal; returns it. Raises WaitTimeout."""
-        return (await self.wait_all([task_id], timeout))[UUID(str(task_id))]
+        return (await self.wait_all([task_id], timeout))[task_uuid(task_id)]
 
     async def wait_all(
         self, task_ids: Iterable[UUID | str], timeout: float | None = None
@@ -301,7 +311,9 @@ class SkedClient(Control):
         from shared.store.notify import may_name
 
         store = await self._db()
-        pending = {UUID(str(i)) for i in task_ids}
+        if isinstance(task_ids, str | bytes | UUID):
+            raise InvalidSpec("wait_all takes a collection of task ids, not one id")
+        pending = {task_uuid(i) for i in task_ids}
         done: dict[UUID, Task] = {}
         wake = asyncio.Event()
         named: set[UUID] = set()  # ids named by notifications since the last check
@@ -363,3 +375,18 @@ class SkedClient(Control):
         finally:
             stop.set()
             await listening
+
+
+def task_uuid(ident: UUID | str) -> UUID:
+    """An id as a UUID, or InvalidSpec naming what was given."""
+    try:
+        return ident if isinstance(ident, UUID) else UUID(str(ident))
+    except (ValueError, TypeError):
+        raise InvalidSpec(f"not a task id: {str(ident)[:100]!r}") from None
+
+
+def page_size(limit: int) -> int:
+    """A listing's size: 1 to 1,000, as the operator API's (else InvalidSpec)."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
+        raise InvalidSpec(f"a limit is an integer from 1 to 1,000: {limit!r}")
+    return limit

@@ -234,6 +234,8 @@ async def set_priority(
     are recomputed (its upstreams inherit it, brief §7); the Ready tasks among those that moved
     are re-scored in the ready queue at once. Returns the tasks whose priority was written, the
     task itself first."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidSpec(f"a priority is an integer, not {type(priority).__name__}")
     if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
         raise InvalidSpec(f"priority must be within [{MIN_PRIORITY}, {MAX_PRIORITY}]: {priority}")
     task = await store.tasks.get(task_id)

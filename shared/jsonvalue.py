@@ -108,6 +108,8 @@ MAX_NOTE = 4096  # characters of an operator's reason or name: a sentence, not a
 def note(field: str, text: str) -> str:
     """An operator's words (a reason, who acted) as a state change records them: `text`, or
     InvalidSpec naming `field` if Postgres could not store it or it is longer than a note."""
+    if not isinstance(text, str):
+        raise InvalidSpec(f"{field} must be text, not {type(text).__name__}")
     bad = bad_text(text)
     if bad is None and len(text) > MAX_NOTE:
         bad = f"{len(text)} characters (at most {MAX_NOTE})"

@@ -11,13 +11,17 @@ a private loop.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
-from typing import Any
+import threading
+from collections.abc import Coroutine, Iterable, Sequence
+from typing import Any, TypeVar
 from uuid import UUID
 
 from shared.client import SkedClient
+from shared.errors import SkedError
 from shared.models import Event, Task, TaskSpec
 from shared.settings import Settings
+
+T = TypeVar("T")
 
 
 class SyncSkedClient:
@@ -26,18 +30,19 @@ class SyncSkedClient:
     def __init__(self, settings: Settings | None = None) -> None:
         self._loop = asyncio.new_event_loop()
         self._client = SkedClient(settings)
+        self._lock = threading.Lock()
 
     def submit(self, spec: TaskSpec | dict[str, Any]) -> UUID:
-        return self._loop.run_until_complete(self._client.submit(spec))
+        return self._run(self._client.submit(spec))
 
     def submit_many(self, specs: Sequence[TaskSpec | dict[str, Any]]) -> list[UUID]:
-        return self._loop.run_until_complete(self._client.submit_many(specs))
+        return self._run(self._client.submit_many(specs))
 
     def get(self, task_id: UUID | str) -> Task:
-        return self._loop.run_until_complete(self._client.get(task_id))
+        return self._run(self._client.get(task_id))
 
     def history(self, task_id: UUID | str) -> list[Event]:
-        return self._loop.run_until_complete(self._client.history(task_id))
+        return self._run(self._client.history(task_id))
 
     def tasks(
         self,
@@ -46,44 +51,59 @@ class SyncSkedClient:
         after: UUID | None = None,
         name: str | None = None,
     ) -> list[Task]:
-        return self._loop.run_until_complete(self._client.tasks(statuses, limit, after, name))
+        return self._run(self._client.tasks(statuses, limit, after, name))
 
     def wait(self, task_id: UUID | str, timeout: float | None = None) -> Task:
-        return self._loop.run_until_complete(self._client.wait(task_id, timeout))
+        return self._run(self._client.wait(task_id, timeout))
 
     def pause(self, task_id: UUID | str, reason: str, by: str | None = None) -> Task:
-        return self._loop.run_until_complete(self._client.pause(task_id, reason, by))
+        return self._run(self._client.pause(task_id, reason, by))
 
     def resume(self, task_id: UUID | str) -> Task:
-        return self._loop.run_until_complete(self._client.resume(task_id))
+        return self._run(self._client.resume(task_id))
 
     def cancel(self, task_id: UUID | str, reason: str = "", by: str | None = None) -> Task:
-        return self._loop.run_until_complete(self._client.cancel(task_id, reason, by))
+        return self._run(self._client.cancel(task_id, reason, by))
 
     def pause_workflow(
         self, workflow_id: UUID | str, reason: str, by: str | None = None
     ) -> list[Task]:
-        return self._loop.run_until_complete(self._client.pause_workflow(workflow_id, reason, by))
+        return self._run(self._client.pause_workflow(workflow_id, reason, by))
 
     def resume_workflow(self, workflow_id: UUID | str, by: str | None = None) -> list[Task]:
-        return self._loop.run_until_complete(self._client.resume_workflow(workflow_id, by))
+        return self._run(self._client.resume_workflow(workflow_id, by))
 
     def cancel_workflow(
         self, workflow_id: UUID | str, reason: str = "", by: str | None = None
     ) -> list[Task]:
-        return self._loop.run_until_complete(self._client.cancel_workflow(workflow_id, reason, by))
+        return self._run(self._client.cancel_workflow(workflow_id, reason, by))
 
     def set_priority(self, task_id: UUID | str, priority: int) -> list[Task]:
-        return self._loop.run_until_complete(self._client.set_priority(task_id, priority))
+        return self._run(self._client.set_priority(task_id, priority))
 
     def wait_all(
         self, task_ids: Iterable[UUID | str], timeout: float | None = None
     ) -> dict[UUID, Task]:
-        return self._loop.run_until_complete(self._client.wait_all(task_ids, timeout))
+        return self._run(self._client.wait_all(task_ids, timeout))
 
     def close(self) -> None:
-        self._loop.run_until_complete(self._client.close())
-        self._loop.close()
+        """Close the client and its loop; closing again does nothing."""
+        with self._lock:
+            if self._loop.is_closed():
+                return
+            try:
+                self._loop.run_until_complete(self._client.close())
+            finally:
+                self._loop.close()
+
+    def _run(self, call: Coroutine[Any, Any, T]) -> T:
+        """One call, to its end, on the private loop: one at a time (two threads sharing the
+        client take turns; a loop runs one call at once), never after close."""
+        with self._lock:
+            if self._loop.is_closed():
+                call.close()
+                raise SkedError("the client is closed")
+            return self._loop.run_until_complete(call)
 
     def __enter__(self) -> SyncSkedClient:
         return self

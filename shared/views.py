@@ -12,6 +12,7 @@ from uuid import UUID
 from shared import fsm
 from shared.fsm import State
 from shared.models import Task
+from shared.redact import printable
 
 
 def is_done(task: Task) -> bool:
@@ -81,15 +82,22 @@ class WorkflowView:
             "canceled": "lightgrey",
             "paused": "khaki",
         }
-        names = {t.id: t.wf_task or t.name for t in self.tasks}
-        lines = [f'digraph "{self.name}" {{', "  rankdir=LR;", "  node [style=filled];"]
+        # names are producers': quoted for DOT (a " in one could add statements) and inert
+        names = {t.id: _dot(t.wf_task or t.name) for t in self.tasks}
+        lines = [f'digraph "{_dot(self.name)}" {{', "  rankdir=LR;", "  node [style=filled];"]
         for t in self.tasks:
             colour = colours.get(t.status.value, "white")
             lines.append(
                 f'  "{names[t.id]}" [label="{names[t.id]}\\n{t.status.label}", fillcolor={colour}];'
             )
         for upstream, downstream, condition in self.edges:
-            label = "" if condition == "on_success" else f' [label="{condition}"]'
+            label = "" if condition == "on_success" else f' [label="{_dot(condition)}"]'
             lines.append(f'  "{names[upstream]}" -> "{names[downstream]}"{label};')
         lines.append("}")
         return "\n".join(lines) + "\n"
+
+
+def _dot(text: str) -> str:
+    """`text` inside a DOT double-quoted string: backslashes and quotes escaped, and what a
+    terminal would act on written as its escape."""
+    return printable(text).replace("\\", "\\\\").replace('"', '\\"')

@@ -19,7 +19,7 @@ from typing import Any
 from services.cli import degrade, nodes, tokens
 from services.cli.output import seconds
 from shared.errors import SkedError, postgres_refused
-from shared.redact import masked
+from shared.redact import masked, printable
 
 # `sked service NAME`: the module whose run(argv) is that service's main.
 SERVICES: dict[str, str] = {
@@ -273,10 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return func(args)
     except SkedError as exc:
-        print(f"sked: {masked(str(exc))}", file=sys.stderr)
+        print(f"sked: {printable(masked(str(exc)))}", file=sys.stderr)
         return 1 if _not_allowed(exc) else 2
     except OSError as exc:  # a server not there (refused, unresolvable), a file not readable
-        print(f"sked: {masked(str(exc))}", file=sys.stderr)
+        print(f"sked: {printable(masked(str(exc)))}", file=sys.stderr)
         return 2
     except Exception as exc:
         postgres, rabbitmq = _postgres_said(exc), _rabbitmq_said(exc)
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             print(masked(traceback.format_exc()), end="", file=sys.stderr)
             return 2
         server = f"Postgres: {postgres}" if postgres is not None else f"RabbitMQ: {rabbitmq}"
-        print(f"sked: {masked(server)}", file=sys.stderr)
+        print(f"sked: {printable(masked(server))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

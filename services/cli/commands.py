@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from uuid import UUID
 
 from services.cli import SERVICES
+from services.cli.files import load_workflow
 from services.cli.nodes import state_of
 from services.cli.output import parse_task_id, print_id, print_json, workflow_json
 from services.cli.remote import Client, connect
@@ -87,7 +88,10 @@ def spec_from_args(args: argparse.Namespace) -> TaskSpec:
     if args.command is not None:
         if args.args is not None:
             raise SkedError("--args goes with --handler: a command's arguments are in --command")
-        argv = shlex.split(args.command)
+        try:
+            argv = shlex.split(args.command)
+        except ValueError as exc:  # an unclosed quote
+            raise SkedError(f"--command: {exc}") from None
         job = {"kind": "command", "argv": argv}
         if args.image is not None:
             job["image"] = args.image
@@ -99,6 +103,8 @@ def spec_from_args(args: argparse.Namespace) -> TaskSpec:
             job_args = json.loads(args.args) if args.args is not None else None
         except json.JSONDecodeError as exc:
             raise SkedError(f"--args is not JSON: {exc}") from None
+        except RecursionError:
+            raise SkedError("--args is nested too deep") from None
         job = {"kind": "handler", "handler": args.handler, "args": job_args}
         default_name = args.handler.replace(":", ".").rsplit(".", 1)[-1]
     data: dict[str, Any] = {
@@ -133,7 +139,7 @@ async def _submit(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
 
     def ended(task: Task) -> tuple[Any, str, bool]:
-        summary = f"{task.status.label}: {task.error or task.result}"
+        summary = printable(f"{task.status.label}: {task.error or task.result}")
         return task.as_json(), summary, task.status is State.SUCCESS
 
     return await _submitted(args, lambda c: c.submit(spec), lambda c, i, t: c.wait(i, t), ended)
@@ -238,7 +244,7 @@ async def _wait(args: argparse.Namespace) -> int:
         try:
             done = await client.wait_all(ids, args.timeout)
         except WaitTimeout as exc:
-            print(f"sked: {exc}", file=sys.stderr)
+            print(f"sked: {printable(str(exc))}", file=sys.stderr)
             return 1
     failed = [t for t in done.values() if t.status is not State.SUCCESS]
     for t in failed:
@@ -294,43 +300,10 @@ async def _priority(args: argparse.Namespace) -> int:
     return 0
 
 
-# Values a workflow file may expand to. A message of at most SKED_MAX_MESSAGE_BYTES holds far
-# fewer (each value takes two bytes or more), but YAML's aliases repeat a node without its
-# bytes: nine levels of nine aliases are 43 million values, and validating them took 18 s and
-# 800 MB before the spec was refused anyway.
-MAX_FILE_VALUES = 1_000_000
-
-
-def _load_workflow(path: str) -> Any:
-    import yaml  # YAML is a superset of JSON: one loader reads both
-
-    try:
-        text = Path(path).read_text("utf-8")
-    except OSError as exc:
-        raise SkedError(f"cannot read {path}: {exc}") from None
-    except UnicodeDecodeError as exc:
-        raise SkedError(f"{path} is not UTF-8 text: {exc}") from None
-    try:
-        loaded = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SkedError(f"{path} is not YAML or JSON: {exc}") from None
-    todo, seen = [loaded], 0
-    while todo:  # counted as pydantic would walk it, aliases repeated; stops at the limit
-        item = todo.pop()
-        seen += 1
-        if seen > MAX_FILE_VALUES:
-            raise SkedError(f"{path} expands to over {MAX_FILE_VALUES:,} values (YAML aliases?)")
-        if isinstance(item, dict):
-            todo.extend(item.values())
-        elif isinstance(item, list):
-            todo.extend(item)
-    return loaded
-
-
 async def _submit_workflow(args: argparse.Namespace) -> int:
     from shared.dag import WorkflowSpec
 
-    spec = WorkflowSpec.parse(_load_workflow(args.file))
+    spec = WorkflowSpec.parse(load_workflow(args.file))
 
     def ended(view: WorkflowView) -> tuple[Any, str, bool]:
         summary = f"{view.status()}: {view.counts()}"
@@ -366,11 +339,12 @@ async def _nodes(args: argparse.Namespace) -> int:
         labels = ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())) or "-"
         # attempts dispatched there count against its slots plus the backlog it offers now
         backlog = f"+{n.prefetch} backlog" if n.prefetch else ""
-        print(
+        line = (
             f"{n.id:<20} {state:<8} slots {n.used_slots}/{n.slots}{backlog}"
             f"  cpu {n.used_cpu:g}/{n.cpu:g}"
             f"  mem {n.used_memory_mb}/{n.memory_mb}  gpu {n.used_gpu}/{n.gpu}  {labels}"
         )
+        print(printable(line))  # labels are the cluster's or an operator's
     return 0
 
 

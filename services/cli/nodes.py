@@ -49,7 +49,7 @@ def _show(n: NodeRow, as_json: bool) -> None:
         why = f": {n.cordon_reason}" if n.cordon_reason else ""
         print(printable(f"{n.id} cordoned by {n.cordoned_by} at {n.cordoned_at.isoformat()}{why}"))
     else:
-        print(f"{n.id} {state_of(n)}: takes new work")
+        print(printable(f"{n.id} {state_of(n)}: takes new work"))
 
 
 async def _node(args: argparse.Namespace) -> int:
@@ -91,8 +91,8 @@ def _drained(done: Drain, as_json: bool) -> int:
     if as_json:
         print_json(done.as_json())
     elif done.done:
-        print(f"{done.node.id} drained: cordoned, and nothing runs there")
+        print(printable(f"{done.node.id} drained: cordoned, and nothing runs there"))
     else:
         ids = " ".join(str(i) for i in done.holding)
-        print(f"{done.node.id} not drained yet: still held by {ids}", file=sys.stderr)
+        print(printable(f"{done.node.id} not drained yet: still held by {ids}"), file=sys.stderr)
     return 0 if done.done else 1

@@ -35,7 +35,12 @@ def seconds(text: str) -> float:
 
 
 def print_json(value: Any) -> None:
-    print(json.dumps(value, indent=2, default=str))
+    """JSON, strictly: NaN or Infinity (which no JSON reader takes) is refused, not printed."""
+    try:
+        text = json.dumps(value, indent=2, default=str, allow_nan=False)
+    except ValueError as exc:
+        raise SkedError(f"cannot print as JSON: {exc}") from None
+    print(text)
 
 
 def print_id(ident: UUID, as_json: bool) -> int:

@@ -138,6 +138,7 @@ async def test_a_mode_until_lifted_keeps_its_alert_firing_past_alertmanagers_res
         finally:
             await alerter.close()
 
+
 # -- tracing -----------------------------------------------------------------------------------
 
 

@@ -1,0 +1,96 @@
+"""What the operator API answers, read back (pure): rows rebuilt from their JSON, and any
+answer of another shape a SkedError naming the path, never a bare KeyError or TypeError; ids
+checked before they go into a path; a wait's deadline from its timeout."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+import typing
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, TypeVar
+from uuid import UUID
+
+from shared.errors import InvalidSpec, SkedError
+from shared.fsm import State
+from shared.models import Task
+
+if TYPE_CHECKING:
+    from shared.cordon import Drain
+    from shared.store import NodeRow
+
+T = TypeVar("T")
+
+
+def from_json(cls: type[Any], data: Mapping[str, Any], **given: Any) -> Any:
+    """A row dataclass (Task, NodeRow) back from its `as_json()`: datetimes, UUIDs and states
+    parsed by the field's type; `given` fields are taken as they are."""
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = dict(given)
+    for f in dataclasses.fields(cls):
+        if f.name in values or f.name not in data:
+            continue
+        value, kinds = data[f.name], typing.get_args(hints[f.name]) or (hints[f.name],)
+        if value is not None:
+            if datetime in kinds:
+                value = datetime.fromisoformat(value)
+            elif UUID in kinds:
+                value = UUID(value)
+            elif State in kinds:
+                value = State(value)
+        values[f.name] = value
+    return cls(**values)
+
+
+def task_of(data: Mapping[str, Any]) -> Task:
+    task: Task = from_json(Task, data, spec_json=json.dumps(data["spec"]))
+    return task
+
+
+def node_of(data: Mapping[str, Any]) -> NodeRow:
+    from shared.store import NodeRow
+
+    node: NodeRow = from_json(NodeRow, data)
+    return node
+
+
+def ident_of(ident: UUID | str, what: str = "task") -> UUID:
+    """An id as a UUID, or InvalidSpec: never text spliced into a request's path."""
+    try:
+        return UUID(str(ident))
+    except ValueError:
+        raise InvalidSpec(f"not a {what} id: {str(ident)[:100]!r}") from None
+
+
+def drain_of(data: Any) -> Drain:
+    from shared.cordon import Drain
+
+    return Drain(node_of(data["node"]), uuids(data["holding"]))
+
+
+def uuids(values: Any) -> list[UUID]:
+    return [UUID(v) for v in values]
+
+
+def read_answer(path: str, build: Callable[[], T]) -> T:
+    """What an answer was read into; an answer of another shape is a SkedError naming the
+    path, never a bare KeyError or TypeError."""
+    try:
+        return build()
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise SkedError(f"the API answered {path} with an unexpected body: {exc!r}"[:500]) from None
+
+
+def no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def deadline_of(timeout: float | None) -> float | None:
+    if timeout is not None and not math.isfinite(timeout):
+        if timeout != timeout:
+            raise InvalidSpec("a timeout must be a number of seconds, not NaN")
+        return None if timeout > 0 else time.monotonic()
+    return None if timeout is None else time.monotonic() + timeout
