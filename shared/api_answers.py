@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import time
 import typing
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 from uuid import UUID
 
-from shared.errors import InvalidSpec, SkedError
+from shared.errors import SkedError
 from shared.fsm import State
 from shared.models import Task
 
@@ -57,14 +55,6 @@ def node_of(data: Mapping[str, Any]) -> NodeRow:
     return node
 
 
-def ident_of(ident: UUID | str, what: str = "task") -> UUID:
-    """An id as a UUID, or InvalidSpec: never text spliced into a request's path."""
-    try:
-        return UUID(str(ident))
-    except ValueError:
-        raise InvalidSpec(f"not a {what} id: {str(ident)[:100]!r}") from None
-
-
 def drain_of(data: Any) -> Drain:
     from shared.cordon import Drain
 
@@ -82,15 +72,3 @@ def read_answer(path: str, build: Callable[[], T]) -> T:
         return build()
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
         raise SkedError(f"the API answered {path} with an unexpected body: {exc!r}"[:500]) from None
-
-
-def no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def deadline_of(timeout: float | None) -> float | None:
-    if timeout is not None and not math.isfinite(timeout):
-        if timeout != timeout:
-            raise InvalidSpec("a timeout must be a number of seconds, not NaN")
-        return None if timeout > 0 else time.monotonic()
-    return None if timeout is None else time.monotonic() + timeout

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Iterable, Sequence
 from types import TracebackType
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from uuid import UUID, uuid4
 
 from shared.client_control import Control
-from shared.errors import InvalidSpec, NotFound, Purged, SkedError, purged
+from shared.errors import InvalidSpec, NotFound, Purged, SkedError, missing
 from shared.fsm import ENDING, State
 from shared.models import Event, Task, TaskSpec, task_id_for
 from shared.rendering import rendered
@@ -42,15 +43,21 @@ if TYPE_CHECKING:  # imported by the calls that use them: reading a task needs o
     from shared.store import NodeRow, Store
 
 
-def _deadline(timeout: float | None) -> float | None:
-    """When a wait of `timeout` seconds gives up (monotonic); NaN is refused: no deadline
-    compares past it, so the wait would never end."""
-    if timeout is not None and timeout != timeout:
+def deadline_of(timeout: float | None) -> float | None:
+    """When a wait of `timeout` seconds gives up (monotonic; None: never). NaN is refused: no
+    deadline compares past it, so the wait would never end; infinity (or an integer past any
+    float) is as long as forever."""
+    if timeout is None:
+        return None
+    if timeout != timeout:
         raise InvalidSpec("a timeout must be a number of seconds, not NaN")
     try:
-        return None if timeout is None else time.monotonic() + float(timeout)
-    except OverflowError:  # an integer past any float: as long as forever
+        seconds = float(timeout)
+    except OverflowError:
         return None
+    if math.isinf(seconds):
+        return None if seconds > 0 else time.monotonic()
+    return time.monotonic() + seconds
 
 
 class WaitTimeout(SkedError, TimeoutError):
@@ -197,7 +204,7 @@ class SkedClient(Control):
         self, workflow_id: UUID | str, timeout: float | None = None
     ) -> WorkflowView:
         """Wait until every task of the workflow is terminal."""
-        deadline = _deadline(timeout)
+        deadline = deadline_of(timeout)
         view = await self._workflow_when_admitted(UUID(str(workflow_id)), timeout)
         left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         await self.wait_all([t.id for t in view.tasks], left)
@@ -206,7 +213,7 @@ class SkedClient(Control):
     async def _workflow_when_admitted(
         self, workflow_id: UUID, timeout: float | None
     ) -> WorkflowView:
-        deadline = _deadline(timeout)
+        deadline = deadline_of(timeout)
         while True:
             try:
                 return await self.workflow(workflow_id)
@@ -220,7 +227,7 @@ class SkedClient(Control):
     # -- read ---------------------------------------------------------------------------------
 
     async def get(self, task_id: UUID | str) -> Task:
-        return await (await self._db()).tasks.get(task_uuid(task_id))
+        return await (await self._db()).tasks.get(ident_of(task_id))
 
     async def log(self, task_id: UUID | str, timeout: float = 5.0) -> str | None:
         """The task's log: while an attempt runs, as it is now, asked of its executor (a
@@ -242,7 +249,7 @@ class SkedClient(Control):
         return task.log_tail
 
     async def history(self, task_id: UUID | str) -> list[Event]:
-        return await (await self._db()).tasks.history(task_uuid(task_id))
+        return await (await self._db()).tasks.history(ident_of(task_id))
 
     async def tasks(
         self,
@@ -295,7 +302,7 @@ class SkedClient(Control):
 
     async def wait(self, task_id: UUID | str, timeout: float | None = None) -> Task:
         """Wait until the task is terminal; returns it. Raises WaitTimeout."""
-        return (await self.wait_all([task_id], timeout))[task_uuid(task_id)]
+        return (await self.wait_all([task_id], timeout))[ident_of(task_id)]
 
     async def wait_all(
         self, task_ids: Iterable[UUID | str], timeout: float | None = None
@@ -313,12 +320,12 @@ class SkedClient(Control):
         store = await self._db()
         if isinstance(task_ids, str | bytes | UUID):
             raise InvalidSpec("wait_all takes a collection of task ids, not one id")
-        pending = {task_uuid(i) for i in task_ids}
+        pending = {ident_of(i) for i in task_ids}
         done: dict[UUID, Task] = {}
         wake = asyncio.Event()
         named: set[UUID] = set()  # ids named by notifications since the last check
         check_all = True
-        deadline = _deadline(timeout)
+        deadline = deadline_of(timeout)
 
         def notified(_c: object, _p: int, _ch: str, payload: str) -> None:
             nonlocal check_all
@@ -366,7 +373,7 @@ class SkedClient(Control):
                 if gone:
                     first, at = min(gone.items(), key=lambda kv: kv[1])
                     more = f" (and {len(gone) - 1} more)" if len(gone) > 1 else ""
-                    raise purged("task", f"{first}{more}", at)
+                    raise missing("task", f"{first}{more}", at)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise WaitTimeout(pending, timeout or 0)
@@ -377,12 +384,13 @@ class SkedClient(Control):
             await listening
 
 
-def task_uuid(ident: UUID | str) -> UUID:
-    """An id as a UUID, or InvalidSpec naming what was given."""
+def ident_of(ident: UUID | str, what: str = "task") -> UUID:
+    """An id as a UUID, or InvalidSpec naming what was given: never text spliced into a
+    request's path or a query."""
     try:
         return ident if isinstance(ident, UUID) else UUID(str(ident))
     except (ValueError, TypeError):
-        raise InvalidSpec(f"not a task id: {str(ident)[:100]!r}") from None
+        raise InvalidSpec(f"not a {what} id: {str(ident)[:100]!r}") from None
 
 
 def page_size(limit: int) -> int:

@@ -39,8 +39,12 @@ class Purged(NotFound):
     retention deleted reads as one never admitted."""
 
 
-def purged(what: str, ident: object, at: object) -> Purged:
-    return Purged(f"{what} {ident} was deleted by retention at {at}")
+def missing(what: str, ident: object, purged_at: object | None) -> NotFound:
+    """The error for a task or workflow id with no row: Purged naming when, if retention
+    deleted it (and remembers), else NotFound."""
+    if purged_at is None:
+        return NotFound(f"no {what} {ident}")
+    return Purged(f"{what} {ident} was deleted by retention at {purged_at}")
 
 
 class InvalidSettings(SkedError, ValueError):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
-from contextvars import ContextVar, Token
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
@@ -98,18 +98,18 @@ def transitions(moved: Sequence[tuple[Task, Move]], start_ns: int, end_ns: int) 
         hook.transitions(moved, start_ns, end_ns)
 
 
-def hold() -> tuple[Token[Any], list[tuple[Sequence[tuple[Task, Move]], int, int]]]:
-    """Hold the transitions told from here (a transaction began); `release` ends the hold."""
+@contextlib.contextmanager
+def told_on_commit() -> Iterator[None]:
+    """Around a transaction: the transitions told inside are held, and told once the body
+    ends without an exception (the transaction committed); dropped when it raises."""
     held: list[tuple[Sequence[tuple[Task, Move]], int, int]] = []
-    return _held.set(held), held
-
-
-def release(token: Token[Any], held: list[Any], committed: bool) -> None:
-    """End a hold; when the transaction committed, tell what it held."""
-    _held.reset(token)
-    if committed:
-        for moved, start_ns, end_ns in held:
-            transitions(moved, start_ns, end_ns)
+    token = _held.set(held)
+    try:
+        yield
+    finally:
+        _held.reset(token)
+    for moved, start_ns, end_ns in held:
+        transitions(moved, start_ns, end_ns)
 
 
 def received(

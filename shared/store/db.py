@@ -13,7 +13,8 @@ from uuid import UUID
 import asyncpg
 
 from shared import hooks
-from shared.errors import NotFound, purged
+from shared.errors import NotFound
+from shared.errors import missing as missing_error
 from shared.store.queries import Q, Query
 from shared.task import Task
 
@@ -94,14 +95,9 @@ class Db:
             yield self
             return
         async with self.target.acquire() as conn:
-            token, held = hooks.hold()  # told once it commits (Store.transaction says why)
-            committed = False
-            try:
+            with hooks.told_on_commit():  # Store.transaction says why
                 async with conn.transaction():
                     yield Db(conn, self.lease_margin_s)
-                committed = True
-            finally:
-                hooks.release(token, held, committed)
 
 
 def task(row: asyncpg.Record) -> Task:
@@ -125,4 +121,4 @@ async def missing(db: Db, what: str, ident: UUID) -> NotFound:
     """The error for a task or workflow id with no row: Purged when retention deleted it
     (and still remembers: table purged), else NotFound. Read only on a miss."""
     at = await db.fetchval(Q.purged_when, ident)
-    return NotFound(f"no {what} {ident}") if at is None else purged(what, ident, at)
+    return missing_error(what, ident, at)

@@ -18,7 +18,7 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-from shared.errors import NotFound, purged
+from shared.errors import missing
 from shared.store.queries import Q
 from shared.task import Task
 
@@ -56,7 +56,7 @@ def read_task_now(dsn: str, task_id: UUID) -> Task:
     text = fetch_text(dsn, Q.get_task_json.sql, [str(task_id)])
     if text is None:
         at = fetch_text(dsn, Q.purged_when_text.sql, [str(task_id)])
-        raise NotFound(f"no task {task_id}") if at is None else purged("task", task_id, at)
+        raise missing("task", task_id, at)
     return task_from_json(text)
 
 
@@ -71,7 +71,7 @@ async def read_task(dsn: str, task_id: UUID) -> Task:
     finally:
         await conn.close()
     if row is None:
-        raise NotFound(f"no task {task_id}") if at is None else purged("task", task_id, at)
+        raise missing("task", task_id, at)
     values = dict(row)
     for column in JSONB_COLUMNS:
         if values[column] is not None:

@@ -69,14 +69,9 @@ class Store(Tx):
         """One transaction: everything done through the Tx commits together, or not at all;
         and the moves it made are told to the hooks (metrics, traces) only once it commits."""
         async with self.pool.acquire() as conn:
-            token, held = hooks.hold()
-            committed = False
-            try:
+            with hooks.told_on_commit():
                 async with conn.transaction():
                     yield Tx(Db(conn, self.lease_margin_s), self.node_ttl_s)
-                committed = True
-            finally:
-                hooks.release(token, held, committed)
 
     def listener(
         self,

@@ -25,7 +25,7 @@ from shared.auth import Role, bearer, digest, new_secret
 from shared.bus import DeadLetter
 from shared.client import WaitTimeout
 from shared.control import NotAllowed
-from shared.errors import NotFound, Purged, purged
+from shared.errors import NotFound, Purged, missing
 from shared.fsm import State
 from shared.placement import Need, NodeState, choose
 from shared.settings import Settings
@@ -168,7 +168,7 @@ class FakeClient:
 
     async def get(self, task_id: UUID) -> Any:
         if task_id == self.PURGED:
-            raise purged("task", task_id, NOW)
+            raise missing("task", task_id, NOW)
         raise NotFound(f"no task {task_id}")
 
     async def cancel(self, task_id: UUID, reason: str = "", by: str | None = None) -> Any:
