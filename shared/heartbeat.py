@@ -1,10 +1,13 @@
 """Heartbeats: the message, the per-attempt token, and the loss-confirmation ladder (pure).
 
-A heartbeat (from a task's own process over HTTP, or anyone over RabbitMQ) names a task, an
+A heartbeat (from a task's own process over HTTP, or a sidecar over RabbitMQ) names a task, an
 attempt and a sequence number that increases with every beat of that attempt (milliseconds
-since the epoch will do). Executors do not beat: they renew their attempts' leases in Postgres
-(shared.lease). Postgres applies one only to the attempt Running now and only if its sequence
-is higher than the last applied, so a beat of an older attempt, or a replay, changes nothing.
+since the epoch will do), and proves itself with that attempt's token: over HTTP as a bearer
+token, over RabbitMQ in each beat, since whoever may publish to `sked.heartbeats` could
+otherwise keep any attempt of any task from ever being judged. Executors do not beat: they
+renew their attempts' leases in Postgres (shared.lease). Postgres applies one only to the
+attempt Running now and only if its sequence is higher than the last applied, so a beat of an
+older attempt, or a replay, changes nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +36,13 @@ class Beat(BaseModel):
     seq: int = Field(ge=1, le=INT64_MAX)
 
 
+class SignedBeat(Beat):
+    """A beat over RabbitMQ: it carries its attempt's token (`token()`, as `SKED_HEARTBEAT_TOKEN`
+    gives it to the attempt's process), checked beat by beat."""
+
+    token: str = Field(min_length=1, max_length=128)
+
+
 class NodeBeat(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -48,7 +58,7 @@ class BeatMessage(BaseModel):
 
     schema_version: Literal[1] = SCHEMA_VERSION
     node: NodeBeat
-    beats: list[Beat] = Field(max_length=100_000)
+    beats: list[SignedBeat] = Field(max_length=100_000)
 
 
 class Probe(BaseModel):

@@ -6,7 +6,18 @@ from __future__ import annotations
 from aiohttp import web
 
 from services.api.openapi import document
-from services.api.ops import CLIENT, OPS, POLICY, SETTINGS, STORE, errors, guarded, reply
+from services.api.ops import (
+    CLIENT,
+    OPS,
+    POLICY,
+    REFUSALS,
+    SETTINGS,
+    STORE,
+    errors,
+    guarded,
+    refusals,
+    reply,
+)
 from shared.client import SkedClient
 from shared.policy import JobPolicy
 from shared.settings import Settings
@@ -21,6 +32,7 @@ def make_app(settings: Settings, store: Store, client: SkedClient) -> web.Applic
     app = web.Application(middlewares=[errors], client_max_size=settings.max_message_bytes)
     app[SETTINGS] = settings
     app[STORE] = store
+    app[REFUSALS] = refusals()
     app[CLIENT] = client
     app[POLICY] = JobPolicy.of(settings.allowed_handlers, settings.allowed_commands)
     for o in OPS:

@@ -42,6 +42,7 @@ from shared.resilience import TRANSIENT
 from shared.settings import Settings
 from shared.store import Store
 from shared.store.tokens import NameTaken, TokenRow
+from shared.throttle import Throttled
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,14 @@ CLIENT = web.AppKey("client", SkedClient)
 STORE = web.AppKey("store", Store)
 SETTINGS = web.AppKey("settings", Settings)
 POLICY = web.AppKey("policy", JobPolicy)
+# anyone who reaches the API can be refused at will: a warning line per kind every few seconds
+REFUSALS = web.AppKey("refusals", dict[str, Throttled])
+
+
+def refusals() -> dict[str, Throttled]:
+    return {"unknown": Throttled(log), "role": Throttled(log)}
+
+
 # the token the request in hand was authenticated with (each request is a task of its own)
 TOKEN: ContextVar[TokenRow] = ContextVar("sked_api_token")
 
@@ -189,10 +198,12 @@ async def authenticate(request: web.Request, needed: Role) -> TokenRow:
         raise ApiError(401, "a bearer token is required (Authorization: Bearer ...)", CHALLENGE)
     token = await request.app[STORE].tokens.authenticate(digest(secret))
     if token is None:
-        log.warning("%s %s: unknown or revoked token", request.method, request.path)
+        unknown = request.app[REFUSALS]["unknown"]
+        unknown.warning("%s %s: unknown or revoked token", request.method, request.path)
         raise ApiError(401, "unknown or revoked token", CHALLENGE)
     if not token.role.allows(needed):
-        log.warning("%s %s: token %s refused", request.method, request.path, token.name)
+        below = request.app[REFUSALS]["role"]
+        below.warning("%s %s: token %s refused", request.method, request.path, token.name)
         raise ApiError(
             403,
             f"token {token.name} has role {token.role.value}; this needs {needed.value}",

@@ -29,7 +29,7 @@ class Beats:
         self.pending: dict[Key, int] = {}  # (task, attempt) -> highest seq
         self.stats = {"received": 0, "applied": 0, "not_applied": 0, "shed": 0, "refused": 0}
 
-    def take(self, beats: list[Beat]) -> int:
+    def take(self, beats: Sequence[Beat]) -> int:
         """Coalesce beats in memory (highest seq per attempt). Returns how many were shed."""
         shed = 0
         for beat in beats:
@@ -46,9 +46,9 @@ class Beats:
         hooks.heartbeats("shed", shed)
         return shed
 
-    def refused(self) -> None:
-        self.stats["refused"] += 1
-        hooks.heartbeats("refused", 1)
+    def refused(self, n: int = 1) -> None:
+        self.stats["refused"] += n
+        hooks.heartbeats("refused", n)
 
     async def flush(self) -> int:
         """Write the coalesced beats in one statement; returns how many were applied."""

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from services.heartbeat_monitor.beats import Beats
 from shared import heartbeat
 from shared.heartbeat import Beat
+from shared.throttle import Throttled
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,8 @@ def runner(app: web.Application) -> web.AppRunner:
 
 
 def make_app(beats: Beats, secret: str) -> web.Application:
+    bad_token = Throttled(log)  # every task's process can reach this endpoint: no log flood
+
     async def beat(request: web.Request) -> web.Response:
         auth = request.headers.get("Authorization", "")
         if not auth.startswith("Bearer "):
@@ -48,7 +51,7 @@ def make_app(beats: Beats, secret: str) -> web.Application:
             return web.json_response({"error": str(exc)}, status=400)
         if not heartbeat.token_ok(secret, got.task_id, got.attempt, auth[len("Bearer ") :]):
             beats.refused()
-            log.warning("heartbeat for %s attempt %d refused: bad token", got.task_id, got.attempt)
+            bad_token.warning("heartbeat for %s attempt %d: bad token", got.task_id, got.attempt)
             return web.json_response({"error": "token does not match this attempt"}, status=403)
         if beats.take([got]):
             return web.json_response({"accepted": False, "error": "overloaded"}, status=503)

@@ -26,12 +26,13 @@ from services.heartbeat_monitor.beats import Beats
 from services.heartbeat_monitor.http import make_app, runner
 from services.heartbeat_monitor.ladder import Ladder
 from shared.bus import HEARTBEATS_QUEUE, AmqpBus
-from shared.heartbeat import BeatMessage
+from shared.heartbeat import BeatMessage, token_ok
 from shared.resilience import TRANSIENT
 from shared.runtime import wait_any
 from shared.service import Loop, Service
 from shared.settings import Settings
 from shared.store import Store
+from shared.throttle import Throttled
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class HeartbeatMonitor(Service):
         self._wake_sweep = asyncio.Event()
         self._channel: AbstractChannel | None = None
         self._runner: web.AppRunner | None = None
+        # whoever may publish to `sked.heartbeats` could otherwise flood the log
+        self._unreadable, self._forged = Throttled(log), Throttled(log)
 
     def loops(self) -> Sequence[Loop]:
         return [("heartbeat flush", self._flush_loop), ("deadline sweep", self._sweep_loop)]
@@ -77,18 +80,28 @@ class HeartbeatMonitor(Service):
 
     async def _on_beats(self, message: AbstractIncomingMessage) -> None:
         """Beats over RabbitMQ. A message that is not a valid BeatMessage (bad JSON, a field
-        out of range, unknown fields) is dead-lettered with the reason; nothing stops this."""
+        out of range, unknown fields) is dead-lettered with the reason; a beat whose token is
+        not its attempt's is refused alone (counted, logged at most every few seconds), the
+        message's other beats taken; nothing stops this."""
         try:
             body = BeatMessage.model_validate_json(message.body)
         except ValidationError as exc:
             self.beats.refused()
-            log.warning("dead-lettering a heartbeat message: %s", exc)
+            self._unreadable.warning("dead-lettering a heartbeat message: %s", exc)
             with contextlib.suppress(*TRANSIENT):
                 await self.bus.dead_letter(
                     message.body, f"unreadable heartbeat message: {exc}", message.routing_key or ""
                 )
         else:
-            self.beats.take(body.beats)
+            signed = [b for b in body.beats if token_ok(self.secret, b.task_id, b.attempt, b.token)]
+            if forged := len(body.beats) - len(signed):
+                self.beats.refused(forged)
+                self._forged.warning(
+                    "%d heartbeat(s) over RabbitMQ from node %r refused: bad token",
+                    forged,
+                    body.node.id,
+                )
+            self.beats.take(signed)
         with contextlib.suppress(*TRANSIENT):
             await message.ack()
 

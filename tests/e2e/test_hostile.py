@@ -263,7 +263,7 @@ async def test_poison_on_the_dispatch_heartbeat_and_probe_queues(
         "node": "n1",
     }
     node = {"id": "n1", "boot_id": str(uuid4()), "load": 0.0}
-    beat = {"task_id": str(uuid4()), "attempt": 1, "seq": 1}
+    beat = {"task_id": str(uuid4()), "attempt": 1, "seq": 1, "token": "0" * 64}
     poison = [
         (DISPATCH_EXCHANGE, "n1", b"{not json", "unreadable dispatch"),
         (
@@ -301,6 +301,12 @@ async def test_poison_on_the_dispatch_heartbeat_and_probe_queues(
             HEARTBEATS_EXCHANGE,
             "",
             json.dumps({"node": {**node, "load": "NaN"}, "beats": []}).encode(),
+            "unreadable heartbeat message",
+        ),
+        (  # a beat over the bus carries its attempt's token
+            HEARTBEATS_EXCHANGE,
+            "",
+            json.dumps({"node": node, "beats": [{**beat, "token": None}]}).encode(),
             "unreadable heartbeat message",
         ),
         (PROBE_EXCHANGE, "n1", b"[" * 100_000, "unreadable probe"),

@@ -228,15 +228,15 @@ async def test_stale_heartbeats_change_nothing_and_bad_tokens_are_refused(
         assert (h["received"], h["applied"], h["not_applied"]) == (3, 1, 1), h
         await unchanged("(a) stale attempt over HTTP")
 
-        # ... and the same beats replayed over RabbitMQ, from a node that does not exist
+        # ... and the same beats replayed over RabbitMQ, signed, from a node that does not exist
         ghost = heartbeat.NodeBeat(id="ghost", boot_id=uuid4(), load=0.0)
         await publish_beats(
             settings,
             heartbeat.BeatMessage(
                 node=ghost,
                 beats=[
-                    heartbeat.Beat(task_id=task_id, attempt=1, seq=HUGE),
-                    heartbeat.Beat(task_id=task_id, attempt=1, seq=HUGE + 1),
+                    heartbeat.SignedBeat(task_id=task_id, attempt=1, seq=HUGE, token=tok1),
+                    heartbeat.SignedBeat(task_id=task_id, attempt=1, seq=HUGE + 1, token=tok1),
                 ],
             ),
         )
@@ -299,11 +299,23 @@ async def test_stale_heartbeats_change_nothing_and_bad_tokens_are_refused(
         await publish_beats(
             settings,
             heartbeat.BeatMessage(
-                node=ghost, beats=[heartbeat.Beat(task_id=task_id, attempt=1, seq=2 * HUGE)]
+                node=ghost,
+                beats=[heartbeat.SignedBeat(task_id=task_id, attempt=1, seq=2 * HUGE, token=tok1)],
             ),
         )
         h = await mon.settled("the second bus replay flushed", received=8, not_applied=4)
         assert (h["received"], h["applied"], h["not_applied"]) == (8, 2, 4), h
+        assert (await store.tasks.get(task_id)).hb_seq == HUGE
+
+        # nor does a bus beat of attempt 2 signed with attempt 1's token or none of its own:
+        # refused beat by beat before anything is taken
+        forged = [
+            heartbeat.SignedBeat(task_id=task_id, attempt=2, seq=3 * HUGE, token=tok)
+            for tok in (tok1, "0" * 64, heartbeat.token("another-secret", task_id, 2))
+        ]
+        await publish_beats(settings, heartbeat.BeatMessage(node=ghost, beats=forged))
+        h = await mon.settled("the forged bus beats refused", refused=17)
+        assert (h["received"], h["applied"], h["refused"]) == (8, 2, 17), h
         assert (await store.tasks.get(task_id)).hb_seq == HUGE
 
         # lost: the task no longer Running in attempt 2 (a stale beat that moved it would
