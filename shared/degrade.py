@@ -49,6 +49,7 @@ class DegradeState:
     until: datetime | None
     version: int
     remaining_s: float | None = None
+    calm_s: float | None = None  # seconds since the evaluator saw an automatic mode's cause gone
 
     def effective(self) -> Mode:
         """The mode in force: a mode past its `until` is over."""
@@ -83,6 +84,7 @@ class Rules:
     healthy_for_s: float = 1800.0
     waiting: int = 10_000  # more tasks than this waiting -> partial
     waiting_for_s: float = 300.0
+    calm_s: float = 60.0  # an automatic mode whose cause has been gone this long ends early
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,9 @@ def backlog_rests(state: DegradeState, snapshot: Snapshot, rules: Rules) -> bool
 
 def decide(state: DegradeState, snapshot: Snapshot, rules: Rules) -> Change | None:
     """The automatic evaluator's move, if any: enter or strengthen an automatic mode when a
-    trigger holds; end a mode whose `until` has passed (its leaving is an event too)."""
+    trigger holds; end a mode whose `until` has passed (its leaving is an event too); end an
+    automatic mode early, or weaken it to what still holds, once its cause has been gone
+    `rules.calm_s` (`calm`: the evaluator records when it first saw it gone)."""
     current = state.effective()
     trigger = triggered(snapshot, rules, backlog=not backlog_rests(state, snapshot, rules))
     expired = state.mode is not Mode.NORMAL and current is Mode.NORMAL
@@ -140,4 +144,22 @@ def decide(state: DegradeState, snapshot: Snapshot, rules: Rules) -> Change | No
         return trigger
     if expired:
         return Change(Mode.NORMAL, f"{state.mode.value} mode ended at its until", None, True)
+    calm_s = state.calm_s
+    if _calm(state, trigger) and calm_s is not None and calm_s >= rules.calm_s:
+        why = f"{current.value} mode lifted: its cause gone for {calm_s:.0f} s"
+        if trigger is None:
+            return Change(Mode.NORMAL, why, None, True)
+        return Change(trigger.mode, f"{why}; {trigger.reason}", trigger.for_s, True)
     return None
+
+
+def calm(state: DegradeState, snapshot: Snapshot, rules: Rules) -> bool:
+    """Whether an automatic mode is in force whose cause is gone: no trigger as strong holds."""
+    return _calm(state, triggered(snapshot, rules, not backlog_rests(state, snapshot, rules)))
+
+
+def _calm(state: DegradeState, trigger: Change | None) -> bool:
+    current = state.effective()
+    if not state.automatic or current is Mode.NORMAL:
+        return False
+    return trigger is None or trigger.mode.rank < current.rank

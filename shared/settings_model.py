@@ -198,6 +198,8 @@ class Settings(BaseSettings):
     degrade_waiting: int = Field(default=10_000, ge=0)
     degrade_waiting_for_s: float = Field(default=300.0, gt=0)
     degrade_nodes_seen_s: float = Field(default=3600.0, gt=0)
+    # an automatic mode whose cause has been gone this long ends before its time
+    degrade_calm_s: float = Field(default=60.0, gt=0)
     # Alerts (shared/alerts.py): Alertmanager's base URL (unset: logged and published only),
     # and the backlogs past which an alert fires.
     alertmanager_url: str | None = None

@@ -111,11 +111,15 @@ class Serving:
             node.serves.add(node_id)
             log.info("serving node %s (%d slots)", node_id, offer.slots)
 
-    async def _leave(self, node_id: str, ready: bool = False) -> None:
+    async def _leave(self, node_id: str, ready: bool = False, stopping: bool = False) -> None:
         served = self.served.pop(node_id)
         self.node.serves.discard(node_id)
+        nodes = self.node.store.nodes
         with contextlib.suppress(*TRANSIENT):
-            await self.node.store.nodes.set_ready(node_id, served.owner, ready)
+            if stopping:
+                await nodes.leave(node_id, served.owner)
+            else:
+                await nodes.set_ready(node_id, served.owner, ready)
             await served.queue.cancel(served.tag)
         if not ready:
             log.info("node %s is no longer served (gone, cordoned or not ready)", node_id)
@@ -150,5 +154,7 @@ class Serving:
         return True
 
     async def leave_all(self) -> None:
+        """This executor stops: its nodes left cleanly (the healthy-nodes trigger of degrade
+        does not count them as lost)."""
         for node_id in list(self.served):
-            await self._leave(node_id)
+            await self._leave(node_id, stopping=True)

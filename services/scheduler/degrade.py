@@ -18,7 +18,7 @@ from services.scheduler.hub import Hub, Part
 from shared import metrics, modes
 from shared.alerts import Alert, Alerter
 from shared.bus import AmqpBus
-from shared.degrade import DegradeState, Rules, Snapshot, decide
+from shared.degrade import DegradeState, Rules, Snapshot, calm, decide
 from shared.queues import ReadyQueue
 from shared.runtime import wait_any
 from shared.settings import Settings
@@ -39,6 +39,7 @@ def rules_of(s: Settings) -> Rules:
         healthy_for_s=s.degrade_healthy_for_s,
         waiting=s.degrade_waiting,
         waiting_for_s=s.degrade_waiting_for_s,
+        calm_s=s.degrade_calm_s,
     )
 
 
@@ -104,6 +105,10 @@ class Degrade(Part):
                 after = await tx.degrade.set(
                     change.mode, change.reason, AUTOMATIC, change.for_s, before.version, True
                 )
+            elif (quiet := calm(before, snapshot, self.rules)) is not (before.calm_s is not None):
+                # from when its cause was first seen gone (Postgres time, in the row: whichever
+                # scheduler evaluates next counts from the same moment)
+                await tx.degrade.mark_calm(quiet, before.version)
         if after is not None:
             await modes.announce(before, after, self.bus, self.alerter)
             self.hub.degrade_changed.set()

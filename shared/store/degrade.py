@@ -24,6 +24,7 @@ def _state(row: Mapping[str, Any]) -> DegradeState:
         until=row["until"],
         version=row["version"],
         remaining_s=row["remaining_s"],
+        calm_s=row["calm_s"],
     )
 
 
@@ -50,6 +51,10 @@ class Degrade:
             Q.set_degrade, mode.value, automatic, reason, set_by, for_s, version
         )
         return None if row is None else _state(row)
+
+    async def mark_calm(self, calm: bool, version: int) -> None:
+        """Record that an automatic mode's cause is gone (from now, unless already) or holds."""
+        await self.db.execute(Q.mark_calm, calm, version)
 
     async def lead(self) -> bool:
         """Inside a transaction: whether this scheduler evaluates the triggers now."""

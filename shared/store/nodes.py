@@ -128,6 +128,10 @@ class Nodes:
     async def set_ready(self, node_id: str, boot_id: UUID, ready: bool) -> None:
         await self.db.execute(Q.set_node_ready, node_id, boot_id, ready)
 
+    async def leave(self, node_id: str, boot_id: UUID) -> None:
+        """Its executor stops cleanly: not ready, and not counted as a node lost."""
+        await self.db.execute(Q.leave_node, node_id, boot_id)
+
     async def all(self) -> list[NodeRow]:
         return (await self.read())[0]
 

@@ -143,7 +143,9 @@ CREATE TABLE nodes (
     -- a cordoned node takes no new work; re-registering and heartbeats keep the cordon
     cordoned_at   timestamptz,
     cordoned_by   text,
-    cordon_reason text
+    cordon_reason text,
+    -- its executor stopped cleanly (0020): not counted by the healthy-nodes trigger
+    left_at       timestamptz
 );
 
 -- Outcomes of attempts that no longer owned their task: kept, never applied.
@@ -180,7 +182,9 @@ CREATE TABLE degrade (
     set_by    text NOT NULL DEFAULT '',
     since     timestamptz NOT NULL DEFAULT now(),
     until     timestamptz,
-    version   integer NOT NULL DEFAULT 1
+    version   integer NOT NULL DEFAULT 1,
+    -- since when an automatic mode's cause has been gone (0020; NULL: it holds, or none)
+    calm_since timestamptz
 );
 INSERT INTO degrade DEFAULT VALUES;
 

@@ -243,3 +243,80 @@ async def test_alertmanager_receives_degrade_and_lost_task_alerts(
             assert before.mode is Mode.NORMAL
         finally:
             await alerter.close()
+
+
+async def test_an_automatic_full_mode_ends_once_its_nodes_have_been_back_a_while(
+    store: Store, pool: asyncpg.Pool, settings: Settings, queue: ReadyQueue
+) -> None:
+    """Three of four nodes missed their heartbeats for a moment (a blip of the network, a
+    restart of Postgres): full mode for degrade_healthy_for_s — 30 minutes by default, in which
+    nothing at all was dispatched although every node was back within seconds. Now the mode
+    ends once its cause has been gone degrade_calm_s, timed in the row by Postgres's clock,
+    so two schedulers taking turns at the evaluation count from the same moment."""
+    one = Degrade(
+        settings.model_copy(update={**FAST, "degrade_calm_s": 0.5}),
+        store,
+        queue,
+        Hub(),
+        None,
+        Alerter(None, None),
+    )
+    two = Degrade(one.settings, store, queue, Hub(), None, Alerter(None, None))
+    for name in ("n1", "n2", "n3", "n4"):
+        await store.nodes.register(name, 4, 4.0, 1024, 0, {}, uuid4())
+    stale = "UPDATE nodes SET heartbeat_at = now() - interval '60 seconds' WHERE id <> 'n1'"
+    await pool.execute(stale)
+    await one.evaluate()
+    sick = await store.degrade.read()
+    assert (sick.mode, sick.automatic) == (Mode.FULL, True)
+    await pool.execute("UPDATE nodes SET heartbeat_at = now()")  # every node back
+    await two.evaluate()  # the cause is gone: from now on, by Postgres's clock
+    calm = await store.degrade.read()
+    assert (calm.mode, calm.version) == (Mode.FULL, sick.version)  # not at once
+    assert calm.calm_s is not None
+    await pool.execute(stale)  # gone again before the calm was long enough: it starts over
+    await one.evaluate()
+    assert (await store.degrade.read()).calm_s is None
+    await pool.execute("UPDATE nodes SET heartbeat_at = now()")
+    await two.evaluate()
+    await asyncio.sleep(0.6)
+    await pool.execute("UPDATE nodes SET heartbeat_at = now()")
+    await one.evaluate()
+    lifted = await store.degrade.read()
+    assert (lifted.mode, lifted.automatic) == (Mode.NORMAL, True)
+    assert "full mode lifted: its cause gone for" in lifted.reason
+    assert lifted.until is None
+    # a manual full mode is the operator's: never lifted for calm
+    await store.degrade.set(Mode.FULL, "upgrade", "ann", None, lifted.version)
+    for _ in range(2):
+        await one.evaluate()
+        await asyncio.sleep(0.6)
+    held = await store.degrade.read()
+    assert (held.mode, held.automatic, held.set_by, held.calm_s) == (Mode.FULL, False, "ann", None)
+
+
+async def test_executors_that_stop_cleanly_are_not_nodes_lost(
+    store: Store, settings: Settings, queue: ReadyQueue
+) -> None:
+    """Scaling executors from four down to one, each stopped cleanly, set full mode for 30
+    minutes: "1 of 4 nodes healthy". A node left cleanly is not counted by the trigger (nor
+    alerted as lost); one that stops heartbeating without leaving still is, and a node served
+    again counts again."""
+    degrade = evaluator(settings, store, queue)
+    boots = {name: uuid4() for name in ("n1", "n2", "n3", "n4")}
+    for name, boot in boots.items():
+        await store.nodes.register(name, 4, 4.0, 1024, 0, {}, boot)
+    for name in ("n2", "n3", "n4"):
+        await store.nodes.leave(name, boots[name])
+    await degrade.evaluate()
+    snapshot = await store.degrade.snapshot(settings.node_ttl_s, settings.degrade_nodes_seen_s)
+    assert (snapshot.nodes_total, snapshot.nodes_healthy, list(snapshot.unhealthy)) == (1, 1, [])
+    assert (await store.degrade.read()).mode is Mode.NORMAL
+    assert degrade.nodes_down == set()
+    # served again, then marked not ready without leaving (a monitor found no executor): lost
+    for name in ("n2", "n3"):
+        await store.nodes.register(name, 4, 4.0, 1024, 0, {}, boots[name])
+        await store.nodes.set_ready(name, boots[name], False)
+    await degrade.evaluate()
+    assert (await store.degrade.read()).mode is Mode.FULL  # 1 of 3 healthy
+    assert degrade.nodes_down == {"n2", "n3"}

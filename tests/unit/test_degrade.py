@@ -181,3 +181,25 @@ def test_a_duration_postgres_cannot_add_is_refused(for_s: float) -> None:
 @pytest.mark.parametrize("for_s", [None, 0.001, 60.0, MAX_FOR_S])
 def test_a_positive_duration_or_none_passes(for_s: float | None) -> None:
     check_duration(for_s)
+
+
+def test_an_automatic_mode_ends_or_weakens_once_its_cause_has_been_gone_a_while() -> None:
+    def calm(mode: Mode, calm_s: float | None, automatic: bool = True) -> DegradeState:
+        return replace(state(mode, automatic, 1000), calm_s=calm_s)
+
+    # the cause holds: nothing, however long the row says it was calm before
+    assert decide(calm(Mode.FULL, 600), snap(nodes_healthy=1), RULES) is None
+    # gone, but not for degrade_calm_s yet: nothing
+    assert decide(calm(Mode.FULL, None), snap(), RULES) is None
+    assert decide(calm(Mode.FULL, 59), snap(), RULES) is None
+    lifted = decide(calm(Mode.FULL, 60), snap(), RULES)
+    assert lifted is not None
+    assert (lifted.mode, lifted.for_s, lifted.automatic) == (Mode.NORMAL, None, True)
+    assert lifted.reason == "full mode lifted: its cause gone for 60 s"
+    # a weaker trigger still holds: full weakens to it, for its own time
+    weaker = decide(calm(Mode.FULL, 60), snap(gpu_used=8), RULES)
+    assert weaker is not None
+    assert (weaker.mode, weaker.for_s) == (Mode.PARTIAL, 600)
+    assert weaker.reason.endswith("8 of 8 GPUs allocated (over 95%)")
+    # an operator's mode is never lifted for calm
+    assert decide(calm(Mode.FULL, 600, automatic=False), snap(), RULES) is None

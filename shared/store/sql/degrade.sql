@@ -1,10 +1,18 @@
 -- Degrade modes: the one row every scheduler obeys, the automatic evaluator's inputs.
 
 -- name: read_degrade
--- The mode row, with the seconds left until its end by Postgres's clock (NULL: no end).
+-- The mode row, with the seconds left until its end by Postgres's clock (NULL: no end) and
+-- those since its cause was seen gone (NULL: not gone).
 SELECT mode, automatic, reason, set_by, since, until, version,
-       EXTRACT(EPOCH FROM until - now())::float8 AS remaining_s
+       EXTRACT(EPOCH FROM until - now())::float8 AS remaining_s,
+       EXTRACT(EPOCH FROM now() - calm_since)::float8 AS calm_s
 FROM degrade
+
+-- name: mark_calm
+-- The evaluator saw an automatic mode's cause gone ($1 true: from now, unless already) or
+-- holding ($1 false), if the row is still at version $2; no write when nothing changes.
+UPDATE degrade SET calm_since = CASE WHEN $1 THEN now() END
+WHERE version = $2 AND (calm_since IS NULL) = $1
 
 -- name: set_degrade
 -- Change the mode if the row is still at version $6 (CAS): $5 seconds from now, or no end;
@@ -14,10 +22,11 @@ WITH up AS (
         mode = $1, automatic = $2, reason = $3, set_by = $4, since = now(),
         until = CASE WHEN $5::float8 IS NULL THEN NULL
                      ELSE now() + make_interval(secs => $5::float8) END,
-        version = version + 1
+        version = version + 1, calm_since = NULL
     WHERE version = $6
     RETURNING mode, automatic, reason, set_by, since, until, version,
-              EXTRACT(EPOCH FROM until - now())::float8 AS remaining_s
+              EXTRACT(EPOCH FROM until - now())::float8 AS remaining_s,
+              NULL::float8 AS calm_s
 ), note AS (SELECT pg_notify('sked_degrade', mode) FROM up)
 SELECT up.*, (SELECT count(*) FROM note) AS _notified FROM up
 
@@ -29,10 +38,11 @@ SELECT pg_try_advisory_xact_lock(hashtext('sked:degrade'))
 -- name: degrade_snapshot
 -- What the triggers look at, in one statement: nodes seen within $2 seconds and which of
 -- them are healthy (ready, heartbeat within $1 seconds), their GPUs and those held, the tasks
--- waiting, the outbox backlog; and Postgres's now() (alerts carry its time).
+-- waiting, the outbox backlog; and Postgres's now() (alerts carry its time). A node whose
+-- executor stopped cleanly (left_at) is not counted: it was not lost.
 WITH n AS (
     SELECT id, gpu, ready AND heartbeat_at > now() - make_interval(secs => $1) AS healthy
-    FROM nodes WHERE heartbeat_at > now() - make_interval(secs => $2)
+    FROM nodes WHERE heartbeat_at > now() - make_interval(secs => $2) AND left_at IS NULL
 )
 SELECT (SELECT count(*) FROM n)::int AS nodes_total,
        (SELECT count(*) FROM n WHERE healthy)::int AS nodes_healthy,

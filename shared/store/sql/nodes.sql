@@ -12,7 +12,7 @@ WITH up AS (
         slots = EXCLUDED.slots, prefetch = EXCLUDED.prefetch, cpu = EXCLUDED.cpu,
         memory_mb = EXCLUDED.memory_mb,
         gpu = EXCLUDED.gpu, labels = EXCLUDED.labels, ready = true, boot_id = EXCLUDED.boot_id,
-        registered_at = now(), heartbeat_at = now()
+        registered_at = now(), heartbeat_at = now(), left_at = NULL
     RETURNING id
 )
 SELECT pg_notify('sked_node', id) FROM up
@@ -24,7 +24,7 @@ SELECT pg_notify('sked_node', id) FROM up
 -- silent past the TTL $5, before this beat) is told to the schedulers (NOTIFY sked_node):
 -- tasks parked while it was away, for want of a node only it matches, may fit now.
 WITH up AS (
-    UPDATE nodes n SET heartbeat_at = now(), load = $3, ready = true,
+    UPDATE nodes n SET heartbeat_at = now(), load = $3, ready = true, left_at = NULL,
                        prefetch = COALESCE($4::int, n.prefetch)
     FROM nodes old  -- the row as this statement found it
     WHERE n.id = $1 AND n.boot_id = $2 AND old.id = n.id
@@ -46,6 +46,16 @@ SELECT pg_notify('sked_node', id) FROM up
 -- Mark a node ready or not (draining; no executor connected), and tell the schedulers.
 WITH up AS (
     UPDATE nodes SET ready = $3, heartbeat_at = now() WHERE id = $1 AND boot_id = $2
+    RETURNING id
+)
+SELECT pg_notify('sked_node', id) FROM up
+
+-- name: leave_node
+-- Its executor stops cleanly: not ready, and left (the healthy-nodes trigger does not count
+-- it); tell the schedulers.
+WITH up AS (
+    UPDATE nodes SET ready = false, heartbeat_at = now(), left_at = now()
+    WHERE id = $1 AND boot_id = $2
     RETURNING id
 )
 SELECT pg_notify('sked_node', id) FROM up
