@@ -101,12 +101,10 @@ class SkedClient(Control):
         return self._store
 
     def _queue(self) -> ReadyQueue:
-        from redis.asyncio import Redis
-
-        from shared.queues import ReadyQueue
+        from shared.queues import ReadyQueue, connect
 
         if self._redis is None:
-            self._redis = Redis.from_url(self.settings.redis_url)
+            self._redis = connect(self.settings.redis_url)
         return ReadyQueue(self._redis, self.settings.aging_s)
 
     async def _publisher(self) -> AmqpBus:

@@ -87,8 +87,8 @@ async def cancel(
             moved: Task = await fsm.apply(store.tasks, task, State.CANCELED, reason=text)
         except StaleWrite:
             continue
-        if queue is not None and task.status is State.READY:
-            await queue.remove([task_id])  # tidy only: a popped Canceled task is dropped anyway
+        if queue is not None:  # tidy only: a popped Canceled task is dropped anyway
+            await queue.remove([task_id])  # (in line, or parked: then nothing else would)
         return moved
     raise StaleWrite(f"task {task_id} kept changing; cancel not applied")
 
@@ -163,7 +163,7 @@ async def _whole_workflow(
             some = live[start : start + WORKFLOW_BATCH]
             done += await store.tasks.transition_many([move(t) for t in some])
         if queue is not None:  # tidy only: a popped task that is not Ready is dropped anyway
-            await queue.remove([t.id for t in live if t.status is State.READY])
+            await queue.remove([t.id for t in live])  # in line or parked
     raise StaleWrite(f"workflow {workflow_id}'s tasks kept changing; not finished")
 
 

@@ -13,14 +13,19 @@ queued_at), and a marker key tells whether the set was built since Redis last lo
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 from uuid import UUID
 
+import redis.exceptions
 from redis.asyncio import Redis
 
+from shared.resilience import CacheDamaged
+from shared.throttle import Throttled
+
 log = logging.getLogger(__name__)
+_FOREIGN = Throttled(log)  # members that name no task: whoever can write to Redis may add them
 
 READY_KEY = "sked:ready"
 # Ready tasks no node can take at all (too big, wrong labels) wait here, with their scores,
@@ -31,6 +36,7 @@ PARKED_KEY = "sked:parked"
 # ending moves them back.
 RESOURCE_KEY = "sked:parked:resource"
 _PARKED = (PARKED_KEY, RESOURCE_KEY)
+_SETS = (READY_KEY, *_PARKED)
 BUILT_KEY = "sked:ready:built"  # gone after FLUSHALL or a restart without persistence
 EPOCH = datetime(2025, 1, 1, tzinfo=UTC).timestamp()
 
@@ -54,6 +60,17 @@ end
 """
 
 
+# Every command's answer and every connect is bounded: a Redis that stops answering must fail a
+# pass (a transient error, retried), never hang it while it holds the nodes' row locks
+# (redis-py before 8 waits for ever by default).
+TIMEOUT_S = 5.0
+
+
+def connect(url: str) -> Redis:
+    """A client for the queue's Redis, its commands and connects bounded by TIMEOUT_S."""
+    return Redis.from_url(url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S)
+
+
 class Queued(Protocol):
     @property
     def id(self) -> UUID: ...
@@ -63,8 +80,37 @@ class Queued(Protocol):
     def queued_at(self) -> datetime | None: ...
 
 
+# With no aging (SKED_AGING_S=0), strict priority: each step of priority outweighs any wait
+# (~30 years); FIFO within a priority, to the millisecond while priorities are within +-1000.
+STRICT_S = 1e9
+
+
 def score(priority: int, queued_at: datetime, aging_s: float) -> float:
-    return (queued_at.timestamp() - EPOCH) - priority * aging_s
+    return (queued_at.timestamp() - EPOCH) - priority * (aging_s or STRICT_S)
+
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def _repairing(
+    method: Callable[Concatenate[ReadyQueue, P], Coroutine[Any, Any, T]],
+) -> Callable[Concatenate[ReadyQueue, P], Coroutine[Any, Any, T]]:
+    """A queue key of another type (a stray SET or HSET by another client of the same Redis)
+    answers every command with WRONGTYPE, which no retry mends: the key is deleted (Redis
+    holds nothing Postgres cannot rebuild), with the built marker so the next reconcile
+    rebuilds, and CacheDamaged raised, which the service's loop retries."""
+
+    async def repairing(self: ReadyQueue, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return await method(self, *args, **kwargs)
+        except redis.exceptions.ResponseError as exc:
+            if "WRONGTYPE" not in str(exc):
+                raise
+            await self.repair()
+            raise CacheDamaged(f"the ready queue was damaged and is rebuilt: {exc}") from exc
+
+    return repairing
 
 
 class ReadyQueue:
@@ -79,6 +125,7 @@ class ReadyQueue:
         queued = task.queued_at or datetime.now(UTC)
         return score(task.priority, queued, self.aging_s)
 
+    @_repairing
     async def push(self, tasks: Iterable[Queued], *, back: bool = False) -> int:
         """Queue tasks at their scores. `back`: tasks a pass popped and puts back as it read
         them — one queued again meanwhile (an operator's new priority) keeps that entry."""
@@ -91,13 +138,33 @@ class ReadyQueue:
     async def pop(self, n: int) -> list[UUID]:
         return [task_id for task_id, _ in await self.pop_scored(n)]
 
+    @_repairing
     async def pop_scored(self, n: int) -> list[tuple[UUID, float]]:
-        """The `n` first in line, with the scores they were queued with."""
+        """The `n` first in line, with the scores they were queued with. A member that names
+        no task id is dropped (logged); one id spelt twice (UUID() reads upper case, braces,
+        no dashes alike) is taken once."""
         if n <= 0:
             return []
         popped: list[tuple[bytes | str, float]] = await self.redis.zpopmin(READY_KEY, n)  # type: ignore[assignment]
-        return [(UUID(_text(member)), float(score)) for member, score in popped]
+        out: dict[UUID, float] = {}
+        foreign = []
+        for member, score in popped:
+            try:
+                task_id = UUID(_text(member))
+            except ValueError:  # UnicodeDecodeError too
+                foreign.append(member)
+                continue
+            out.setdefault(task_id, float(score))
+        if foreign:
+            _FOREIGN.warning(
+                "dropped %d member(s) of %s that name no task (first: %r)",
+                len(foreign),
+                READY_KEY,
+                foreign[0][:80],
+            )
+        return list(out.items())
 
+    @_repairing
     async def remove(self, ids: Sequence[UUID]) -> None:
         if ids:
             members = [str(i) for i in ids]
@@ -107,6 +174,7 @@ class ReadyQueue:
                     pipe.zrem(key, *members)
                 await pipe.execute()
 
+    @_repairing
     async def park(self, tasks: Iterable[Queued], key: str = PARKED_KEY) -> int:
         """Set tasks aside (with their scores) until `unpark(key)`: PARKED_KEY for tasks no
         node can take, RESOURCE_KEY for tasks waiting for a named resource."""
@@ -115,6 +183,7 @@ class ReadyQueue:
             await self.redis.zadd(key, mapping)
         return len(mapping)
 
+    @_repairing
     async def unpark(self, key: str = PARKED_KEY) -> int:
         """Move every task parked under `key` back into the queue, in one atomic step.
 
@@ -123,9 +192,11 @@ class ReadyQueue:
         """
         return int(await self._unpark(keys=[key, READY_KEY]))
 
+    @_repairing
     async def size(self) -> int:
         return int(await self.redis.zcard(READY_KEY))
 
+    @_repairing
     async def depths(self) -> dict[str, int]:
         """Tasks in line ("ready"), parked because no node can take them ("parked"), and
         waiting for a named resource ("resource")."""
@@ -135,6 +206,7 @@ class ReadyQueue:
             counts = await pipe.execute()
         return dict(zip(("ready", "parked", "resource"), map(int, counts), strict=True))
 
+    @_repairing
     async def absent(self, ids: Sequence[UUID]) -> list[UUID]:
         """Those of `ids` that are neither queued nor parked."""
         if not ids:
@@ -146,12 +218,38 @@ class ReadyQueue:
             found = await pipe.execute()
         return [i for i, *scores in zip(ids, *found, strict=True) if all(s is None for s in scores)]
 
+    async def repair(self) -> list[str]:
+        """Delete the queue's keys that are not sorted sets (and the built marker with them,
+        so that the queue is rebuilt); returns them."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key in _SETS:
+                pipe.type(key)
+            kinds = await pipe.execute()
+        bad = [key for key, kind in zip(_SETS, kinds, strict=True) if _text(kind) not in _ZSET]
+        if bad:
+            await self.redis.delete(*bad, BUILT_KEY)
+            log.warning("queue key(s) %s held another type than a sorted set: deleted", bad)
+        return bad
+
+    @_repairing
+    async def parked(self, key: str, start: int, count: int) -> list[bytes | str]:
+        """Members of a parked set, by rank."""
+        return await self.redis.zrange(key, start, start + count - 1)  # type: ignore[return-value]
+
+    @_repairing
+    async def unqueue(self, key: str, members: Sequence[bytes | str]) -> None:
+        if members:
+            await self.redis.zrem(key, *members)
+
     async def is_built(self) -> bool:
         return bool(await self.redis.exists(BUILT_KEY))
 
     async def mark_built(self) -> None:
         """Record that the queue holds every Ready task (gone again if Redis loses its data)."""
         await self.redis.set(BUILT_KEY, "1")
+
+
+_ZSET = ("zset", "none")
 
 
 def _text(member: bytes | str) -> str:
@@ -164,6 +262,8 @@ class ReadySource(Protocol):
     async def ready_for_queue(
         self, older_than_s: float, limit: int, after: Any = None
     ) -> Sequence[Queued]: ...
+
+    async def ready_among(self, ids: Sequence[UUID]) -> set[UUID]: ...
 
 
 PAGE = 5000  # Ready tasks read per round trip when rebuilding or reconciling
@@ -183,6 +283,7 @@ async def _pages(repo: ReadySource, older_than_s: float) -> AsyncIterator[Sequen
 
 async def rebuild(queue: ReadyQueue, repo: ReadySource) -> int:
     """Put every Ready task of Postgres into the queue (after a Redis loss, at start)."""
+    await queue.repair()
     total = 0
     async for page in _pages(repo, older_than_s=-1e9):
         total += await queue.push(page)
@@ -195,7 +296,7 @@ async def reconcile(queue: ReadyQueue, repo: ReadySource, older_than_s: float) -
     """Rebuild the queue if Redis lost it; else re-add Ready tasks that have waited longer than
     `older_than_s` and are missing (their scheduler died between ZPOPMIN and its CAS) — all of
     them, however many, a page at a time."""
-    if not await queue.is_built():
+    if await queue.repair() or not await queue.is_built():
         log.warning("the ready queue is gone (Redis lost its data): rebuilding")
         return await rebuild(queue, repo)
     n = 0
@@ -205,3 +306,33 @@ async def reconcile(queue: ReadyQueue, repo: ReadySource, older_than_s: float) -
     if n:
         log.warning("re-queued %d Ready tasks the queue had lost", n)
     return n
+
+
+async def prune_parked(queue: ReadyQueue, repo: ReadySource) -> int:
+    """Drop the parked members whose task is no longer Ready (paused or canceled while
+    parked) or that name no task: nothing else would, until a node joins or changes. A task
+    that turns Ready again is queued anew by what readied it (or by `reconcile`)."""
+    dropped = 0
+    for key in _PARKED:
+        start = 0
+        while members := await queue.parked(key, start, PAGE):
+            ids: dict[UUID, bytes | str] = {}
+            stale: list[bytes | str] = []
+            for member in members:
+                try:
+                    task_id = UUID(_text(member))
+                except ValueError:
+                    stale.append(member)
+                    continue
+                if task_id in ids:  # spelt twice: one member is enough
+                    stale.append(member)
+                else:
+                    ids[task_id] = member
+            ready = await repo.ready_among(list(ids))
+            stale += [member for task_id, member in ids.items() if task_id not in ready]
+            await queue.unqueue(key, stale)
+            dropped += len(stale)
+            start += len(members) - len(stale)
+    if dropped:
+        log.info("dropped %d parked member(s) of tasks no longer Ready", dropped)
+    return dropped

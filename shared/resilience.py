@@ -26,6 +26,13 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
 
+
+class CacheDamaged(Exception):
+    """A cache (Redis's queues) held something it never should (a key of another type):
+    repaired where found, and rebuilt from Postgres by the next reconcile; retried like the
+    errors below, since a service stopped for a cache's sake would stop every replica."""
+
+
 # Every error a server restart, failover, connection limit, admin cancel, resource alarm or
 # read-only replica produces, from each client library: the one list every service retries
 # with backoff. Anything else is a bug and stops the service. Every write is a CAS, so running
@@ -66,6 +73,7 @@ TRANSIENT: tuple[type[BaseException], ...] = (
     aiormq.exceptions.ConnectionClosed,
     aiormq.exceptions.ChannelClosed,
     aiormq.exceptions.DeliveryError,  # a publish nacked (a resource alarm) or returned
+    CacheDamaged,
 )
 
 

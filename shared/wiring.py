@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-from shared import metrics
+from shared import metrics, queues
 from shared.bus import AmqpBus
 from shared.queues import ReadyQueue
 from shared.runtime import Service, serve
@@ -42,7 +42,7 @@ async def connect_store(settings: Settings, size: int | None = None) -> Store:
 async def backends(settings: Settings) -> AsyncIterator[Backends]:
     """Postgres, Redis and RabbitMQ for `settings`, closed on the way out."""
     store = await connect_store(settings)
-    redis = Redis.from_url(settings.redis_url)
+    redis = queues.connect(settings.redis_url)
     bus = AmqpBus(settings.rabbitmq_url, settings.dead_max)
     try:
         await bus.connect()

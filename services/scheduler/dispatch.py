@@ -55,6 +55,7 @@ class Dispatcher(Part):
         self.bus = bus
         # partial mode: where the last pass's candidates ended (_pop_urgent)
         self._urgent_after: tuple[int, datetime, UUID] | None = None
+        self._stale = False  # the last pass popped entries of tasks no longer Ready
 
     async def run(self, stopping: asyncio.Event) -> None:
         hub = self.hub
@@ -69,8 +70,10 @@ class Dispatcher(Part):
                 if hub.parked_resource_waiters:
                     hub.parked_resource_waiters = False  # set again by any it re-parks
                     await self.queue.unpark(RESOURCE_KEY)
-            while await self.timed_pass() >= self.settings.dispatch_batch:
-                pass  # a full batch went out: there may be more to place right away
+            # a full batch went out, or entries of tasks no longer Ready took the pass's pop
+            # (paused or canceled while in line): there may be more to place right away
+            while await self.timed_pass() >= self.settings.dispatch_batch or self._stale:
+                pass
             await wait_any(hub.dispatch, stopping, timeout=self.settings.reconcile_s)
             if not hub.new_work.is_set():
                 # woken by a freed slot: let a few more free up so one pass places them all;
@@ -90,6 +93,7 @@ class Dispatcher(Part):
         The nodes' rows stay locked from reading their usage to the CAS that reserves on them,
         so two schedulers placing at once serialise here and neither overcommits a node.
         """
+        self._stale = False
         if self.hub.degrade.mode() is Mode.FULL:
             return 0  # degraded: nothing is dispatched (the pass below checks the row itself)
         if not await self.queue.size():
@@ -117,10 +121,11 @@ class Dispatcher(Part):
                 if not ids:
                     return 0
                 tasks, fenced = await tx.tasks.get_ready(unknown) if unknown else ([], [])
+                self._stale = len(tasks) + len(fenced) < len(unknown)
                 order = {task_id: i for i, task_id in enumerate(ids)}
                 tasks = sorted(tasks + known, key=lambda t: order[t.id])
                 moved, waiting = await self.place(tx, tasks, nodes, mode)
-        except TRANSIENT:
+        except BaseException:  # transient, or a bug that stops the service: none is lost
             await self._put_back(ids)
             raise
         for task in fenced:

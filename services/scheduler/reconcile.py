@@ -6,18 +6,26 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 from services.scheduler.hub import Part
-from shared.queues import RESOURCE_KEY, rebuild, reconcile
+from shared.queues import RESOURCE_KEY, prune_parked, rebuild, reconcile
 from shared.runtime import wait_any
+
+PRUNE_S = 60.0  # the parked sets are pruned of tasks no longer Ready this often
 
 
 class Reconciler(Part):
     async def rebuild(self) -> int:
         return await rebuild(self.queue, self.store.tasks)
 
+    _pruned_at = -PRUNE_S  # monotonic
+
     async def reconcile_once(self) -> int:
         n = await reconcile(self.queue, self.store.tasks, self.settings.reconcile_s)
+        if time.monotonic() - self._pruned_at >= PRUNE_S:
+            await prune_parked(self.queue, self.store.tasks)
+            self._pruned_at = time.monotonic()
         # the backstop for resource waiters, whichever scheduler parked them (one that died
         # before a holder ended, or a pass that raced with another)
         n += await self.queue.unpark(RESOURCE_KEY)

@@ -321,6 +321,10 @@ class Tasks:
             (fenced if row["_fenced"] else free).append(task(row))
         return free, fenced
 
+    async def ready_among(self, ids: Sequence[UUID]) -> set[UUID]:
+        """Those of `ids` that are Ready."""
+        return {r["id"] for r in await self.db.fetch(Q.ready_among, list(ids))}
+
     async def ready_for_queue(
         self, older_than_s: float, limit: int, after: QueuedRow | None = None
     ) -> list[QueuedRow]:

@@ -301,6 +301,10 @@ SELECT id, attempt, node FROM tasks WHERE id = ANY($1::uuid[]) AND status = 'sch
 SELECT {{task_columns()}}, NOT {{lease_over($2)}} AS _fenced
 FROM tasks t WHERE id = ANY($1::uuid[]) AND status || '' = 'ready'
 
+-- name: ready_among
+-- Which of these tasks are Ready (the parked sets' pruning; `|| ''` as in get_ready).
+SELECT id FROM tasks WHERE id = ANY($1::uuid[]) AND status || '' = 'ready'
+
 -- name: ready_for_queue
 -- What the ready queue needs to (re)score Ready tasks queued more than $1 seconds ago, oldest
 -- first, a page of $2 after ($3, $4): the reconciler reads only tasks a live scheduler would
