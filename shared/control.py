@@ -21,6 +21,7 @@ from shared.jsonvalue import note
 from shared.models import MAX_PRIORITY, MIN_PRIORITY, Task
 from shared.queues import ReadyQueue
 from shared.store import Store
+from shared.store.workflows import OpenTask
 
 ATTEMPTS = 20
 WORKFLOW_BATCH = 1000  # moves a statement of a whole workflow's control makes
@@ -100,11 +101,11 @@ async def cancel_workflow(
     reason: str = "",
     by: str | None = None,
 ) -> list[Task]:
-    """Every task of the workflow that has not ended -> Canceled, WORKFLOW_BATCH a statement:
-    running attempts are stopped by their executors, and Pending ones are never released. A
-    task that moved meanwhile (released, started, ended) loses its CAS and is looked at again:
-    canceled where it is then, or left as it ended. Returns the tasks canceled. Raises NotFound
-    for an unknown workflow, NotAllowed when every task of it has ended already."""
+    """Every task of the workflow that has not ended -> Canceled, WORKFLOW_BATCH a statement,
+    all in one transaction that locks them first: running attempts are stopped by their
+    executors, and Pending ones are never released (nor does anything move meanwhile).
+    Returns the tasks canceled. Raises NotFound for an unknown workflow, NotAllowed when every
+    task of it has ended already."""
     who, reason = note("by", by or operator()), note("reason", reason)
     text = f"canceled with workflow {workflow_id} by {who}" + (f": {reason}" if reason else "")
     return await _whole_workflow(
@@ -121,8 +122,8 @@ async def pause_workflow(
     store: Store, queue: ReadyQueue | None, workflow_id: UUID, reason: str, by: str | None = None
 ) -> list[Task]:
     """Every task of the workflow that has not ended and is not paused -> Paused, as `pause`
-    does one (who, why; running attempts stopped, no retry spent), WORKFLOW_BATCH a statement,
-    a task that moved meanwhile looked at again. Pending tasks are paused too, so nothing is
+    does one (who, why; running attempts stopped, no retry spent), WORKFLOW_BATCH a statement
+    in one transaction (`_whole_workflow`). Pending tasks are paused too, so nothing is
     released until `resume_workflow`. Returns the tasks paused. Raises NotFound, or NotAllowed
     when there is nothing left to pause."""
     who, reason = note("by", by or operator()), note("reason", reason)
@@ -141,30 +142,26 @@ async def _whole_workflow(
     store: Store,
     queue: ReadyQueue | None,
     workflow_id: UUID,
-    wanted: Callable[[Task], bool],
-    move: Callable[[Task], fsm.Move],
+    wanted: Callable[[OpenTask], bool],
+    move: Callable[[OpenTask], fsm.Move],
     nothing: str,
 ) -> list[Task]:
     """`move` every task of the workflow that has not ended and is `wanted`, in statements of
-    WORKFLOW_BATCH, until none is left: a task whose CAS lost (it moved meanwhile) is read
-    again and moved from where it is then. Returns the tasks moved; NotAllowed saying the
-    workflow `nothing` when no task was to be moved at all."""
-    done: list[Task] = []
-    for _ in range(ATTEMPTS):
-        _, tasks, _ = await store.workflows.get(workflow_id)
-        live = [
-            t for t in tasks if not fsm.is_terminal(t.status, fsm.has_retry_left(t)) and wanted(t)
-        ]
+    WORKFLOW_BATCH, in one transaction that first locks every one of them (id order, as the
+    resolver locks): a resolver pass between two statements saw an upstream canceled and its
+    `always` downstream still Pending, and released it. Returns the tasks moved; NotAllowed
+    saying the workflow `nothing` when no task was to be moved at all."""
+    async with store.transaction() as tx:
+        live = [t for t in await tx.workflows.lock_open(workflow_id) if wanted(t)]
         if not live:
-            if not done:
-                raise NotAllowed(f"workflow {workflow_id} {nothing}")
-            return done
+            raise NotAllowed(f"workflow {workflow_id} {nothing}")
+        done: list[Task] = []
         for start in range(0, len(live), WORKFLOW_BATCH):
             some = live[start : start + WORKFLOW_BATCH]
-            done += await store.tasks.transition_many([move(t) for t in some])
-        if queue is not None:  # tidy only: a popped task that is not Ready is dropped anyway
-            await queue.remove([t.id for t in live])  # in line or parked
-    raise StaleWrite(f"workflow {workflow_id}'s tasks kept changing; not finished")
+            done += await tx.tasks.transition_many([move(t) for t in some])
+    if queue is not None:  # tidy only: a popped task that is not Ready is dropped anyway
+        await queue.remove([t.id for t in live])  # in line or parked
+    return done
 
 
 async def resume_workflow(
@@ -172,29 +169,32 @@ async def resume_workflow(
 ) -> list[Task]:
     """Every paused task of the workflow: Paused -> Pending, and a task without upstreams on
     to Ready and into the queue (the others wait in Pending for the scheduler to judge their
-    dependencies, as `resume` does one), in one transaction a WORKFLOW_BATCH. A task resumed
-    or canceled by someone else meanwhile is left as it is. Returns the tasks resumed (as they
-    are now). Raises NotFound, or NotAllowed when no task of it is paused."""
+    dependencies, as `resume` does one), WORKFLOW_BATCH a statement in one transaction that
+    locks them first. Returns the tasks resumed (as they are now). Raises NotFound, or
+    NotAllowed when no task of it is paused."""
     said = f"resumed with workflow {workflow_id}" + (f" by {note('by', by)}" if by else "")
-    _, tasks, edges = await store.workflows.get(workflow_id)
-    paused = [t for t in tasks if t.status is State.PAUSED]
-    if not paused:
-        raise NotAllowed(f"workflow {workflow_id} has nothing to resume: no task of it is paused")
-    downstream = {e["task_id"] for e in edges}
     resumed: list[Task] = []
-    for start in range(0, len(paused), WORKFLOW_BATCH):
-        some = paused[start : start + WORKFLOW_BATCH]
-        async with store.transaction() as tx:
+    ready: list[Task] = []
+    async with store.transaction() as tx:
+        paused = [t for t in await tx.workflows.lock_open(workflow_id) if t.status is State.PAUSED]
+        if not paused:
+            raise NotAllowed(
+                f"workflow {workflow_id} has nothing to resume: no task of it is paused"
+            )
+        downstream = await tx.workflows.with_upstreams(workflow_id)
+        for start in range(0, len(paused), WORKFLOW_BATCH):
+            some = paused[start : start + WORKFLOW_BATCH]
             pending = await tx.tasks.transition_many(
                 [fsm.plan(t, State.PENDING, said) for t in some]
             )
             roots = [t for t in pending if t.id not in downstream]
-            ready = await tx.tasks.transition_many(
+            now = await tx.tasks.transition_many(
                 [fsm.plan(t, State.READY, f"{said}: no dependencies") for t in roots]
             )
-        await queue.push(ready)
-        now = {t.id: t for t in ready}
-        resumed += [now.get(t.id, t) for t in pending]
+            ready += now
+            by_id = {t.id: t for t in now}
+            resumed += [by_id.get(t.id, t) for t in pending]
+    await queue.push(ready)
     return resumed
 
 

@@ -244,7 +244,11 @@ def inputs_too_large(inputs: Mapping[str, Any]) -> str | None:
     """Why a task cannot take these inputs (their JSON over MAX_INPUTS_BYTES); None if it can."""
     from pydantic_core import to_json
 
-    size = len(to_json(inputs))
+    return too_large(len(to_json(inputs)))
+
+
+def too_large(size: int) -> str | None:
+    """Why a task cannot take inputs of `size` bytes of JSON; None if it can."""
     if size <= MAX_INPUTS_BYTES:
         return None
     return (

@@ -16,7 +16,7 @@ that nodes which could take the task are all full.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 from uuid import UUID
@@ -208,23 +208,31 @@ K = TypeVar("K", bound=Hashable)
 
 
 def place_many(
-    needs: Sequence[tuple[K, Need]], nodes: Sequence[NodeState]
+    needs: Sequence[tuple[K, Need]], nodes: Sequence[NodeState], units: Units | None = None
 ) -> tuple[dict[K, str], dict[K, Choice]]:
-    """Place tasks in the given order, each seeing the reservations of those before it.
+    """Place tasks in the given order, each seeing the reservations of those before it — on
+    the nodes, and of the named workflow resources (`units`) they use: a unit is taken only by
+    a task a node takes, so one that no node takes keeps no other from its resource.
 
-    Returns ({key: node id}, {key: the Choice that found no node: its reason, and whether it
-    only waits for room}).
+    Returns ({key: node id}, {key: the Choice that found no node, or the resource it waits
+    for: its reason, and whether it only waits for room}).
     """
     state = {n.id: n for n in nodes}
     placed: dict[K, str] = {}
     unplaced: dict[K, Choice] = {}
     for key, need in needs:
+        wait = None if units is None else units.wait(key)
+        if wait is not None:
+            unplaced[key] = wait
+            continue
         choice = choose(need, list(state.values()))
         if choice.node is None:
             unplaced[key] = choice
         else:
             placed[key] = choice.node.id
             state[choice.node.id] = choice.node.placed(need)
+            if units is not None:
+                units.take(key)
     return placed, unplaced
 
 
@@ -239,28 +247,31 @@ class UsesResources(Protocol):
     def uses(self) -> list[str]: ...
 
 
-R = TypeVar("R", bound=UsesResources)
+class Units:
+    """The units of named workflow resources a placement pass may hand out: {(workflow,
+    resource): (units held, capacity)} as read under the placement locks, and which of them
+    each task uses; a task placed takes one of each."""
 
+    def __init__(
+        self, tasks: Iterable[UsesResources], held: Mapping[tuple[UUID, str], tuple[int, int]]
+    ) -> None:
+        self.taken = dict(held)
+        self.uses: dict[Hashable, list[tuple[UUID, str]]] = {
+            t.id: [(t.workflow_id, r) for r in t.uses if (t.workflow_id, r) in held]
+            for t in tasks
+            if t.workflow_id is not None and t.uses
+        }
 
-def within_resources(
-    tasks: Sequence[R], held: Mapping[tuple[UUID, str], tuple[int, int]]
-) -> tuple[list[R], dict[UUID, Choice]]:
-    """Which of `tasks` (in order) may take a unit of every named workflow resource they use,
-    given `held` — {(workflow, resource): (units held, capacity)} — and which must wait, with
-    why. Each task let through takes its units, so later ones see them taken."""
-    taken = dict(held)
-    allowed: list[R] = []
-    blocked: dict[UUID, Choice] = {}
-    for task in tasks:
-        keys = [(task.workflow_id, r) for r in task.uses] if task.workflow_id else []
-        full = [k for k in keys if k in taken and taken[k][0] >= taken[k][1]]
-        if full:
-            units, capacity = taken[full[0]]
-            why = f"waiting for resource {full[0][1]} ({units}/{capacity} held)"
-            blocked[task.id] = Choice(None, why, True, full[0][1])
-            continue
-        for k in keys:
-            if k in taken:
-                taken[k] = (taken[k][0] + 1, taken[k][1])
-        allowed.append(task)
-    return allowed, blocked
+    def wait(self, task_id: Hashable) -> Choice | None:
+        """Why the task must wait for a resource (every unit held), or None."""
+        for key in self.uses.get(task_id, ()):
+            units, capacity = self.taken[key]
+            if units >= capacity:
+                why = f"waiting for resource {key[1]} ({units}/{capacity} held)"
+                return Choice(None, why, True, key[1])
+        return None
+
+    def take(self, task_id: Hashable) -> None:
+        for key in self.uses.get(task_id, ()):
+            units, capacity = self.taken[key]
+            self.taken[key] = (units + 1, capacity)

@@ -16,6 +16,7 @@ from uuid import NAMESPACE_URL, UUID, uuid5
 
 from shared import fsm
 from shared.dag import (
+    MAX_INPUTS_BYTES,
     Condition,
     Verdict,
     WorkflowSpec,
@@ -23,12 +24,13 @@ from shared.dag import (
     effective_priorities,
     inputs_of,
     inputs_too_large,
+    too_large,
 )
 from shared.errors import InvalidSpec
 from shared.fsm import State
 from shared.jsonvalue import same_json
 from shared.models import Task
-from shared.store import Store
+from shared.store import Store, Tx
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +108,56 @@ async def admit(
     return ready
 
 
+# The upstreams' outputs one release statement carries at most (by Postgres's count): each
+# task's are within dag.MAX_INPUTS_BYTES, but a wide fan-out released at once added up to
+# over a GB, past what Postgres takes in one message, and every pass of every workflow failed.
+RELEASE_BYTES = 64 * 1024 * 1024
+
+
+async def _release(
+    tx: Tx, released: Sequence[tuple[Task, str]], upstreams: dict[UUID, list[dict[str, Any]]]
+) -> list[Task]:
+    """Pending -> Ready for `released`, each with its upstreams' outputs as inputs, fixed now
+    in the same CAS; a task whose inputs are too large to carry fails alone, with why. The
+    outputs are read for these tasks alone, a batch of at most RELEASE_BYTES at a time."""
+    if not released:
+        return []
+    sizes = await tx.workflows.inputs_sizes([t.id for t, _ in released])
+    moved: list[Task] = []
+    batches: list[list[tuple[Task, str]]] = [[]]
+    fails, used = [], 0
+    for task, why in released:
+        size = sizes.get(task.id, 0)
+        if size > 2 * MAX_INPUTS_BYTES:  # over the limit however compactly written
+            why_not = too_large(size) or ""
+            fails.append(fsm.plan(task, State.FAILED, why_not, error=why_not))
+            continue
+        if batches[-1] and used + size > RELEASE_BYTES:
+            batches.append([])
+            used = 0
+        batches[-1].append((task, why))
+        used += size
+    moved += await tx.tasks.transition_many(fails)
+    for batch in batches:
+        if not batch:
+            continue
+        results = await tx.workflows.upstream_results([t.id for t, _ in batch])
+        moves = []
+        for task, why in batch:
+            inputs = inputs_of(
+                {**edge, "upstream_result": results.get((task.id, edge["upstream_id"]))}
+                for edge in upstreams[task.id]
+            )
+            over = inputs_too_large(inputs)
+            if over is None:
+                moves.append(fsm.plan(task, State.READY, why, inputs=inputs))
+            else:  # a fan-in too wide to carry: this task fails alone, with the reason
+                moves.append(fsm.plan(task, State.FAILED, over, error=over))
+        moved += await tx.tasks.transition_many(moves)
+        del results, moves
+    return moved
+
+
 async def resolve(store: Store, candidates: Sequence[UUID]) -> tuple[list[Task], list[Task]]:
     """Decide Pending workflow tasks: Pending -> Ready when every edge holds, Pending ->
     Skipped when one can no longer hold; the rest keep waiting. Returns (ready, skipped)."""
@@ -136,21 +188,17 @@ async def resolve(store: Store, candidates: Sequence[UUID]) -> tuple[list[Task],
         for task_id, upstream_id in timed_out:
             log.warning("task %s: its dependency on %s timed out", task_id, upstream_id)
         moves = []
+        released: list[tuple[Task, str]] = []
         for task in pending:
             verdict, why = decide(edges[task.id])
             if verdict is Verdict.READY:
-                # the upstreams' outputs travel with the task: fixed now, in the same CAS
-                inputs = inputs_of(upstreams[task.id])
-                over = inputs_too_large(inputs)
-                if over is None:
-                    moves.append(fsm.plan(task, State.READY, why, inputs=inputs))
-                else:  # a fan-in too wide to carry: this task fails alone, with the reason
-                    moves.append(fsm.plan(task, State.FAILED, over, error=over))
+                released.append((task, why))
             elif verdict is Verdict.SKIP:
                 moves.append(fsm.plan(task, State.SKIPPED, why))
             elif verdict is Verdict.FAIL:  # terminal at once: the FSM rule ends its retries
                 moves.append(fsm.plan(task, State.FAILED, why, error=why))
-        moved = await tx.tasks.transition_many(moves)
+        moved = list(await tx.tasks.transition_many(moves))
+        moved += await _release(tx, released, upstreams)
     ready = [t for t in moved if t.status is State.READY]
     ended = [t for t in moved if t.status in (State.SKIPPED, State.FAILED)]
     return ready, ended

@@ -19,7 +19,7 @@ from shared.degrade import Mode
 from shared.dispatches import MAX_DISPATCHES, entry_of, pack
 from shared.fsm import State
 from shared.models import Task, TaskSpec
-from shared.placement import Choice, Need, NodeState, place_many, within_resources
+from shared.placement import Choice, Need, NodeState, Units, place_many
 from shared.queues import RESOURCE_KEY, ReadyQueue
 from shared.resilience import TRANSIENT
 from shared.runtime import wait_any
@@ -193,10 +193,14 @@ class Dispatcher(Part):
             mode = (await tx.degrade.read()).effective()
         tasks, held_back = self._degraded(tasks, mode)
         users = {t.workflow_id for t in tasks if t.uses and t.workflow_id is not None}
-        held = await tx.workflows.resources_held(list(users)) if users else {}
-        tasks, blocked = within_resources(tasks, held)
-        placed, unplaced = place_many([(t.id, need_of(t)) for t in tasks], nodes)
-        unplaced.update(blocked)
+        # the workflows locked first, then their units counted: a pass whose live nodes are
+        # not this one's (a node came or went between them) still waits for it here
+        held = {}
+        if users:
+            await tx.workflows.lock(list(users))
+            held = await tx.workflows.resources_held(list(users))
+        units = Units(tasks, held) if held else None
+        placed, unplaced = place_many([(t.id, need_of(t)) for t in tasks], nodes, units)
         unplaced.update(held_back)
         # what a dispatch needs of each moved row comes back alone (the repository still
         # hands a hook's `transitions` the rows whole)

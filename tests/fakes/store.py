@@ -363,6 +363,9 @@ class FakeWorkflows:
     def __init__(self, data: _Data) -> None:
         self.d = data
 
+    async def lock(self, workflow_ids: Sequence[UUID]) -> None:
+        """One process, one event loop: nothing to wait for."""
+
     async def resources_held(
         self, workflow_ids: Sequence[UUID]
     ) -> dict[tuple[UUID, str], tuple[int, int]]:

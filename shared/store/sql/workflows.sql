@@ -31,15 +31,36 @@ ORDER BY id
 FOR UPDATE
 
 -- name: edges_of
--- Every edge into these tasks, with the upstream's state, output, and whether the wait for it
--- has passed its timeout (measured from when the task last entered Pending). In seconds, not
--- as updated_at + timeout: no stored timeout can overflow a timestamp.
+-- Every edge into these tasks, with the upstream's state and whether the wait for it has
+-- passed its timeout (measured from when the task last entered Pending). In seconds, not as
+-- updated_at + timeout: no stored timeout can overflow a timestamp. Not the upstream's
+-- output: a pass that releases nothing read every finished upstream's (upstream_results
+-- reads them for the tasks released alone).
 SELECT d.task_id, d.upstream_id, d.condition, u.status, u.retry_count, u.max_retries,
        d.timeout_s, d.on_timeout, d.timed_out_at, d.default_value, u.wf_task AS upstream_name,
-       u.kind AS upstream_kind, u.result AS upstream_result,
+       u.kind AS upstream_kind,
        extract(epoch FROM now() - t.updated_at) >= d.timeout_s AS overdue
 FROM task_deps d JOIN tasks u ON u.id = d.upstream_id JOIN tasks t ON t.id = d.task_id
 WHERE d.task_id = ANY($1::uuid[])
+
+-- name: inputs_sizes
+-- For tasks about to be released: the bytes of what their succeeded upstreams hand them
+-- (shared.dag.output_of: a command's declared output, a handler's result) as Postgres writes
+-- its JSON, which is at least about its compact size: the resolver reads the outputs in
+-- batches of bounded bytes, and the exact check follows.
+SELECT d.task_id,
+       coalesce(sum(octet_length(
+           (CASE WHEN u.kind = 'command' THEN u.result -> 'output' ELSE u.result END)::text
+       )), 0)::bigint AS bytes
+FROM task_deps d JOIN tasks u ON u.id = d.upstream_id
+WHERE d.task_id = ANY($1::uuid[]) AND u.status = 'success'
+GROUP BY d.task_id
+
+-- name: upstream_results
+-- The results of these tasks' succeeded upstreams (what they hand on: shared.dag.output_of).
+SELECT d.task_id, d.upstream_id, u.result
+FROM task_deps d JOIN tasks u ON u.id = d.upstream_id
+WHERE d.task_id = ANY($1::uuid[]) AND u.status = 'success'
 
 -- name: mark_timed_out
 -- Record that these (task, upstream) waits timed out (each once).
@@ -64,6 +85,19 @@ SELECT id, name, spec::text AS spec, created_at FROM workflows WHERE id = $1
 -- A workflow's tasks, by name.
 SELECT {{task_columns()}} FROM tasks WHERE workflow_id = $1 ORDER BY wf_task
 
+-- name: lock_open_tasks
+-- A workflow's tasks that have not ended (terminal_among's test, negated), locked in id order,
+-- with only what a move needs of them (fsm.TaskView): control of a whole workflow moves them
+-- all in one transaction, and never reads a finished task's result or log.
+SELECT id, status, version, attempt, retry_count, max_retries, launch_failures,
+       max_launch_failures
+FROM tasks
+WHERE workflow_id = $1
+  AND NOT (status IN ({{terminal_states}})
+           OR (status IN ({{retryable_states}}) AND retry_count >= max_retries))
+ORDER BY id
+FOR UPDATE
+
 -- name: workflow_edges
 -- A workflow's edges (task, upstream, condition).
 SELECT d.task_id, d.upstream_id, d.condition
@@ -73,6 +107,11 @@ WHERE t.workflow_id = $1
 -- name: has_deps
 -- Whether a task waits for upstreams.
 SELECT EXISTS (SELECT 1 FROM task_deps WHERE task_id = $1)
+
+-- name: lock_workflows
+-- Placement's lock on the workflows whose named resources it counts, in id order. NO KEY:
+-- a task inserted under one (its foreign key's KEY SHARE) does not wait for it.
+SELECT id FROM workflows WHERE id = ANY($1::uuid[]) ORDER BY id FOR NO KEY UPDATE
 
 -- name: resources_held
 -- Each named resource of these workflows: its capacity, and how many units its tasks in
