@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar, cast
 
 from shared import metrics, telemetry
+from shared.errors import SkedError
 from shared.redact import masked, printable
 from shared.settings import Settings
 
@@ -210,6 +211,10 @@ def run_main(main: Callable[[], Awaitable[None]]) -> int:
     with contextlib.suppress(KeyboardInterrupt):
         try:
             runner(main())
+        except SkedError as exc:  # raised on purpose: its message says all (not migrated, ...)
+            log.error("service failed: %s", exc)
+            log.debug("service failed", exc_info=True)
+            return 1
         except Exception:
             log.exception("service failed")
             return 1
@@ -288,10 +293,11 @@ def run_service(
             return 2
     keep_private()
     open_files_to_the_limit()
-    from shared.store.db import named_dsn  # asyncpg: a service's import, not the CLI's
+    from shared.store.db import named_dsn, pinned_dsn  # asyncpg: a service's, not the CLI's
 
-    # every session of this process shows as sked-<service> in pg_stat_activity
-    dsn = named_dsn(settings.database_url, f"sked-{service}")
+    # every session of this process shows as sked-<service> in pg_stat_activity, and works in
+    # sked's schema whatever the role's default search_path finds first
+    dsn = pinned_dsn(named_dsn(settings.database_url, f"sked-{service}"))
     settings = settings.model_copy(update={"database_url": dsn})
     configure_logging(settings, log_as or service)
     telemetry.setup(f"sked-{service}")

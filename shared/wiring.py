@@ -7,14 +7,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import asyncpg
 from redis.asyncio import Redis
 
 from shared import metrics, queues
 from shared.bus import AmqpBus
+from shared.errors import SkedError
 from shared.queues import ReadyQueue
 from shared.runtime import Service, serve
 from shared.settings import Settings
 from shared.store import Store
+from shared.store.migrate import require_migrated
 
 
 @dataclass(frozen=True)
@@ -30,12 +33,24 @@ class Backends:
 
 
 async def connect_store(settings: Settings, size: int | None = None) -> Store:
-    return await Store.connect(
-        settings.database_url,
-        size or settings.db_pool_size,
-        settings.lease_margin_s,
-        settings.node_ttl_s,
-    )
+    """The store of a service, which refuses (SkedError, one line) to start on a database that
+    is not there or whose schema is older than this code: it would answer every request with a
+    missing table (services start beside `sked migrate`, and their supervisor restarts them)."""
+    try:
+        store = await Store.connect(
+            settings.database_url,
+            size or settings.db_pool_size,
+            settings.lease_margin_s,
+            settings.node_ttl_s,
+        )
+    except asyncpg.InvalidCatalogNameError as exc:
+        raise SkedError(f"Postgres: {exc}: run `sked migrate` (it creates it)") from None
+    try:
+        await require_migrated(store.pool)
+    except BaseException:
+        await store.close()
+        raise
+    return store
 
 
 @asynccontextmanager

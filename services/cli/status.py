@@ -28,7 +28,9 @@ def status(args: argparse.Namespace) -> int:
             # alone: libpq's words, which may quote the URL, are not chained to its error)
             task = None
         if task is None:
-            task = run(read_task(dsn, task_id))
+            from shared.store.db import pinned_dsn  # asyncpg's module: loaded to read anyway
+
+            task = run(read_task(pinned_dsn(dsn), task_id))
     else:
         task = run(_through_api(task_id))
     if args.json:

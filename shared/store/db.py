@@ -7,7 +7,7 @@ import json
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
-from urllib.parse import parse_qs, quote, urlsplit, urlunsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit, urlunsplit
 from uuid import UUID
 
 import asyncpg
@@ -34,6 +34,35 @@ def named_dsn(dsn: str, name: str) -> str:
     return urlunsplit(parts._replace(query=f"{parts.query}&{ours}" if parts.query else ours))
 
 
+# The schema every session of sked works in, unless the database URL names its own search_path
+# (`options=-c search_path=...`). Postgres's default, `"$user", public`, puts a schema named
+# after the role first as soon as one is created: `CREATE TABLE IF NOT EXISTS` and every
+# unqualified statement would then resolve there, to a second, empty set of tables.
+SCHEMA = "public"
+
+
+def pinned_dsn(dsn: str) -> str:
+    """The database URL with its sessions' search_path set to SCHEMA (a startup option:
+    asyncpg and libpq both pass the URL's `options` to the server), unless the URL sets a
+    search_path already; the operator's other options are kept, and left as written."""
+    parts = urlsplit(dsn)
+    if parts.scheme not in ("postgresql", "postgres"):
+        return dsn  # not a URL asyncpg reads: it would refuse it as it is
+    pieces = parts.query.split("&") if parts.query else []
+    ours = quote(f"-c search_path={SCHEMA}")
+    for i, piece in enumerate(pieces):
+        key, _, value = piece.partition("=")
+        said = unquote(value.replace("+", " "))
+        if key == "search_path" or (key == "options" and "search_path" in said):
+            return dsn
+        if key == "options":
+            pieces[i] = f"{piece}%20{ours}"
+            break
+    else:
+        pieces.append(f"options={ours}")
+    return urlunsplit(parts._replace(query="&".join(pieces)))
+
+
 async def init_connection(conn: asyncpg.Connection) -> None:
     await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
 
@@ -52,7 +81,7 @@ async def _lean_reset(conn: asyncpg.Connection) -> None:
 
 async def create_pool(dsn: str, size: int = 8) -> asyncpg.Pool:
     pool = await asyncpg.create_pool(
-        dsn,
+        pinned_dsn(dsn),
         min_size=1,
         max_size=size,
         init=init_connection,

@@ -21,6 +21,7 @@ CONNECTION_OK = 0
 PGRES_TUPLES_OK = 2
 PG_DIAG_SQLSTATE = ord("C")  # PQresultErrorField's codes (postgres_ext.h)
 PG_DIAG_MESSAGE_PRIMARY = ord("M")
+SEARCH_PATH = b"-c search_path=public"  # shared.store.db.SCHEMA
 _NAMES = ("libpq.so.5", "libpq.5.dylib", "libpq.so", "libpq.dylib")
 
 
@@ -80,8 +81,10 @@ def fetch_text(dsn: str, sql: str, params: Sequence[str]) -> str | None:
     the value is NULL. Raises Unavailable without libpq, NotConnected (with libpq's message)
     if it cannot connect, SkedError if the query fails."""
     lib = _load()
-    keys = (ctypes.c_char_p * 3)(b"dbname", b"client_encoding", None)
-    values = (ctypes.c_char_p * 3)(dsn.encode(), b"UTF8", None)
+    # options first: a URL's own (dbname, expanded) replace it; else sked's schema is pinned,
+    # as on every asyncpg session (shared.store.db.pinned_dsn)
+    keys = (ctypes.c_char_p * 4)(b"options", b"dbname", b"client_encoding", None)
+    values = (ctypes.c_char_p * 4)(SEARCH_PATH, dsn.encode(), b"UTF8", None)
     conn = lib.PQconnectdbParams(keys, values, 1)  # 1: dbname may be a URL, expanded
     if not conn:
         raise NotConnected("cannot connect to Postgres: libpq is out of memory")

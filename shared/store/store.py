@@ -10,7 +10,7 @@ import asyncpg
 
 from shared import hooks
 from shared.store.claims import Claims
-from shared.store.db import Db, create_pool
+from shared.store.db import Db, create_pool, pinned_dsn
 from shared.store.degrade import Degrade
 from shared.store.gauges import ClusterGauges
 from shared.store.late import LateResults
@@ -59,6 +59,9 @@ class Store(Tx):
     async def connect(
         cls, dsn: str, size: int = 8, lease_margin_s: float = 0.5, node_ttl_s: float = 10.0
     ) -> Store:
+        """The store on a pool of `size`; its LISTEN and lease connections, opened later on
+        its `dsn`, work in the same schema as the pool (db.pinned_dsn)."""
+        dsn = pinned_dsn(dsn)
         return cls(await create_pool(dsn, size), dsn, lease_margin_s, node_ttl_s)
 
     async def close(self) -> None:
