@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -105,8 +106,16 @@ def dead_letter_of(
     )
 
 
-def event_routing_key(state: State) -> str:
-    return f"task.{state.value}"
+_STATES = frozenset(State)
+_NOT_A_WORD = re.compile(r"[^a-z0-9_]")
+
+
+def event_routing_key(state: str) -> str:
+    """task.<state>. A state this release does not know (a newer release's, written during a
+    rolling upgrade, or a hand-written row's) goes under its own name, made one bounded word."""
+    if state in _STATES:
+        return f"task.{state}"
+    return f"task.{_NOT_A_WORD.sub('_', state.lower())[:64] or 'unknown'}"
 
 
 def node_queue(node_id: str) -> str:
@@ -245,32 +254,63 @@ class AmqpBus:
         docs/performance.md). Raises if any is refused; the caller then retries all of them,
         which is why consumers must drop duplicates.
         """
-        target = self._exchanges[exchange]
-        # Events go to whoever subscribed, and none may have: a mandatory publish would have
-        # RabbitMQ send every such message back whole (most of the relay's traffic, when
-        # nobody listens). Elsewhere a queue is expected.
-        mandatory = exchange != EVENTS_EXCHANGE
-        confirms = [
-            target.publish(
-                aio_pika.Message(
-                    m.body,
-                    content_type=JSON,
-                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                    headers=m.headers,
-                    message_id=m.message_id,
-                ),
-                routing_key=m.routing_key,
-                mandatory=mandatory,
-            )
-            for m in messages
-        ]
+        confirms = [self._send(exchange, m) for m in messages]
         # RabbitMQ hands a mandatory message no queue is bound for back, then confirms it
         # (publisher_confirms without on_return_raises): the confirm alone does not mean it
         # was queued. A dispatch for a node whose queue is gone (or not yet declared) must
         # raise, so the scheduler takes its attempt back rather than leave it to the sweep.
         for sent in await asyncio.gather(*confirms):
             if _returned(sent):
-                raise aiormq.exceptions.PublishError(sent, sent.delivery)  # type: ignore[union-attr, arg-type]
+                raise aiormq.exceptions.PublishError(sent, sent.delivery)
+
+    async def publish_each(
+        self, exchange: str, messages: Sequence[Outgoing], timeout: float
+    ) -> list[Exception | None]:
+        """Publish persistent messages, all in flight at once, and say what became of each, in
+        their order: None if the broker confirmed it; the error if it refused it (DeliveryError,
+        a nack: a queue bound with `x-overflow: reject-publish` was full, say, while the other
+        queues took it) or the publish failed; TimeoutError if no confirm came within `timeout`
+        seconds (a frozen link, a resource alarm: whether it went out is unknown)."""
+        if not messages:
+            return []
+        sending = [asyncio.ensure_future(self._send(exchange, m)) for m in messages]
+        pending: set[asyncio.Future[Any]] = set(sending)
+        try:
+            _, pending = await asyncio.wait(sending, timeout=timeout)
+        finally:
+            for future in pending:  # unconfirmed after the timeout, or all on a cancel
+                future.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+        outcomes: list[Exception | None] = []
+        for future in sending:
+            if future in pending:
+                outcomes.append(TimeoutError(f"no confirm within {timeout:.1f} s"))
+                continue
+            exc = future.exception()
+            if exc is not None and not isinstance(exc, Exception):
+                raise exc
+            if exc is None and _returned(sent := future.result()):
+                exc = aiormq.exceptions.PublishError(sent, sent.delivery)
+            outcomes.append(exc)
+        return outcomes
+
+    async def _send(self, exchange: str, m: Outgoing) -> Any:
+        """Publish one persistent message; returns its confirmation."""
+        return await self._exchanges[exchange].publish(
+            aio_pika.Message(
+                m.body,
+                content_type=JSON,
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                headers=m.headers,
+                message_id=m.message_id,
+            ),
+            routing_key=m.routing_key,
+            # Events go to whoever subscribed, and none may have: a mandatory publish would
+            # have RabbitMQ send every such message back whole (most of the relay's traffic,
+            # when nobody listens). Elsewhere a queue is expected.
+            mandatory=exchange != EVENTS_EXCHANGE,
+        )
 
     async def request(
         self, exchange: str, routing_key: str, body: bytes, timeout: float

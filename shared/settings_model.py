@@ -94,6 +94,8 @@ class Settings(BaseSettings):
     # A relay vacuums the outbox after deleting this many rows (0: never, autovacuum's alone):
     # the deleted rows' key entries are walked by every read until a vacuum (shared.relay).
     relay_vacuum_rows: int = Field(default=10_000, ge=0, description="outbox rows between vacuums")
+    # the longest a relay's pass waits for publisher confirms while it holds its outbox shards
+    relay_confirm_timeout_s: float = Field(default=10.0, gt=0)
 
     # Scheduler.
     aging_s: float = Field(default=5.0, ge=0, description="waiting this long = +1 priority")

@@ -17,7 +17,11 @@ ABOUT = "Retry lost tasks, requeue stuck ones, repair the ready queue and the ou
 
 def build(settings: Settings, b: Backends) -> Recovery:
     relay = OutboxRelay(
-        b.store, b.bus, settings.relay_batch, vacuum_rows=settings.relay_vacuum_rows
+        b.store,
+        b.bus,
+        settings.relay_batch,
+        vacuum_rows=settings.relay_vacuum_rows,
+        confirm_timeout_s=settings.relay_confirm_timeout_s,
     )
     alerter = Alerter(b.bus, settings.alertmanager_url)
     return Recovery(settings, b.store, b.ready_queue, relay, alerter)

@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from typing import NamedTuple
 from uuid import UUID
 
-from shared.fsm import State
 from shared.store.db import Db
 from shared.store.queries import Q
 
@@ -20,11 +19,10 @@ class OutboxRow(NamedTuple):
 
     id: int  # the outbox row's; the event's own id is in its body
     task_id: UUID
-    to_status: State
+    # A State's value as written: the relay only routes by it, and a state this release does
+    # not know (a newer release's, during a rolling upgrade) must be relayed, not fail the pass.
+    to_status: str
     body: str  # the event as JSON (models.Event's fields)
-
-
-_STATES = {state.value: state for state in State}  # a dict lookup, not an Enum call per row
 
 
 class Outbox:
@@ -38,7 +36,7 @@ class Outbox:
 
     async def unpublished(self, shards: Sequence[int], limit: int) -> list[OutboxRow]:
         rows = await self.db.fetch(Q.unpublished, list(shards), limit)
-        return [OutboxRow(i, task_id, _STATES[s], body) for i, task_id, s, body in rows]
+        return [OutboxRow(i, task_id, s, body) for i, task_id, s, body in rows]
 
     async def mark_published(self, ids: Sequence[int]) -> None:
         await self.db.execute(Q.mark_published, list(ids))

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from shared.fsm import State
 from shared.models import Event
-from shared.outbox_pack import pack
+from shared.outbox_pack import pack, waves
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -76,3 +76,33 @@ def test_per_task_order_survives_packing(tasks: int, n: int, rnd: random.Random)
     for task in ids:
         versions = [e.version for e in sent if e.task_id == task]
         assert versions == sorted(versions)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 60), st.randoms())
+def test_waves_never_let_a_later_event_of_a_task_overtake(
+    tasks: int, n: int, rnd: random.Random
+) -> None:
+    """A wave's messages are in flight together and a wave goes out only once the one before it
+    is confirmed: so no task may be in two messages of a wave, and each task's events must sit
+    in waves in version order (a refused message then holds back its tasks' later events)."""
+    ids = [uuid4() for _ in range(tasks)]
+    version = dict.fromkeys(ids, 1)
+    events = []
+    for i in range(n):
+        task = rnd.choice(ids)
+        version[task] += 1
+        events.append(ev(i, task, version[task], rnd.choice(list(State))))
+    messages = pack(events, max_per_message=rnd.randint(1, 10))
+    sent = waves(messages)
+    assert sorted(e.id for wave in sent for _, batch in wave for e in batch) == list(range(n))
+    wave_of: dict[UUID, list[tuple[int, int]]] = {task: [] for task in ids}
+    for level, wave in enumerate(sent):
+        for task in ids:  # at most one message of a wave holds a task
+            assert sum(any(e.task_id == task for e in b) for _, b in wave) <= 1
+        for _, batch in wave:
+            for e in batch:
+                wave_of[e.task_id].append((e.version, level))
+    for task, seen in wave_of.items():
+        by_version = [level for _, level in sorted(seen)]
+        assert by_version == sorted(by_version), task
