@@ -35,6 +35,8 @@ from services.executor.backends.kubernetes.kube import (
     KubeError,
     Obj,
     cancel,
+    delete_job_patiently,
+    get_job_patiently,
     name_of,
     patiently,
 )
@@ -182,7 +184,7 @@ class KubernetesBackend:
             except API_TROUBLE as exc:  # a next attempt's fence deletes what this one left
                 return Outcome.launch_failed(f"Kubernetes API: {one_line(exc)}")
             if followed.stopped:  # a stop whose delete came before the create: delete it now
-                await patiently(lambda: self.kube.delete_job(name))
+                await delete_job_patiently(self.kube, name)
             return await self._follow(key, followed, launch.timeout_s)
         finally:
             self.followed.pop(key, None)
@@ -206,7 +208,7 @@ class KubernetesBackend:
     async def _follow_recorded(
         self, key: Key, followed: Followed, uid: str | None, timeout_s: float | None
     ) -> Outcome:
-        found = await patiently(lambda: self.kube.get_job(followed.name))
+        found = await get_job_patiently(self.kube, followed.name)
         if found is None or (uid is not None and uid_of(found) != uid):
             # the Job of a launched attempt vanished (or was replaced by a stranger): a loss
             return Outcome.gone("its Job was launched and has vanished")
@@ -235,13 +237,13 @@ class KubernetesBackend:
                 if followed.name not in self.jobs.objects:
                     # the cache may lag the API (a create not yet watched, a list taken before
                     # it): a Job is gone only when the API says so
-                    found = await patiently(lambda: self.kube.get_job(followed.name))
+                    found = await get_job_patiently(self.kube, followed.name)
                     if found is not None:
                         self.jobs.objects.setdefault(followed.name, found)
                         continue
                 return Outcome.gone(verdict.reason, await self._log(key))
             elif verdict.kind == "launch_failed":
-                await patiently(lambda: self.kube.delete_job(followed.name))
+                await delete_job_patiently(self.kube, followed.name)
                 return Outcome.launch_failed(verdict.reason, final=verdict.permanent)
             else:
                 if verdict.kind == "running" and followed.started is None:
@@ -252,7 +254,7 @@ class KubernetesBackend:
             wait = self._next_look(followed, timeout_s)
             if wait is not None and wait <= 0:  # sked's run timer, from the container's start
                 tail = await self._log(key)  # before the delete: then its pod goes
-                await patiently(lambda: self.kube.delete_job(followed.name))
+                await delete_job_patiently(self.kube, followed.name)
                 return Outcome.failed(
                     f"ran past its timeout of {timeout_s:g} s", tail, timed_out=True
                 )
@@ -297,8 +299,10 @@ class KubernetesBackend:
             f"node {followed.node} NotReady for {now - since:.0f} s (grace {self.node_grace_s:g} s)"
         ]
         # the Job's and pod's status, read afresh from the API rather than from the cache
-        job = await patiently(lambda: self.kube.get_job(followed.name))
-        listed, _ = await patiently(lambda: self.kube.pods(f"{TASK_LABEL}={key[0]}"))
+        job = await get_job_patiently(self.kube, followed.name)
+        listed, _ = await patiently(
+            lambda: self.kube.pods(f"{TASK_LABEL}={key[0]}"), f"list pods of task {key[0]}"
+        )
         pods = [p for p in listed if key_of(p) == key]
         fresh = judge(job, pods, now - followed.since, self.start_budget_s)
         if fresh.kind in ("exited", "launch_failed"):
@@ -366,7 +370,7 @@ class KubernetesBackend:
         reading = asyncio.create_task(self._log((task_id, attempt)))
         try:  # the watch loop calls this: bounded; the next attempt's fence deletes it anyway
             async with asyncio.timeout(10):
-                await patiently(lambda: self.kube.delete_job(followed.name))
+                await delete_job_patiently(self.kube, followed.name)
         except TimeoutError:
             log.warning("Job %s not deleted yet (the API does not answer)", followed.name)
         followed.last_log = await reading  # bounded by the log's own read timeout

@@ -316,14 +316,43 @@ API_TROUBLE = (KubeError, OSError, aiohttp.ClientError, TimeoutError, ValueError
 T = TypeVar("T")
 
 
+# A refusal of the executor's credentials (401, 403) is no outage: nothing changes until an
+# operator grants the permission. It is still retried (the attempt is followed once they do),
+# but slowly, and said as an error naming the fix, once a minute per call rather than a warning
+# every 5 s that reads like a passing outage.
+REFUSED_PAUSE_S = 5.0
+REFUSED_SAY_EVERY = 12  # tries between two errors about one call: a minute at REFUSED_PAUSE_S
+
+
 async def patiently(call: Callable[[], Awaitable[T]], what: str = "Kubernetes API") -> T:
     """`call()` until it answers: an attempt is followed through an API outage, not given up
     (the executor's shutdown cancels it)."""
-    pause = 0.2
+    pause, refusals = 0.2, 0
     while True:
         try:
             return await call()
         except API_TROUBLE as exc:
+            if isinstance(exc, KubeError) and exc.status in (401, 403):
+                if refusals % REFUSED_SAY_EVERY == 0:
+                    log.error(
+                        "%s: %s: the executor's Kubernetes credentials may not do this (its"
+                        " service account's Role: deploy/kubernetes/rbac.yaml); trying again"
+                        " every %.0f s until they may",
+                        what,
+                        one_line(exc),
+                        REFUSED_PAUSE_S,
+                    )
+                refusals += 1
+                await asyncio.sleep(REFUSED_PAUSE_S)
+                continue
             log.warning("%s: %s; trying again in %.1f s", what, one_line(exc), pause)
             await asyncio.sleep(pause)
             pause = min(pause * 2, 5.0)
+
+
+async def get_job_patiently(kube: Kube, name: str) -> Obj | None:
+    return await patiently(lambda: kube.get_job(name), f"get job {name}")
+
+
+async def delete_job_patiently(kube: Kube, name: str) -> bool:
+    return await patiently(lambda: kube.delete_job(name), f"delete job {name}")
