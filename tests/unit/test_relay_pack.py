@@ -37,6 +37,17 @@ def flatten(messages: list[tuple[State, list[Event]]]) -> list[Event]:
     return out
 
 
+def random_events(ids: list[UUID], n: int, rnd: random.Random) -> list[Event]:
+    """`n` events of these tasks in random order, each task's in increasing versions."""
+    version = dict.fromkeys(ids, 1)
+    events = []
+    for i in range(n):
+        task = rnd.choice(ids)
+        version[task] += 1
+        events.append(ev(i, task, version[task], rnd.choice(list(State))))
+    return events
+
+
 def test_unrelated_events_share_messages() -> None:
     events = [ev(i, uuid4(), 2, State.PENDING) for i in range(10)]
     assert len(pack(events)) == 1
@@ -65,12 +76,7 @@ def test_message_size_is_capped() -> None:
 @given(st.integers(1, 8), st.integers(1, 60), st.randoms())
 def test_per_task_order_survives_packing(tasks: int, n: int, rnd: random.Random) -> None:
     ids = [uuid4() for _ in range(tasks)]
-    version = dict.fromkeys(ids, 1)
-    events = []
-    for i in range(n):
-        task = rnd.choice(ids)
-        version[task] += 1
-        events.append(ev(i, task, version[task], rnd.choice(list(State))))
+    events = random_events(ids, n, rnd)
     sent = flatten(pack(events, max_per_message=rnd.randint(1, 10)))
     assert sorted(e.id for e in sent) == list(range(n))
     for task in ids:
@@ -87,12 +93,7 @@ def test_waves_never_let_a_later_event_of_a_task_overtake(
     is confirmed: so no task may be in two messages of a wave, and each task's events must sit
     in waves in version order (a refused message then holds back its tasks' later events)."""
     ids = [uuid4() for _ in range(tasks)]
-    version = dict.fromkeys(ids, 1)
-    events = []
-    for i in range(n):
-        task = rnd.choice(ids)
-        version[task] += 1
-        events.append(ev(i, task, version[task], rnd.choice(list(State))))
+    events = random_events(ids, n, rnd)
     messages = pack(events, max_per_message=rnd.randint(1, 10))
     sent = waves(messages)
     assert sorted(e.id for wave in sent for _, batch in wave for e in batch) == list(range(n))
