@@ -143,6 +143,12 @@ def _returned(sent: object) -> bool:
     return isinstance(getattr(sent, "delivery", None), Basic.Return)
 
 
+# The longest a publish waits for its confirms: a frozen link or a resource alarm (RabbitMQ
+# blocks publishers, heartbeats still flow) held a dispatch pass, a producer's submit or an
+# alert until AMQP heartbeats noticed, or for ever. TimeoutError is transient: retried.
+PUBLISH_TIMEOUT_S = 10.0
+
+
 class AmqpBus:
     """One robust connection and one confirming channel; declares the topology it uses."""
 
@@ -251,15 +257,18 @@ class AmqpBus:
         """Publish persistent messages and return once the broker confirmed every one.
 
         All are in flight at once: a confirm round trip per message caps throughput (figures in
-        docs/performance.md). Raises if any is refused; the caller then retries all of them,
-        which is why consumers must drop duplicates.
+        docs/performance.md). Raises if any is refused, or TimeoutError if the confirms take
+        over PUBLISH_TIMEOUT_S; the caller then retries all of them (a dispatch takes its
+        attempts back), which is why consumers must drop duplicates.
         """
         confirms = [self._send(exchange, m) for m in messages]
         # RabbitMQ hands a mandatory message no queue is bound for back, then confirms it
         # (publisher_confirms without on_return_raises): the confirm alone does not mean it
         # was queued. A dispatch for a node whose queue is gone (or not yet declared) must
         # raise, so the scheduler takes its attempt back rather than leave it to the sweep.
-        for sent in await asyncio.gather(*confirms):
+        async with asyncio.timeout(PUBLISH_TIMEOUT_S):
+            confirmed = await asyncio.gather(*confirms)
+        for sent in confirmed:
             if _returned(sent):
                 raise aiormq.exceptions.PublishError(sent, sent.delivery)
 

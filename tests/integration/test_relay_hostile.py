@@ -23,7 +23,7 @@ import pytest
 from services.relay.service import Relay
 from shared import fsm
 from shared import relay as relay_module
-from shared.bus import EVENTS_EXCHANGE, AmqpBus
+from shared.bus import EVENTS_EXCHANGE, AmqpBus, Outgoing
 from shared.fsm import State
 from shared.models import EventMessage
 from shared.outbox_pack import pack
@@ -473,3 +473,30 @@ async def test_an_outbox_row_of_an_unknown_state_does_not_stop_the_relay(
         await cancel(runner)
         await bus.close()
         await connection.close()
+
+
+async def test_a_publish_to_a_frozen_broker_raises_in_bounded_time(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """AmqpBus.publish — a scheduler's dispatches, a producer's submit, an alert — waited for
+    its confirms with no bound: a frozen link or a resource alarm held the dispatch loop (and
+    every task behind it) until AMQP heartbeats noticed, or for ever. It raises TimeoutError
+    (transient: a dispatch takes its attempts back) after PUBLISH_TIMEOUT_S."""
+    from shared import bus as bus_module
+
+    monkeypatch.setattr(bus_module, "PUBLISH_TIMEOUT_S", 1.0)
+    async with proxied(settings.rabbitmq_url) as (url, proxy):
+        bus = AmqpBus(url)
+        await bus.connect()
+        proxy.freeze()
+        try:
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(
+                    bus.publish(EVENTS_EXCHANGE, [Outgoing("task.ready", b"{}")]), 10
+                )
+            assert asyncio.get_running_loop().time() - started < 5
+        finally:
+            proxy.thawed.set()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(bus.close(), 5)
