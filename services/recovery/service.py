@@ -7,10 +7,16 @@ lost       Lost -> RetryWait (backoff) while retries remain, else Failed. The he
 stuck      Scheduling for longer than SKED_STUCK_SCHEDULING_S (dispatched, never started: the
            dispatch was lost, or its node died first) -> Ready, and back into the queue. A late
            start of the old dispatch loses its CAS, so the attempt can never run twice.
-queue      rebuild the Redis ready queue after a Redis loss; re-add Ready tasks it lost.
-outbox     publish events no relay has sent (every relay dead, or stuck).
 nodes      forget nodes gone SKED_NODE_FORGET_S or longer (7 days) that hold no attempt and are
            not cordoned: their rows are deleted, at most once a minute.
+
+These three make one pass, at once again while it finds a full batch (a mass loss), else
+on the period or when a task is declared Lost. The repairs run each in a loop of its own, so
+that their backlog (an outbox of 600,000 events) holds back no retry of a Lost task:
+
+queue      rebuild the Redis ready queue after a Redis loss; re-add Ready tasks it lost.
+outbox     publish events no relay has sent (every relay dead, or stuck): batch after batch
+           while they come back full.
 
 And, with SKED_RETENTION_DAYS or SKED_AUDIT_RETENTION_DAYS set, a loop of its own (so that a
 long purge delays no recovery, and a failed one stops none):
@@ -18,16 +24,19 @@ long purge delays no recovery, and a failed one stops none):
 retention  delete tasks that ended longer ago than the retention, with their history: a task
            outside any workflow alone, a workflow whole once every task of it has (see
            shared/store/sql/retention.sql); and the API's audit rows older than theirs. In
-           batches, back to back while each finds a full one, then every
-           SKED_RETENTION_CHECK_S.
+           batches of a bounded number of tasks, back to back while each finds a full one,
+           then every SKED_RETENTION_CHECK_S; each kind apart, so that one failing stops no
+           other.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 
 from shared import hooks
 from shared.alerts import Alert, Alerter
@@ -36,7 +45,7 @@ from shared.models import Task
 from shared.outcome import retry_or_fail
 from shared.queues import ReadyQueue, reconcile
 from shared.relay import OutboxRelay
-from shared.resilience import TRANSIENT
+from shared.resilience import TRANSIENT, supervise
 from shared.runtime import wait_any
 from shared.service import Loop, Service
 from shared.settings import Settings
@@ -44,12 +53,15 @@ from shared.store import TAKEN_CHANNEL, Handler, Store, parse_notify
 
 log = logging.getLogger(__name__)
 
-# A retention statement deletes at most this many tasks outside workflows, or workflows: each
-# a short transaction holding few locks, its history rows (six a task) included.
+# A retention statement deletes at most this many tasks, outside workflows or of workflows
+# (a workflow bigger than this goes in chunks of it): each statement short, its history rows
+# (six a task) included, well inside any statement timeout.
 PURGE_TASKS = 500
-PURGE_WORKFLOWS = 20
 PURGE_ROWS = 5000  # audit rows and tombstones: small, with no history
 FORGET_EVERY_S = 60.0  # how often recovery looks for nodes to forget (a monotonic duration)
+# Lost tasks, and stuck ones, moved a pass; a pass that finds a full batch is followed by
+# another at once.
+RECOVER_BATCH = 100
 
 
 class Recovery(Service):
@@ -87,11 +99,40 @@ class Recovery(Service):
         return line
 
     async def loop(self) -> None:
+        """Recovery proper and the two repairs, each a loop of its own, supervised apart: a
+        repair's backlog or failure (RabbitMQ down) holds back no recovery of tasks."""
+        parts = {"": self.recover, ": queue": self.repair_queue, ": outbox": self.repair_outbox}
+        async with asyncio.TaskGroup() as group:
+            for suffix, part in parts.items():
+                group.create_task(supervise(self.name + suffix, part, self.stopping))
+
+    def _period(self) -> float:
+        return self.settings.recovery_period_s * random.uniform(0.8, 1.2)
+
+    async def recover(self) -> None:
+        """Lost and stuck tasks, and nodes to forget: a pass every period, at once when a
+        task is declared Lost (NOTIFY), and at once again while a pass finds a full batch:
+        a node pool's thousand lost attempts went at 100 a period."""
         while not self.stopping.is_set():
             self.wake.clear()
-            await self.run_once()
-            period = self.settings.recovery_period_s * random.uniform(0.8, 1.2)
-            await wait_any(self.wake, self.stopping, timeout=period)
+            done = await self.run_once()
+            if max(done["lost"], done["stuck"]) >= RECOVER_BATCH:
+                continue  # more are waiting
+            await wait_any(self.wake, self.stopping, timeout=self._period())
+
+    async def repair_queue(self) -> None:
+        """Rebuild the ready queue, or re-add the Ready tasks it lost, every period."""
+        while not self.stopping.is_set():
+            await reconcile(self.queue, self.store.tasks, self.settings.reconcile_s)
+            await wait_any(self.stopping, timeout=self._period())
+
+    async def repair_outbox(self) -> None:
+        """Publish what no relay has: batch after batch while they come back full (as a
+        relay drains), then every period. Stops between batches when told to."""
+        while not self.stopping.is_set():
+            if await self.relay.run_once() >= self.relay.batch:
+                continue
+            await wait_any(self.stopping, timeout=self._period())
 
     def _on_notify(self, _c: object, _p: int, _ch: str, payload: str) -> None:
         # a task declared Lost is retried at once, not at the next period
@@ -99,11 +140,10 @@ class Recovery(Service):
             self.wake.set()
 
     async def run_once(self) -> dict[str, int]:
+        """One pass of recovery proper (not the repairs): how many tasks and nodes it moved."""
         done = {
             "lost": len(await self.recover_lost()),
             "stuck": len(await self.requeue_stuck()),
-            "queue": await reconcile(self.queue, self.store.tasks, self.settings.reconcile_s),
-            "outbox": await self.relay.drain(),
             "nodes": len(await self.forget_nodes()),
         }
         if done["lost"] or done["stuck"]:
@@ -146,35 +186,76 @@ class Recovery(Service):
             await wait_any(self.stopping, timeout=rest)
 
     async def purge(self) -> tuple[int, bool]:
-        """One batch of each kind past its retention deleted. Returns the tasks deleted and
-        whether a batch came back full (more may be waiting)."""
+        """One batch of each kind past its retention deleted, each kind apart: one that fails
+        (a statement timeout on a big workflow, say) is logged and stops none after it, and
+        the first transient error is raised once every kind was tried. Returns the tasks
+        deleted and whether a batch came back full (more may be waiting)."""
         deleted, more = 0, False
-        retention = self.store.retention
-        if (days := self.settings.retention_days) > 0:
-            alone = await retention.purge_tasks(PURGE_TASKS, days * 86_400)
-            whole = await retention.purge_workflows(PURGE_WORKFLOWS, days * 86_400)
-            deleted = len(alone) + whole.tasks
-            # a deleted id's tombstone (a read or wait for it says it was deleted) is kept
-            # one retention more
-            gone = await retention.purge_tombstones(PURGE_ROWS, days * 86_400)
-            more = len(alone) == PURGE_TASKS or whole.workflows == PURGE_WORKFLOWS
-            more = more or gone == PURGE_ROWS
-            if deleted:
-                hooks.purged(deleted)
-                log.info(
-                    "retention: deleted %d finished tasks (%d workflows whole)",
-                    deleted,
-                    whole.workflows,
-                )
-        if (days := self.settings.audit_retention_days) > 0:
-            audited = await retention.purge_audit(PURGE_ROWS, days * 86_400)
-            more = more or audited == PURGE_ROWS
-            if audited:
-                log.info("retention: deleted %d API audit rows", audited)
+        failure: BaseException | None = None
+        for kind, step in self._purges():
+            try:
+                tasks, full = await step()
+            except TRANSIENT as exc:
+                log.warning("retention: purging %s failed: %s", kind, exc)
+                failure = failure or exc
+                continue
+            except Exception:
+                log.exception("retention: purging %s failed; trying again at the next look", kind)
+                continue
+            deleted += tasks
+            more = more or full
+        if deleted:
+            hooks.purged(deleted)
+        if failure is not None:
+            raise failure
         return deleted, more
 
+    def _purges(self) -> list[tuple[str, Callable[[], Awaitable[tuple[int, bool]]]]]:
+        """The kinds to purge, each a step returning (tasks deleted, whether more may wait)."""
+        steps: list[tuple[str, Callable[[], Awaitable[tuple[int, bool]]]]] = []
+        if (days := self.settings.retention_days) > 0:
+            older_than_s = days * 86_400
+            steps += [
+                ("tasks", partial(self._purge_tasks, older_than_s)),
+                ("workflows", partial(self._purge_workflows, older_than_s)),
+                # a deleted id's tombstone (a read or wait for it says it was deleted) is kept
+                # one retention more
+                ("tombstones", partial(self._purge_tombstones, older_than_s)),
+            ]
+        if (days := self.settings.audit_retention_days) > 0:
+            steps.append(("API audit rows", partial(self._purge_audit, days * 86_400)))
+        return steps
+
+    async def _purge_tasks(self, older_than_s: float) -> tuple[int, bool]:
+        alone = await self.store.retention.purge_tasks(PURGE_TASKS, older_than_s)
+        if alone:
+            log.info("retention: deleted %d finished tasks", len(alone))
+        return len(alone), len(alone) == PURGE_TASKS
+
+    async def _purge_workflows(self, older_than_s: float) -> tuple[int, bool]:
+        whole = await self.store.retention.purge_workflows(PURGE_TASKS, older_than_s)
+        if whole.workflows:
+            log.info(
+                "retention: deleted %d finished workflows whole (%d tasks)",
+                whole.workflows,
+                whole.tasks,
+            )
+        return whole.tasks, whole.more
+
+    async def _purge_tombstones(self, older_than_s: float) -> tuple[int, bool]:
+        gone = await self.store.retention.purge_tombstones(PURGE_ROWS, older_than_s)
+        return 0, gone == PURGE_ROWS
+
+    async def _purge_audit(self, older_than_s: float) -> tuple[int, bool]:
+        gone = await self.store.retention.purge_audit(PURGE_ROWS, older_than_s)
+        if gone:
+            log.info("retention: deleted %d API audit rows", gone)
+        return 0, gone == PURGE_ROWS
+
     async def recover_lost(self) -> list[Task]:
-        moved = await self.store.claims.recover_lost(100, lambda t: retry_or_fail(t, "lost"))
+        moved = await self.store.claims.recover_lost(
+            RECOVER_BATCH, lambda t: retry_or_fail(t, "lost")
+        )
         if moved:
             await self.alerter.send([lost_alert(t) for t in moved], moved[0].updated_at)
         return moved
@@ -184,7 +265,7 @@ class Recovery(Service):
 
     async def requeue_stuck(self) -> list[Task]:
         stuck = await self.store.claims.requeue_stuck_scheduling(
-            100, self.settings.stuck_scheduling_s
+            RECOVER_BATCH, self.settings.stuck_scheduling_s
         )
         await self.queue.push(stuck)
         return stuck

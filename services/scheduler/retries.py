@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from services.scheduler.hub import Part
+from services.scheduler.timeouts import RECHECK_S
 from shared.runtime import wait_any
 
 
@@ -24,5 +25,8 @@ class Retries(Part):
             due_in = await self.store.tasks.next_retry_due()
             wait = self.settings.reconcile_s
             if due_in is not None:
-                wait = min(wait, max(due_in, 0.0))
+                # one due already that the claim passed over is held by another transaction
+                # (a replica's claim, a late result's FOR KEY SHARE, an operator's pause):
+                # look again RECHECK_S later, not at once — that spun, 748 claims a second
+                wait = min(wait, due_in if due_in > 0 else RECHECK_S)
             await wait_any(self.hub.retry, stopping, timeout=wait)

@@ -18,8 +18,9 @@ from shared.runtime import wait_any
 
 log = logging.getLogger(__name__)
 
-# Overdue tasks that could not be claimed (another replica, or a start claim, holds them):
-# look again this soon rather than spin on them.
+# Overdue tasks (or due retries: services/scheduler/retries.py) that could not be claimed
+# (another replica, or a start claim, holds them): look again this soon rather than spin on
+# them.
 RECHECK_S = 0.05
 
 

@@ -39,19 +39,33 @@ DELETE FROM tasks t USING doomed d WHERE t.id = d.id
 RETURNING t.id
 
 -- name: purge_workflows
--- Up to $1 workflows whose every task ended $2 seconds ago or longer, oldest first, deleted
+-- Of the oldest $3 workflows whose every task ended $2 seconds ago or longer (those another
+-- statement holds passed over), the first ones whose tasks add up to $1 at most, deleted
 -- whole: the workflow's row, and by cascade its tasks and their edges, late results and
--- launches; their history with them. Returns (workflows, tasks) deleted.
-WITH doomed AS (
-    SELECT w.id FROM workflows w
+-- launches; their history with them. A statement's work is bounded by tasks, not workflows: a
+-- workflow may hold 100,000. Returns (workflows, tasks) deleted; `oversize`, the oldest
+-- candidate when it alone holds more than $1 tasks (deleted in chunks instead:
+-- lock_workflow_purge); and `more`, whether candidates were left over.
+WITH candidate AS (
+    SELECT w.id, w.created_at FROM workflows w
     WHERE w.created_at < now() - make_interval(secs => $2)
       AND NOT EXISTS (
           SELECT 1 FROM tasks t
           WHERE t.workflow_id = w.id
             AND {{ended_before(now() - make_interval(secs => $2))}} IS NOT TRUE)
-    ORDER BY w.created_at
-    LIMIT $1
+    ORDER BY w.created_at, w.id
+    LIMIT $3
     FOR UPDATE OF w SKIP LOCKED
+), sized AS (
+    SELECT c.id, n.tasks,
+           sum(n.tasks) OVER (ORDER BY c.created_at, c.id) AS running,
+           row_number() OVER (ORDER BY c.created_at, c.id) AS nth
+    FROM candidate c
+    CROSS JOIN LATERAL (
+        SELECT count(*) AS tasks FROM tasks t WHERE t.workflow_id = c.id  -- tasks_workflow
+    ) n
+), doomed AS (
+    SELECT id FROM sized WHERE running <= $1
 ), members AS (
     SELECT t.id FROM tasks t JOIN doomed d ON t.workflow_id = d.id
 ), history AS (
@@ -62,7 +76,53 @@ WITH doomed AS (
     DELETE FROM workflows w USING doomed d WHERE w.id = d.id
     RETURNING w.id
 )
-SELECT (SELECT count(*) FROM gone) AS workflows, (SELECT count(*) FROM members) AS tasks
+SELECT (SELECT count(*) FROM gone) AS workflows, (SELECT count(*) FROM members) AS tasks,
+       (SELECT id FROM sized WHERE nth = 1 AND tasks > $1) AS oversize,
+       (SELECT count(*) FROM sized) > (SELECT count(*) FROM gone)
+       OR (SELECT count(*) FROM sized) = $3 AS more
+
+-- name: lock_workflow_purge
+-- Workflow $1, locked for its deletion in chunks (purge_workflow_tasks, then
+-- purge_workflow_row, in this one transaction) if every task of it still ended $2 seconds
+-- ago or longer, and no other replica holds it. Its members' ids in id order (the order
+-- other writers lock tasks in; a workflow's are at most 100,000), or no row. The lock keeps
+-- new tasks out of it (their foreign key's KEY SHARE waits), and readers see it whole until
+-- the transaction commits.
+SELECT array(SELECT t.id FROM tasks t WHERE t.workflow_id = w.id ORDER BY t.id) AS members
+FROM workflows w
+WHERE w.id = $1
+  AND w.created_at < now() - make_interval(secs => $2)
+  AND NOT EXISTS (
+      SELECT 1 FROM tasks t
+      WHERE t.workflow_id = w.id
+        AND {{ended_before(now() - make_interval(secs => $2))}} IS NOT TRUE)
+FOR UPDATE OF w SKIP LOCKED
+
+-- name: purge_workflow_tasks
+-- A chunk of a locked workflow's tasks ($1, ids from lock_workflow_purge), deleted with their
+-- history (edges, late results and launches by cascade). Returns how many.
+WITH doomed AS (
+    SELECT t.id FROM tasks t WHERE t.id = ANY($1::uuid[])
+), history AS (
+    DELETE FROM task_events e USING doomed d WHERE e.task_id = d.id
+), remembered AS (
+    {{remember(SELECT id FROM doomed)}}
+), gone AS (
+    DELETE FROM tasks t USING doomed d WHERE t.id = d.id
+    RETURNING 1
+)
+SELECT count(*) FROM gone
+
+-- name: purge_workflow_row
+-- The row of a workflow whose tasks purge_workflow_tasks deleted, deleted, its id remembered.
+-- Returns how many (1, or 0 for a workflow that is gone).
+WITH gone AS (
+    DELETE FROM workflows w WHERE w.id = $1
+    RETURNING w.id
+), remembered AS (
+    {{remember(SELECT id FROM gone)}}
+)
+SELECT count(*) FROM gone
 
 -- name: purge_audit
 -- Up to $1 of the operator API's audit rows recorded $2 seconds ago or longer, oldest first,
