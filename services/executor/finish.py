@@ -5,10 +5,12 @@ Postgres still refuses fails its task alone, with the reason."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
 from collections.abc import Container, Sequence
+from typing import TypeVar
 from uuid import UUID
 
 from services.executor.backends import Outcome
@@ -26,6 +28,7 @@ from shared.store.tasks import Moved
 log = logging.getLogger(__name__)
 
 Written = list[tuple[Attempt, Report]]
+T = TypeVar("T")
 
 
 class Finisher:
@@ -41,6 +44,11 @@ class Finisher:
         outcomes = self.node.outcomes
         while (batch := await next_batch(outcomes, linger=linger, settle=self._settle)) is not None:
             await self.finish(batch)
+        # outcomes queued behind the end (an attempt claimed as the executor stopped, handed
+        # back as a launch failure by the last batch's own claims): written too
+        while rest := [o for o in _taken(outcomes) if o is not None]:
+            await self.finish(rest)
+        outcomes.put_nowait(None)
 
     async def _settle(self, linger: float) -> None:
         """After a first outcome, wait up to `linger` for more to join its batch — unless no
@@ -87,15 +95,25 @@ class Finisher:
                     self._unclaimed(claims)
                     claims = []
                 else:
-                    late[:] = await self._ended_and_claimed(current, claims, moved, tries, sent_at)
-                    return
+                    try:
+                        late[:] = await self._ended_and_claimed(
+                            current, claims, moved, tries, sent_at
+                        )
+                        return
+                    except TRANSIENT:
+                        raise
+                    except Exception:
+                        # the outcomes are written (written again below, a CAS that finds them
+                        # so); a claim not started is the heartbeat-monitor's to find Lost
+                        log.exception("claims written with outcomes not all started")
+                        self._claimed(claims)
+                        claims = []
             late[:] = await self._write_isolating(current, superseded)
 
         if not await retrying("finish", write, node.stopping):
             self._unclaimed(claims)
             return  # shutting down with Postgres away: the heartbeat-monitor will find them
-        if claims and self.starter is not None:
-            self.starter.claimed(claims)
+        self._claimed(claims)
         if self.readied:
             # attempts that never started are Ready again; the scheduler's reconcile pass
             # would find them too, but a push now saves it the wait
@@ -123,7 +141,17 @@ class Finisher:
         own way, and the starter's loop claims after them."""
         if self.starter is None or not _successes_alone(current, superseded):
             return []
-        return await self.starter.claimable(len(current), (a.task.id for a, _ in current))
+        try:
+            return await self.starter.claimable(len(current), (a.task.id for a, _ in current))
+        except Exception as exc:
+            # claims are an optimisation: the outcomes go alone, the starter's loop claims
+            # (a dispatch to dead-letter with RabbitMQ away must not hold an outcome back)
+            log.warning("no claims with these outcomes: %s", one_line(exc))
+            return []
+
+    def _claimed(self, claims: list[Received]) -> None:
+        if claims and self.starter is not None:
+            self.starter.claimed(claims)
 
     def _unclaimed(self, claims: list[Received]) -> None:
         if claims and self.starter is not None:
@@ -247,3 +275,11 @@ def _successes_alone(current: Written, superseded: Written) -> bool:
     """Only current attempts' successes: their ends need no transaction beyond one statement
     (nothing is retried), and the claims of the slots they free may ride along."""
     return not superseded and all(r.ok for _, r in current)
+
+
+def _taken(queue: asyncio.Queue[T]) -> list[T]:
+    """Whatever `queue` holds now, taken out."""
+    items = []
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items

@@ -27,14 +27,15 @@ from typing import Any
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 from pydantic import ValidationError
 
-from services.executor.backends import Backend
+from services.executor.backends import Backend, Outcome
 from services.executor.finish import Finisher
-from services.executor.node import Node, report_of
+from services.executor.node import Attempt, Node, report_of
 from services.executor.serving import Serving
 from services.executor.start import Starter
 from services.executor.watch import Watcher
 from shared import heartbeat
 from shared.bus import AmqpBus
+from shared.errors import one_line
 from shared.fsm import State
 from shared.jsonvalue import clean_text
 from shared.outcome import storable
@@ -48,6 +49,7 @@ from shared.store.notify import placed_channel
 
 log = logging.getLogger(__name__)
 
+REAPED = "its executor died; its processes were killed when the node's executor restarted"
 SWEEP_EVERY = 30  # node heartbeats between sweeps for superseded attempts (detached backends)
 
 
@@ -124,6 +126,26 @@ class Executor(Service):
         # delete those whose task moved on meanwhile (canceled, paused, lost and retried)
         await self.starter.adopt(set(await self.store.launches.by(node.id).mine()))
         await self.discard_superseded()
+        await self.reaped_lost()
+
+    async def reaped_lost(self) -> int:
+        """The attempts a dead executor left on this node (a local backend's records, their
+        processes killed by `backend.start`) are Lost at once, not a heartbeat timeout later:
+        their processes are gone (and nothing of a dead executor's is left to fence: its
+        shims end with it). Their leases are taken over first, as only the holder of an
+        attempt's lease may call it lost (outcome.end_move). Returns how many."""
+        node = self.node
+        keys = sorted(set(node.backend.reaped) - set(node.active))
+        if not keys:
+            return 0
+        sent_at = time.monotonic()
+        adopted = await self.store.leases.adopt(node.boot_id, keys)
+        for task in adopted:
+            log.info("%s attempt %d: its executor died; lost", task.id, task.attempt)
+            attempt = Attempt(task, None, sent_at)
+            node.active[(task.id, task.attempt)] = attempt
+            self.starter.ended(attempt, Outcome.gone(REAPED))
+        return len(adopted)
 
     async def discard_superseded(self) -> int:
         """Stop what the backend runs for attempts no longer current (nobody follows them)."""
@@ -155,23 +177,35 @@ class Executor(Service):
         )
 
     async def draining(self) -> None:
-        """Stop taking work, let what runs finish (bounded), then stop the rest."""
+        """Stop taking work, let what runs finish (bounded), then stop the rest. Until the
+        drain is over the leases of what runs are renewed and attempts taken away stopped
+        (node.drained ends the watcher's loops)."""
         node = self.node
-        if self.serving is not None:
-            await self.serving.leave_all()
-        if node.backend.detached:
-            # a cluster's Jobs run on without this executor: a restarted one (or another
-            # replica, when their leases lapse) adopts them; a rollout kills no task
-            await self._finish_what_ended()
+        try:
+            grace_s = self.settings.shutdown_grace_s
+            until = time.monotonic() + grace_s
+            if self.serving is not None:
+                await self.serving.leave_all()
+            # a claim in flight lands first: what it won is an attempt here (started before
+            # the stop, or handed back as a launch failure: Starter._begin), not a stray one
+            if not await wait_any(self.starter.quiet, timeout=grace_s):
+                log.warning("the start loop did not end within %gs of the stop", grace_s)
+            if node.backend.detached:
+                # a cluster's Jobs run on without this executor: a restarted one (or another
+                # replica, when their leases lapse) adopts them; a rollout kills no task
+                await self._finish_what_ended()
+                return
+            await _runs_ended(node.runs, until)
+            # at once, not one after another: each may wait out its SIGTERM -> SIGKILL grace
+            running = list(node.backend.running())
+            ends = [node.backend.stop_task(task_id, attempt) for task_id, attempt in running]
+            for failed in await asyncio.gather(*ends, return_exceptions=True):
+                if isinstance(failed, Exception):
+                    log.error("stopping an attempt on shutdown failed: %s", one_line(failed))
+            await _runs_ended(node.runs, time.monotonic() + 10)
+        finally:
             node.outcomes.put_nowait(None)
-            return
-        if node.runs:
-            await asyncio.wait(node.runs, timeout=self.settings.shutdown_grace_s)
-        for task_id, attempt in list(node.backend.running()):
-            await node.backend.stop_task(task_id, attempt)
-        if node.runs:
-            await asyncio.wait(node.runs, timeout=10)
-        node.outcomes.put_nowait(None)
+            node.drained.set()
 
     async def _finish_what_ended(self) -> None:
         """Leave attempts that run on to be adopted; write the outcomes already known."""
@@ -183,6 +217,7 @@ class Executor(Service):
             await asyncio.wait(node.runs, timeout=5)
 
     async def teardown(self) -> None:
+        self.node.drained.set()  # (already, unless the service failed before its drain)
         if self._channel is not None:
             with contextlib.suppress(*TRANSIENT):
                 await self._channel.close()
@@ -260,3 +295,9 @@ class Executor(Service):
         except Exception:  # an answer that cannot be sent is no answer: the ladder copes
             log.exception("probe of %s attempt %d not answered", probe.task_id, probe.attempt)
         await node.acks.ack([message])
+
+
+async def _runs_ended(runs: set[asyncio.Task[None]], until: float) -> None:
+    """Wait until no attempt runs (runs begun meanwhile too), or until monotonic `until`."""
+    while runs and (left := until - time.monotonic()) > 0:
+        await asyncio.wait(set(runs), timeout=left)

@@ -35,6 +35,10 @@ class Starter:
         self.held: deque[Item] = deque()  # the backlog, when gated
         # dispatches whose claim statement is in flight (the finisher's too): they hold slots
         self.claiming = 0
+        # set while the start loop is not running: no claim of its is in flight (the drain
+        # waits for it, so that every attempt it won is in node.active)
+        self.quiet = asyncio.Event()
+        self.quiet.set()
 
     def free_slots(self, freeing: int = 0) -> int:
         """Slots no attempt holds or is being claimed for, once `freeing` outcomes are written."""
@@ -42,12 +46,16 @@ class Starter:
         return node.settings.slots - node.running + freeing - self.claiming
 
     async def run(self) -> None:
-        if self.node.gated:
-            await self._run_gated()
-        else:
-            while (batch := await next_batch(self.node.inbox)) is not None:
-                await self.start_items([item for items in batch for item in items])
-        await self._hand_back_unstarted()
+        self.quiet.clear()
+        try:
+            if self.node.gated:
+                await self._run_gated()
+            else:
+                while (batch := await next_batch(self.node.inbox)) is not None:
+                    await self.start_items([item for items in batch for item in items])
+            await self._hand_back_unstarted()
+        finally:
+            self.quiet.set()
 
     async def _run_gated(self) -> None:
         """With a backlog: dispatches beyond the free slots are held (their tasks stay
@@ -120,13 +128,10 @@ class Starter:
                 continue
             key = (dispatch.task_id, dispatch.attempt)
             if key in node.active:
-                # the same attempt again while it runs: redelivered after a reconnect, or the
-                # dispatch message behind the notification it was started from. Its message
-                # is acknowledged via this copy (a notification's has nothing to acknowledge)
-                if item.delivery.message is not None:
-                    node.active[key].message = item
-                else:
-                    await node.acks.ack([item])
+                # the same attempt again while it runs: redelivered after a reconnect, the
+                # dispatch message behind the notification it was started from, a duplicate.
+                # One copy is held for the outcome to acknowledge; the other goes now
+                await node.acks.ack([node.active[key].another_copy(item)])
                 continue
             if key in node.ended:
                 # it ran here and its outcome is written: nothing to claim
@@ -161,7 +166,13 @@ class Starter:
         self.held.extendleft(reversed(clash))
         items = [i for i in items if i not in clash]
         self.claiming += len(items)  # counted before the checks' awaits: the slots are taken
-        claims = await self._checked(items)
+        try:
+            claims = await self._checked(items)
+        except BaseException:
+            # (a dead letter that cannot go out): those not settled go back, none is claimed
+            self.claiming -= len(items)
+            self.held.extendleft(reversed([i for i in items if not i.settled]))
+            raise
         self.claiming -= len(items) - len(claims)
         return claims
 
@@ -232,7 +243,7 @@ class Starter:
                 if mine and any(d.task_id == task.id and d.attempt == task.attempt for d in lost):
                     won[task.id] = task
         messages = {d.task_id: m for d, m in dispatches}
-        stale = []
+        stale: list[Item | None] = []
         for dispatch, item in dispatches:
             if dispatch.task_id not in won:
                 log.info(
@@ -247,15 +258,11 @@ class Starter:
             if running is None:
                 self._begin(Attempt(task, item, sent_at))
                 started += 1
-            elif item.delivery.message is not None and (
-                running.message is None or running.message.delivery.message is None
-            ):
-                # another copy of this attempt was claimed and started meanwhile (a retry that
-                # finds the task ours finds that one): never a second start. Its message is
-                # acknowledged with the outcome, as _checked does for a copy that comes later
-                running.message = item
             else:
-                stale.append(item)
+                # another copy of this attempt was claimed and started meanwhile (a retry that
+                # finds the task ours finds that one): never a second start; one copy is held
+                # for the outcome to acknowledge, as _checked does for a copy that comes later
+                stale.append(running.another_copy(item))
         await node.acks.ack(stale)
         return started
 
@@ -273,8 +280,13 @@ class Starter:
             seen.ended(outcome.ok, outcome.error)
         if attempt.message is not None and node.backlog.ran(time.monotonic() - began):
             node.backlog_changed.set()
+        self.ended(attempt, outcome)
+
+    def ended(self, attempt: Attempt, outcome: Outcome) -> None:
+        """The attempt's outcome is known: to the finisher (the queue is unbounded)."""
+        node, task = self.node, attempt.task
         node.unreported[(task.id, task.attempt)] = outcome
-        await node.outcomes.put((attempt, outcome))
+        node.outcomes.put_nowait((attempt, outcome))
         if node.all_reported():
             node.reported.set()
 
@@ -322,7 +334,15 @@ class Starter:
 
     def _begin(self, attempt: Attempt) -> None:
         node, task = self.node, attempt.task
-        node.active[(task.id, task.attempt)] = attempt
+        key = (task.id, task.attempt)
+        node.active[key] = attempt
+        if node.stopping.is_set() and attempt.message is not None:
+            # claimed while the executor stops (the claim was in flight): its process is
+            # not started, as the drain may be past waiting for it; the attempt goes back to
+            # Ready as a launch failure (no retry spent), never left Running without a process
+            log.info("%s attempt %d claimed while stopping; handed back", task.id, task.attempt)
+            self.ended(attempt, Outcome.launch_failed(f"node {node.id} shut down before start"))
+            return
         run = asyncio.create_task(self._run(attempt))
         node.runs.add(run)
         run.add_done_callback(node.runs.discard)

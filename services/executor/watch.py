@@ -10,6 +10,7 @@ from services.executor.node import Node
 from shared import fsm, lease
 from shared.errors import one_line
 from shared.fsm import State
+from shared.resilience import TRANSIENT, backoff_s
 from shared.runtime import wait_any
 from shared.store import may_name, parse_notify
 
@@ -29,14 +30,16 @@ class Watcher:
 
     async def renew_loop(self) -> None:
         """Renew every attempt's lease each period, whatever happens: a failure is logged and
-        the next period tries again (the watchdog freezes what is not renewed in time)."""
+        the next period tries again (the watchdog freezes what is not renewed in time). It
+        runs on through a stopping executor's drain: what the drain lets finish needs it."""
         node = self.node
-        while not node.stopping.is_set():
+        while not node.drained.is_set():
             period = lease.renew_every_s(
                 node.settings.node_heartbeat_s,
                 [a.task.heartbeat_timeout_s for a in node.active.values()],
             )
-            await wait_any(node.stopping, timeout=period)
+            if await wait_any(node.drained, timeout=period):
+                return
             try:
                 await self.renew_once(timeout=period)
             except Exception as exc:  # the next period tries again; the watchdog covers a gap
@@ -52,7 +55,7 @@ class Watcher:
         if not keys:
             return 0
         sent_at = time.monotonic()
-        renewed = await self._leases.renew(node.boot_id, keys, max(timeout, 0.5))
+        renewed, passed = await self._leases.renew(node.boot_id, keys, max(timeout, 0.5))
         now = time.monotonic()
         refused = set()
         for key in keys:
@@ -64,7 +67,7 @@ class Watcher:
                 left = lease.remaining_s(attempt.task.heartbeat_timeout_s, sent_at, now)
                 if left > 0:  # one over already (sent before this process froze) thaws nothing
                     node.backend.renew(key, left)
-            else:
+            elif key not in passed:  # (a row held elsewhere: not renewed this time, still ours)
                 # Postgres says it is not ours any more (paused, canceled, lost and retried):
                 # the watch loop stops it, and its lease is given back once it is gone
                 refused.add(key[0])
@@ -83,16 +86,28 @@ class Watcher:
         """Stop attempts whose task is no longer Running in that attempt here. Woken by the
         NOTIFY of such a move and by a lease renewal Postgres refused (so a missed NOTIFY costs
         at most a renewal period). The attempt holds its slot until its process is gone, so this
-        node never runs more processes than it has slots (the starter's gate, node.gated)."""
+        node never runs more processes than it has slots (the starter's gate, node.gated).
+        It runs on through a stopping executor's drain (a cancel then still stops its attempt);
+        a transient error there is retried here, as the supervisor restarts no loop by then."""
         node = self.node
-        while not node.stopping.is_set():
-            await wait_any(node.look, node.stopping)
+        failures = 0
+        while not node.drained.is_set():
+            await wait_any(node.look, node.drained)
             node.look.clear()
             suspects, node.suspects = node.suspects, set()
             mine = [(i, a) for i, a in node.active if i in suspects]
             if not mine:
                 continue
-            current = {t.id: t for t in await node.store.tasks.get_many([i for i, _ in mine])}
+            try:
+                found = await node.store.tasks.get_many([i for i, _ in mine])
+            except TRANSIENT:
+                node.suspect(suspects)  # looked at again
+                if not node.stopping.is_set():
+                    raise
+                failures += 1
+                await wait_any(node.drained, timeout=backoff_s(failures))
+                continue
+            current = {t.id: t for t in found}
             for task_id, attempt in mine:
                 task = current.get(task_id)
                 if task is None or (task.status is State.RUNNING and task.attempt == attempt):

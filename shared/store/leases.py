@@ -27,12 +27,21 @@ class Leases:
         self, owner: UUID, attempts: Sequence[tuple[UUID, int]]
     ) -> set[tuple[UUID, int]]:
         """Renew the leases `owner` holds on these (task, attempt)s; returns those renewed."""
+        return (await self.renewal(owner, attempts))[0]
+
+    async def renewal(
+        self, owner: UUID, attempts: Sequence[tuple[UUID, int]]
+    ) -> tuple[set[tuple[UUID, int]], set[tuple[UUID, int]]]:
+        """Renew the leases `owner` holds on these (task, attempt)s without waiting for a row
+        another transaction holds. Returns (those renewed, those passed over: still held by
+        `owner`, not renewed this time); the rest are refused."""
         if not attempts:
-            return set()
+            return set(), set()
         rows = await self.db.fetch(
             Q.renew_leases, owner, *_columns(attempts), self.db.lease_margin_s
         )
-        return {(r["id"], r["attempt"]) for r in rows}
+        renewed = {(r["id"], r["attempt"]) for r in rows if r["renewed"]}
+        return renewed, {(r["id"], r["attempt"]) for r in rows if not r["renewed"]}
 
     async def adopt(self, owner: UUID, attempts: Sequence[tuple[UUID, int]]) -> list[Task]:
         """Take over the leases of these attempts while they are Running (their objects run on
@@ -95,14 +104,16 @@ class LeaseLink:
 
     async def renew(
         self, owner: UUID, attempts: Sequence[tuple[UUID, int]], timeout: float
-    ) -> set[tuple[UUID, int]]:
+    ) -> tuple[set[tuple[UUID, int]], set[tuple[UUID, int]]]:
+        """Leases.renewal on this link: (renewed, passed over)."""
         if not attempts:
-            return set()
+            return set(), set()
         try:
             async with asyncio.timeout(timeout):
                 if self._conn is None or self._conn.is_closed():
                     self._conn = await asyncpg.connect(self.dsn)
-                return await Leases(Db(self._conn, self.lease_margin_s)).renew(owner, attempts)
+                db = Db(self._conn, self.lease_margin_s)
+                return await Leases(db).renewal(owner, attempts)
         except BaseException:
             self.close()
             raise

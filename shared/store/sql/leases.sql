@@ -3,19 +3,30 @@
 
 -- name: renew_leases
 -- An executor ($1: its incarnation) renews the leases of the attempts it runs: only a task
--- still Running in that attempt under that owner. The rows returned are its proof that
--- Postgres holds each lease a heartbeat timeout from now. $4: the lease margin.
+-- still Running in that attempt under that owner. The rows `renewed` are its proof that
+-- Postgres holds each lease a heartbeat timeout from now. A row another transaction holds is
+-- passed over, not waited for (one held row must not hold back every renewal of the node):
+-- returned `renewed` false when, as last committed, it is still Running under this lease (not
+-- renewed this time, not refused); a row not returned is refused. $4: the lease margin.
 WITH u AS (SELECT * FROM unnest($2::uuid[], $3::int[]) AS u(id, attempt)),
 locked AS (
-    {{locked_in_id_order(t.status = 'running' AND t.attempt = u.attempt AND t.lease_owner = $1)}}
+    {{skip_locked_in_id_order(t.status = 'running' AND t.attempt = u.attempt AND t.lease_owner = $1)}}
+),
+renewed AS (
+    UPDATE tasks t SET
+        lease_until = greatest(t.lease_until,
+                               now() + make_interval(secs => t.heartbeat_timeout_s)),
+        hb_deadline = greatest(t.hb_deadline,
+                               now() + make_interval(secs => t.heartbeat_timeout_s + $4))
+    FROM locked u
+    WHERE t.id = u.id AND t.status = 'running' AND t.attempt = u.attempt AND t.lease_owner = $1
+    RETURNING t.id, t.attempt
 )
-UPDATE tasks t SET
-    lease_until = greatest(t.lease_until, now() + make_interval(secs => t.heartbeat_timeout_s)),
-    hb_deadline = greatest(t.hb_deadline,
-                           now() + make_interval(secs => t.heartbeat_timeout_s + $4))
-FROM locked u
-WHERE t.id = u.id AND t.status = 'running' AND t.attempt = u.attempt AND t.lease_owner = $1
-RETURNING t.id, t.attempt
+SELECT id, attempt, true AS renewed FROM renewed
+UNION ALL
+SELECT u.id, u.attempt, false FROM u JOIN tasks t ON t.id = u.id
+WHERE t.status = 'running' AND t.attempt = u.attempt AND t.lease_owner = $1
+  AND NOT EXISTS (SELECT 1 FROM locked l WHERE l.id = u.id AND l.attempt = u.attempt)
 
 -- name: release_leases
 -- An executor gives up the leases of attempts it no longer runs (paused or canceled, their
