@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,8 +22,10 @@ from aio_pika.abc import (
     AbstractQueue,
     AbstractRobustConnection,
 )
-from pamqp.commands import Basic
 
+from shared.bus_rpc import UNROUTABLE as UNROUTABLE
+from shared.bus_rpc import Accept, RequestReply, Unroutable
+from shared.bus_rpc import returned as _returned
 from shared.fsm import State
 
 log = logging.getLogger(__name__)
@@ -130,19 +131,6 @@ class Outgoing:
     message_id: str | None = None
 
 
-class Unroutable:
-    """A request no consumer was bound for: RabbitMQ returned it at once (`mandatory`)."""
-
-
-UNROUTABLE = Unroutable()
-
-
-def _returned(sent: object) -> bool:
-    """Whether a publish's confirmation is RabbitMQ handing a mandatory message back (no queue
-    was bound for it): aiormq resolves it with the returned message, then the broker's ack."""
-    return isinstance(getattr(sent, "delivery", None), Basic.Return)
-
-
 # The longest a publish waits for its confirms: a frozen link or a resource alarm (RabbitMQ
 # blocks publishers, heartbeats still flow) held a dispatch pass, a producer's submit or an
 # alert until AMQP heartbeats noticed, or for ever. TimeoutError is transient: retried.
@@ -160,8 +148,7 @@ class AmqpBus:
         self._connection: AbstractRobustConnection | None = None
         self._channel: AbstractChannel | None = None
         self._exchanges: dict[str, AbstractExchange] = {}
-        self._replies: AbstractQueue | None = None  # this bus's reply queue, made on first use
-        self._waiting: dict[str, asyncio.Future[bytes]] = {}
+        self._requests = RequestReply(lambda: self.channel)  # request/reply (shared.bus_rpc)
 
     async def connect(self) -> None:
         """Connect and declare the exchanges and shared queues (idempotent)."""
@@ -322,41 +309,20 @@ class AmqpBus:
         )
 
     async def request(
-        self, exchange: str, routing_key: str, body: bytes, timeout: float
+        self,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        timeout: float,
+        correlation_id: str | None = None,
+        accept: Accept | None = None,
     ) -> bytes | Unroutable | None:
-        """Publish a request and wait for its answer: the answer's body; UNROUTABLE if no
-        consumer is bound for `routing_key` (RabbitMQ returns it at once); None if none
-        answered within `timeout` seconds or the request could not be sent."""
-        if self._replies is None:
-            self._replies = await self.channel.declare_queue(exclusive=True, auto_delete=True)
-            await self._replies.consume(self._on_reply, no_ack=True)
-        correlation = uuid.uuid4().hex
-        answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self._waiting[correlation] = answer
-        try:
-            sent = await self._exchanges[exchange].publish(
-                aio_pika.Message(
-                    body,
-                    content_type=JSON,
-                    correlation_id=correlation,
-                    reply_to=self._replies.name,
-                ),
-                routing_key=routing_key,
-                mandatory=True,
-            )
-            if _returned(sent):
-                return UNROUTABLE
-            return await asyncio.wait_for(answer, timeout)
-        except (TimeoutError, aio_pika.exceptions.AMQPError) as exc:
-            log.info("request to %s %s: no answer (%s)", exchange, routing_key, type(exc).__name__)
-            return None
-        finally:
-            self._waiting.pop(correlation, None)
-
-    async def _on_reply(self, message: AbstractIncomingMessage) -> None:
-        waiter = self._waiting.get(message.correlation_id or "")
-        if waiter is not None and not waiter.done():
-            waiter.set_result(message.body)
+        """Publish a request and wait, `timeout` seconds at most in all, for the first answer
+        `accept` takes: its body; UNROUTABLE if no consumer is bound for `routing_key`; None
+        otherwise (shared.bus_rpc.RequestReply.request)."""
+        return await self._requests.request(
+            self._exchanges[exchange], routing_key, body, timeout, correlation_id, accept
+        )
 
     async def reply(self, request: AbstractIncomingMessage, body: bytes) -> None:
         """Answer a request on its reply_to queue (default exchange), with its correlation id."""
@@ -397,4 +363,4 @@ class AmqpBus:
             await self._connection.close()
             self._connection = None
             self._channel = None
-            self._replies = None
+            self._requests.reset()

@@ -77,12 +77,65 @@ LIVE_LOG_CHARS = 64 * 1024
 
 
 class ProbeAnswer(BaseModel):
+    """Executor -> monitor. Whoever may bind a queue to `sked.probe` sees every probe and can
+    answer it first, so the monitor believes only an answer `answer` made: it names the
+    attempt asked about and carries a MAC under SKED_HEARTBEAT_SECRET (`believe`)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # frozen: its lease lapsed and the node's watchdog stopped it (as good as no answer)
     state: Literal["running", "finished", "frozen", "unknown"]
     report: Report | None = None  # with "finished": the real outcome
     log: str | None = Field(default=None, max_length=LIVE_LOG_CHARS)  # with want="log"
+    task_id: UUID | None = None
+    attempt: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    mac: str | None = Field(default=None, max_length=64)  # last: see `answer`
+
+
+def answer(
+    secret: str,
+    correlation_id: str | None,
+    probe: Probe,
+    state: Literal["running", "finished", "frozen", "unknown"],
+    report: Report | None = None,
+    log: str | None = None,
+) -> ProbeAnswer:
+    """The executor's signed answer to `probe` (received with `correlation_id`), to be sent
+    as `model_dump_json()`. The MAC covers the correlation id and the exact bytes of the
+    answer's JSON without its MAC — task, attempt, state, report, log — which are the sent
+    JSON's bytes up to the MAC, the last field: nothing is signed that was not sent as is, so
+    no float or string has to survive a round trip for the MAC to hold."""
+    unsigned = ProbeAnswer(
+        state=state, report=report, log=log, task_id=probe.task_id, attempt=probe.attempt
+    )
+    signed = unsigned.model_dump_json(exclude={"mac"}).encode()
+    return unsigned.model_copy(update={"mac": _answer_mac(secret, correlation_id, signed)})
+
+
+def believe(secret: str, correlation_id: str, probe: Probe, body: bytes) -> ProbeAnswer:
+    """The answer in `body` if `answer` made it, under `secret`, for this probe sent with this
+    correlation id; else ValueError saying why (unreadable, unsigned, a wrong MAC, another
+    attempt's). The monitor takes anything else as no answer."""
+    got = ProbeAnswer.model_validate_json(body)  # ValidationError is a ValueError
+    if got.mac is None:
+        raise ValueError("unsigned")
+    tail = b',"mac":"' + got.mac.encode() + b'"}'
+    if not body.endswith(tail):
+        raise ValueError("not as signed")
+    signed = body[: -len(tail)] + b"}"
+    expected = _answer_mac(secret, correlation_id, signed).encode()
+    if not hmac.compare_digest(expected, got.mac.encode("utf-8", "surrogateescape")):
+        raise ValueError("wrong MAC")
+    if (got.task_id, got.attempt) != (probe.task_id, probe.attempt):
+        raise ValueError(f"about {got.task_id} attempt {got.attempt}")
+    return got
+
+
+def _answer_mac(secret: str, correlation_id: str | None, signed: bytes) -> str:
+    # "answer:" keeps these MACs apart from the tokens (`token`) under the same secret
+    signer = _keyed(secret).copy()
+    signer.update(b"answer:" + (correlation_id or "").encode() + b"\n" + signed)
+    return signer.hexdigest()
 
 
 def token(secret: str, task_id: UUID, attempt: int) -> str:

@@ -272,24 +272,27 @@ class Executor(Service):
             return
         try:
             key = (probe.task_id, probe.attempt)
+            cid = message.correlation_id  # the answer is signed for this probe (its MAC)
             if probe.want == "log":
                 async with asyncio.timeout(self.settings.probe_timeout_s):
                     tail = await node.backend.log_tail(key, heartbeat.LIVE_LOG_CHARS)
                 tail = None if tail is None else clean_text(tail)
                 known = key in node.backend.running()
-                answer = heartbeat.ProbeAnswer(state="running" if known else "unknown", log=tail)
+                answer = heartbeat.answer(
+                    node.secret, cid, probe, "running" if known else "unknown", log=tail
+                )
             elif key in node.unreported:
                 report = storable(report_of(node.unreported[key]))
-                answer = heartbeat.ProbeAnswer(state="finished", report=report)
+                answer = heartbeat.answer(node.secret, cid, probe, "finished", report=report)
             elif node.backend.frozen(key):
-                answer = heartbeat.ProbeAnswer(state="frozen")
+                answer = heartbeat.answer(node.secret, cid, probe, "frozen")
             elif key in node.backend.running():
-                answer = heartbeat.ProbeAnswer(state="running")
+                answer = heartbeat.answer(node.secret, cid, probe, "running")
             elif key in node.backend.adoptable() and await self.starter.adopt({key}):
                 # its executor is gone, its Job runs on: this executor follows it from now
-                answer = heartbeat.ProbeAnswer(state="running")
+                answer = heartbeat.answer(node.secret, cid, probe, "running")
             else:
-                answer = heartbeat.ProbeAnswer(state="unknown")
+                answer = heartbeat.answer(node.secret, cid, probe, "unknown")
             if message.reply_to:
                 await node.bus.reply(message, answer.model_dump_json().encode())
         except Exception:  # an answer that cannot be sent is no answer: the ladder copes

@@ -5,10 +5,12 @@ take     beats from task processes (HTTP `POST /heartbeat`, bearer token per att
          every SKED_HEARTBEAT_FLUSH_S in one statement, fenced by attempt and sequence (beats.py).
 sweep    the deadline index (`tasks.hb_deadline`, partial on Running) gives the attempts whose
          lease ran out, leased with SKIP LOCKED so replicas share them; the loop sleeps until
-         the earliest deadline (at most a second, a wait Postgres computes). Deadlines restart
-         after an outage, so that time executors could not renew is not held against them.
-ladder   ask the executor: running -> restore; finished -> reconcile to the real outcome;
-         frozen or no answer from a ready node -> grace to 2x the timeout; else Lost (ladder.py).
+         the earliest deadline (at most a second, a wait Postgres computes). No attempt is judged
+         before a timeout since Postgres started: time executors could not renew is not held
+         against them.
+ladder   ask the executor (its answer signed for the probe, or none): running with a live
+         lease -> restore; finished -> reconcile to the real outcome; frozen, running without
+         a lease, or no answer from a ready node -> grace to 2x the timeout; else Lost.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 import logging
 from collections.abc import Sequence
 
+import asyncpg
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 from aiohttp import web
 from pydantic import ValidationError
@@ -32,9 +35,21 @@ from shared.runtime import wait_any
 from shared.service import Loop, Service
 from shared.settings import Settings
 from shared.store import Store
+from shared.store.db import Db
+from shared.store.monitor import MonitorDeadlines
 from shared.throttle import Throttled
 
 log = logging.getLogger(__name__)
+
+# What the sweep loop fails on when Postgres is away or cut off (RabbitMQ's are a probe's
+# "no answer", inside the ladder)
+POSTGRES_ERRORS = (
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    OSError,
+    TimeoutError,
+)
 
 
 class HeartbeatMonitor(Service):
@@ -45,7 +60,14 @@ class HeartbeatMonitor(Service):
         self.secret = settings.require_heartbeat_secret()
         self.bus = bus
         self.beats = Beats(store)
-        self.ladder = Ladder(store, bus, settings.probe_timeout_s)
+        self.ladder = Ladder(store, bus, settings.probe_timeout_s, self.secret)
+        # Tx.monitor once shared/store/store.py builds it; until then on the store's pool
+        self.deadlines = MonitorDeadlines(Db(store.pool, store.lease_margin_s))
+        # Postgres's clock: when this monitor last reached it, and when it started; and the
+        # start of an outage the sweep loop has not yet made up for
+        self._postgres_seen: float | None = None
+        self._postgres_started: float | None = None
+        self._outage_since: float | None = None
         self.port = settings.monitor_port
         self._wake_sweep = asyncio.Event()
         self._channel: AbstractChannel | None = None
@@ -113,31 +135,44 @@ class HeartbeatMonitor(Service):
     async def _sweep_loop(self) -> None:
         """Sweep overdue attempts, sleeping until the earliest deadline (at most a second).
 
-        Deadlines are restarted — every Running attempt gets a heartbeat timeout from now
-        before it is judged — when this loop starts, after it failed (Postgres away, or this
-        monitor cut off from it), and when Postgres restarted meanwhile: executors could not
-        renew in that time, and their attempts are not lost for it."""
+        Time executors could not renew is not held against them. No attempt is judged before
+        a heartbeat timeout since Postgres started (`restart_at_boot`: at this loop's start,
+        and when Postgres's start time changed) — anchored to Postgres's start, not this
+        monitor's, so a monitor that restarts moves nothing. And after this loop failed on
+        Postgres, the attempts whose lease lapsed while it could not reach it get a timeout
+        from then (`restart_after_outage`): an outage of everyone's that Postgres survived
+        without a restart; each lease once at most. A failure on anything else moves no
+        deadline."""
         restart = True
-        postgres_started: float | None = None
         while not self.stopping.is_set():
             try:
                 if restart:
-                    n = await self.store.leases.restart_deadlines()
-                    log.info("deadlines restarted: %d Running attempt(s) get a timeout anew", n)
+                    await self._restart_deadlines()
                     restart = False
                 handled = await self.sweep_once()
-                wait_s, started = await self.store.leases.next_deadline()
-            except TRANSIENT:
-                restart = True
+                wait_s, started, now = await self.deadlines.clock()
+            except POSTGRES_ERRORS:
+                self._outage_since = self._postgres_seen
                 raise
-            if postgres_started is not None and started != postgres_started:
+            self._postgres_seen = now
+            if self._postgres_started is not None and started != self._postgres_started:
                 restart = True
-            postgres_started = started
+            self._postgres_started = started
             if handled or restart:
                 continue
             wait = 1.0 if wait_s is None else min(1.0, max(wait_s, 0.01))
             await wait_any(self._wake_sweep, self.stopping, timeout=wait)
             self._wake_sweep.clear()
+
+    async def _restart_deadlines(self) -> None:
+        n = await self.deadlines.restart_at_boot()
+        if n:
+            log.info("Postgres started lately: %d Running attempt(s) get a timeout from then", n)
+        if self._outage_since is not None:
+            n = await self.deadlines.restart_after_outage(self._outage_since)
+            self._outage_since = None
+            if n:
+                log.info("after losing Postgres: %d Running attempt(s) get a timeout anew", n)
 
     async def sweep_once(self) -> int:
         # beats that arrived up to now count before anything is judged overdue

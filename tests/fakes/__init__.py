@@ -9,7 +9,7 @@ drifts from them shows up as a unit test that passes where an integration test f
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -111,8 +111,21 @@ class StubBus:
     ) -> None:
         self.dead.append((body, reason))
 
-    async def request(self, exchange: str, routing_key: str, body: bytes, timeout: float) -> object:
-        return self.answers.get(routing_key, UNROUTABLE)
+    async def request(
+        self,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        timeout: float,
+        correlation_id: str | None = None,
+        accept: Callable[[bytes], bool] | None = None,
+    ) -> object:
+        answer = self.answers.get(routing_key, UNROUTABLE)
+        if callable(answer):  # an answer made for this request: (correlation id, body) -> reply
+            answer = answer(correlation_id, body)
+        if isinstance(answer, bytes) and accept is not None and not accept(answer):
+            return None  # a reply the requester does not take: no answer
+        return answer
 
 
 @dataclass

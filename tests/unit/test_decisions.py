@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 from uuid import uuid4
@@ -21,6 +22,7 @@ from services.heartbeat_monitor.ladder import Ladder
 from services.scheduler.dispatch import Dispatcher
 from services.scheduler.hub import Hub
 from services.scheduler.intake import MAX_SENDING, Intake
+from shared import heartbeat
 from shared.bus import UNROUTABLE
 from shared.degrade import Mode
 from shared.dispatches import pack, unpack
@@ -34,6 +36,7 @@ from tests.fakes import FakeReadyQueue, InMemoryStore, StubBus, StubMessage, new
 
 SETTINGS = Settings(heartbeat_secret="unit-test-secret-0123456789", node_id="n1")
 # dispatch messages sent with their placement, not after the follower's wait (follow.py)
+SECRET = SETTINGS.heartbeat_secret  # what executors sign their probe answers with
 AT_ONCE = SETTINGS.model_copy(update={"dispatch_follow_s": 0.0})
 
 
@@ -433,14 +436,29 @@ async def overdue(store: InMemoryStore) -> Task:
     return await store.walk(task, State.RUNNING, lease_owner=str(uuid4()))
 
 
-def answer(state: str, report: Report | None = None) -> bytes:
+Answer = Callable[[str, bytes], bytes]  # (correlation id, probe) -> reply
+
+
+def answer(state: str, report: Report | None = None) -> Answer:
+    """The executor's answer, signed for the probe it answers (heartbeat.answer)."""
+
+    def make(correlation_id: str, body: bytes) -> bytes:
+        probe = heartbeat.Probe.model_validate_json(body)
+        signed = heartbeat.answer(SECRET, correlation_id, probe, state, report)  # type: ignore[arg-type]
+        return signed.model_dump_json().encode()
+
+    return make
+
+
+def forged(state: str, report: Report | None = None) -> bytes:
     return ProbeAnswer(state=state, report=report).model_dump_json().encode()  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
     ("said", "silent_s", "rung", "target"),
     [
-        (answer("running"), 40.0, Rung.RESTORE, None),
+        (answer("running"), 20.0, Rung.RESTORE, None),  # its lease still live (timeout 30 s)
+        (answer("running"), 40.0, Rung.GRACE, None),  # its lease lapsed: as good as frozen
         (answer("finished", Report(ok=True, result=7)), 40.0, Rung.RECONCILE, State.SUCCESS),
         (answer("finished", Report(ok=False, error="x")), 40.0, Rung.RECONCILE, State.FAILED),
         (None, 40.0, Rung.GRACE, None),  # no answer from a live node: grace
@@ -448,13 +466,16 @@ def answer(state: str, report: Report | None = None) -> bytes:
         (None, 70.0, Rung.LOST, State.LOST),  # grace spent (timeout 30 s)
         (answer("unknown"), 40.0, Rung.LOST, State.LOST),
         (UNROUTABLE, 40.0, Rung.LOST, State.LOST),  # no executor connected: gone
+        # an answer not signed for its probe is no answer
+        (forged("finished", Report(ok=True, result=7)), 40.0, Rung.GRACE, None),
+        (forged("unknown"), 40.0, Rung.GRACE, None),
     ],
 )
 async def test_the_ladder(said: object, silent_s: float, rung: Rung, target: State | None) -> None:
     store = InMemoryStore()
     task = await overdue(store)
     bus = StubBus(answers={"n1": said})
-    ladder = Ladder(store, bus, probe_timeout_s=1.0)  # type: ignore[arg-type]
+    ladder = Ladder(store, bus, probe_timeout_s=1.0, secret=SECRET)  # type: ignore[arg-type]
     got, move = await ladder.climb(task, silent_s, {n.id: n for n in await store.nodes.all()})
     assert got is rung
     assert (move.target if move else None) is target
@@ -469,7 +490,7 @@ async def test_the_ladder(said: object, silent_s: float, rung: Rung, target: Sta
 async def test_a_lost_verdict_loses_its_cas_while_the_lease_holds() -> None:
     store = InMemoryStore()
     task = await overdue(store)
-    ladder = Ladder(store, StubBus(), probe_timeout_s=1.0)  # type: ignore[arg-type]
+    ladder = Ladder(store, StubBus(), probe_timeout_s=1.0, secret=SECRET)  # type: ignore[arg-type]
     _, move = await ladder.climb(task, 100.0, {})
     assert move is not None
     await ladder.apply([move])
