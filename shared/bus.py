@@ -107,14 +107,14 @@ def dead_letter_of(
     )
 
 
-_STATES = frozenset(State)
+KNOWN_STATES = frozenset(State)  # what this release routes as task.<state> as it is
 _NOT_A_WORD = re.compile(r"[^a-z0-9_]")
 
 
 def event_routing_key(state: str) -> str:
     """task.<state>. A state this release does not know (a newer release's, written during a
     rolling upgrade, or a hand-written row's) goes under its own name, made one bounded word."""
-    if state in _STATES:
+    if state in KNOWN_STATES:
         return f"task.{state}"
     return f"task.{_NOT_A_WORD.sub('_', state.lower())[:64] or 'unknown'}"
 

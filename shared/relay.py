@@ -13,8 +13,14 @@ import time
 import aiormq.exceptions
 import asyncpg
 
-from shared.bus import EVENTS_EXCHANGE, SCHEMA_HEADER, AmqpBus, Outgoing, event_routing_key
-from shared.fsm import State
+from shared.bus import (
+    EVENTS_EXCHANGE,
+    KNOWN_STATES,
+    SCHEMA_HEADER,
+    AmqpBus,
+    Outgoing,
+    event_routing_key,
+)
 from shared.models import SCHEMA_VERSION
 from shared.outbox_pack import pack, waves
 from shared.resilience import TRANSIENT
@@ -36,7 +42,6 @@ CONFIRM_TIMEOUT_S = 10.0
 # most once in ERROR_EVERY_S.
 REFUSALS_BEFORE_ERROR = 8
 ERROR_EVERY_S = 60.0
-_STATES = frozenset(State)
 
 
 def _body(events: list[OutboxRow]) -> bytes:
@@ -127,7 +132,7 @@ class OutboxRelay:
         return sent, None
 
     def _outgoing(self, state: str, batch: list[OutboxRow]) -> Outgoing:
-        if state not in _STATES:
+        if state not in KNOWN_STATES:
             now = time.monotonic()
             if now - self._unknown_said_at >= ERROR_EVERY_S:
                 self._unknown_said_at = now

@@ -35,8 +35,6 @@ from shared.runtime import wait_any
 from shared.service import Loop, Service
 from shared.settings import Settings
 from shared.store import Store
-from shared.store.db import Db
-from shared.store.monitor import MonitorDeadlines
 from shared.throttle import Throttled
 
 log = logging.getLogger(__name__)
@@ -62,7 +60,7 @@ class HeartbeatMonitor(Service):
         self.beats = Beats(store)
         self.ladder = Ladder(store, bus, settings.probe_timeout_s, self.secret)
         # Tx.monitor once shared/store/store.py builds it; until then on the store's pool
-        self.deadlines = MonitorDeadlines(Db(store.pool, store.lease_margin_s))
+        self.deadlines = store.monitor
         # Postgres's clock: when this monitor last reached it, and when it started; and the
         # start of an outage the sweep loop has not yet made up for
         self._postgres_seen: float | None = None

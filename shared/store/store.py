@@ -16,6 +16,7 @@ from shared.store.gauges import ClusterGauges
 from shared.store.late import LateResults
 from shared.store.launches import Launches
 from shared.store.leases import LeaseLink, Leases
+from shared.store.monitor import MonitorDeadlines
 from shared.store.nodes import Nodes
 from shared.store.notify import Handler, PgListener
 from shared.store.outbox import Outbox
@@ -40,6 +41,7 @@ class Tx:
         self.degrade = Degrade(db)
         self.tokens = Tokens(db)
         self.retention = Retention(db)
+        self.monitor = MonitorDeadlines(db)
 
 
 class Store(Tx):

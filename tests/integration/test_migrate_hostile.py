@@ -163,8 +163,15 @@ async def test_a_migrate_whose_connection_is_killed_says_why(
         finally:
             await admin.close()
         code, out = await running
-    # what held: the half-done migration left nothing behind
+    # what held: the half-done migration left nothing behind, neither its ledger row nor
+    # the index it was building
     assert 19 not in await _ledger(dsn)
+    check = await asyncpg.connect(dsn)
+    try:
+        index = await check.fetchval("SELECT to_regclass('tasks_lease_held')")
+    finally:
+        await check.close()
+    assert index is None
     assert code == 2, out
     assert "Traceback" not in out, out
     assert "administrator command" in out, out
