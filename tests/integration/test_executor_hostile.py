@@ -8,6 +8,7 @@ The handlers the tests run are defined here and run in the handler workers as
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import stat
@@ -21,7 +22,7 @@ from uuid import uuid4
 import pytest
 
 from services.executor.backends import Launch, Outcome
-from services.executor.backends.local import LocalBackend
+from services.executor.backends.local import LocalBackend, process
 from services.executor.backends.local.pool import RECENT_JOBS
 from shared.models import CommandJob, HandlerJob
 
@@ -323,3 +324,67 @@ async def test_a_task_that_stops_its_own_shim_still_ends(backend: LocalBackend, 
     assert outcome.timed_out, outcome
     assert (await run(backend, command("true"))).ok
     assert (await run(backend, handler("pid_of_worker"))).ok
+
+
+async def hog_cpus(n: int) -> list[asyncio.subprocess.Process]:
+    """`n` busy processes of the test's own (it stops them by pid): a loaded host."""
+    loop = "while :; do :; done"
+    return [await asyncio.create_subprocess_exec("sh", "-c", loop) for _ in range(n)]
+
+
+async def test_a_task_that_stops_its_shim_at_once_still_ends(tmp_path: Path) -> None:
+    """The shim reported its leader's pid (and its own) only after the exec, so a program that
+    stopped its shim at once — before the shim ran again, as on a loaded host it does — left
+    the executor without a pid to kill: the attempt ignored its timeout and a stop, and the
+    backend's close waited for it for ever (the hang of a CI run). The pids now go out before
+    the program can run."""
+    b = LocalBackend(6, tmp_path / "state", warm_workers=0)
+    await b.start()
+    hogs = await hog_cpus(4)
+    try:
+        hostile = [command("kill -STOP $PPID; sleep 60", timeout_s=1.0) for _ in range(6)]
+        async with asyncio.timeout(45):
+            outcomes = await asyncio.gather(*(b.run(h) for h in hostile))
+        assert all(o.timed_out for o in outcomes), outcomes
+    finally:
+        for hog in hogs:
+            hog.kill()
+            await hog.wait()
+        async with asyncio.timeout(30):
+            await b.close()
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == pid:
+                    found.append(int(entry))
+    return found
+
+
+async def test_a_stopped_idle_shim_fails_the_attempt_it_is_handed(
+    backend: LocalBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any process of the executor's user can SIGSTOP an idle shim. The warden hands it the
+    next attempt, which then never started, ignored its timeout and a stop, and kept a slot
+    for ever. A spawn that no shim answers in time now fails its attempt as not started; the
+    next one gets a shim of its own."""
+    monkeypatch.setattr(process, "SPAWN_ANSWER_S", 2.0)
+    assert (await run(backend, command("true"))).ok  # leaves one shim idle
+    warden = backend._warden._proc
+    assert warden is not None
+    shims = children(warden.pid)
+    assert shims, "no idle shim"
+    for pid in shims:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        outcome = await run(backend, command("true", timeout_s=1.0))
+        assert not outcome.ok
+        assert (outcome.error or "").startswith("could not start: no shim answered"), outcome
+        assert (await run(backend, command("true"))).ok
+    finally:
+        for pid in shims:
+            os.kill(pid, signal.SIGKILL)

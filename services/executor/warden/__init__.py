@@ -15,7 +15,8 @@ supervisor of one process tree at a time, which
   freeze — leaves it frozen: a successor may run by now); `kill` (the attempt was
   superseded), the executor's death, or staying frozen past `freeze_max_s` kills it, and so
   does `stop` while it is frozen (only `renew` thaws);
-- reports to the executor on a pipe: `pid N START`, `frozen`, `thawed`, `exit STATUS HOW`;
+- reports to the executor on a pipe: `pid N START SHIM` (the leader's own line, before it
+  execs the program), `error TEXT` (its exec failed), `frozen`, `thawed`, `exit STATUS HOW`;
 - once the tree is gone to its last process, tells the warden it is idle and waits for the
   next attempt (a shim some of whose tree would not die exits instead, leaving the rest to
   the warden).

@@ -102,7 +102,7 @@ class Shim:
         self.leader = os.fork()
         if self.leader == 0:
             os.close(err_r)
-            exec_leader(self.req, self.pipes, err_w, shim, program)
+            exec_leader(self.req, self.pipes, err_w, shim, self.report, program)
         os.close(err_w)
         for fd in self.pipes:
             os.close(fd)
@@ -118,9 +118,6 @@ class Shim:
         lease = self.req.get("lease_s")
         if lease is not None:
             self.expiry = _now() + float(lease)
-        # and its own pid: a task that stopped this shim (SIGSTOP to its parent) is killed
-        # from outside, by the executor (Proc._force)
-        self._say(f"pid {self.leader} {start_time(self.leader) or 0} {os.getpid()}")
         return True
 
     def _supervise(self, wake: int) -> None:
@@ -323,15 +320,27 @@ def resolve(name: str, env: dict[str, str]) -> str | None:
 
 
 def exec_leader(
-    req: dict[str, Any], pipes: list[int], err: int, shim: int, program: str | None = None
+    req: dict[str, Any],
+    pipes: list[int],
+    err: int,
+    shim: int,
+    report: int,
+    program: str | None = None,
 ) -> None:
-    """In the forked leader: set up and exec the attempt's program; never returns."""
+    """In the forked leader: report the pids, set up and exec the attempt's program; never
+    returns."""
     where: str | None = None  # what an OSError is about, as `subprocess` names it
     try:
         os.setpgid(0, 0)
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != shim:
             os._exit(1)
+        # The pids go out from here, before the program can run, not from the shim after the
+        # fork: on a loaded host the leader may exec and run before the shim runs again, and
+        # a program that stops its shim (its parent) at once is killed from the executor
+        # (Proc._force), which has no other way to find the tree.
+        me = os.getpid()
+        os.write(report, f"pid {me} {start_time(me) or 0} {shim}\n".encode())
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)

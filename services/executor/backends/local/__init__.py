@@ -286,6 +286,8 @@ class LocalBackend(OneNode):
             ended = await proc.wait()
         finally:
             self._records.remove(key)
+        if proc.error is not None:
+            return Outcome.failed(f"could not start: {proc.error}")
         tail = self._tail(log_path)
         if not finished:
             return self._cut_short(launch, stopped, tail)

@@ -25,6 +25,10 @@ from services.executor.warden.shim import KILL_ROUNDS_S
 log = logging.getLogger(__name__)
 
 WARDEN_START_TIMEOUT_S = 30.0
+# A spawn request that no shim has answered (with the forked leader's pid) in this long went
+# to a shim that is stopped — any process of the executor's user can SIGSTOP an idle one — or
+# to a wedged warden: the attempt fails as not started rather than hold its slot for ever.
+SPAWN_ANSWER_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,8 @@ class Exit:
 
 
 class SpawnError(Exception):
-    """The process could not be started (the program is missing, the directory, ...)."""
+    """The process could not be started: no shim answered (`Proc.error` tells why a program
+    that was forked did not start: the program is missing, the directory, ...)."""
 
 
 def exit_text(code: int | None) -> str:
@@ -78,6 +83,7 @@ class Proc:
         self.start_time = 0
         self.shim_pid = 0
         self._force_at: asyncio.TimerHandle | None = None  # after a stop or kill (_force)
+        self.error: str | None = None  # why the program did not start (its exec failed)
         self.frozen = False
         self._expiry: float | None = None  # the lease's end as the shim was told (monotonic)
         self._unlease: asyncio.TimerHandle | None = None
@@ -206,9 +212,8 @@ class Proc:
             self.pid, self.start_time, self.shim_pid = int(pid), int(started), int(shim)
             if not self.started.done():
                 self.started.set_result(None)
-        elif word == "error":
-            if not self.started.done():
-                self.started.set_exception(SpawnError(json.loads(rest)))
+        elif word == "error":  # the leader did not start its program; the report's end follows
+            self.error = str(json.loads(rest))
         elif word == "frozen":
             self.frozen = True
             log.warning("process %d frozen: its lease was not renewed in time", self.pid)
@@ -225,6 +230,13 @@ class Proc:
             loop = asyncio.get_running_loop()
             self._exit_wait = loop.call_later(EXIT_EOF_S, self._end, self._exit)
 
+    def abandon(self) -> None:
+        """Forget a spawn that was never answered: with its pipes closed, a shim that does
+        answer later finds the executor gone and kills what it started."""
+        self._end(Exit(None, "lost"))
+        if self.started.done() and not self.started.cancelled():
+            self.started.exception()  # retrieved: nothing waits for it now
+
     def _end(self, result: Exit) -> None:
         self._cancel_unlease()
         for timer in (self._exit_wait, self._force_at):
@@ -236,7 +248,8 @@ class Proc:
             with contextlib.suppress(OSError):
                 os.close(fd)
         if not self.started.done():
-            self.started.set_exception(SpawnError(f"the shim ended first ({result.how})"))
+            why = self.error or f"the shim ended first ({result.how})"
+            self.started.set_exception(SpawnError(why))
         if not self.ended.done():
             self.ended.set_result(result)
 
@@ -286,9 +299,10 @@ class Warden:
         freeze_max_s: float = 600.0,
         pipes: tuple[int, int] | None = None,
     ) -> Proc:
-        """Start `argv` under a shim of its own; returns once it runs. Its output goes to
-        `log_path`, or stdin and stdout are `pipes` (their far ends; they are closed here).
-        Raises SpawnError if it could not start."""
+        """Start `argv` under a shim of its own; returns once it is forked, with its pid. Its
+        output goes to `log_path`, or stdin and stdout are `pipes` (their far ends; they are
+        closed here). A program that could not start ends at once with `Proc.error` set;
+        SpawnError if no shim answered within SPAWN_ANSWER_S."""
         if self._sock is None or self._closing:
             raise SpawnError("the warden is not running")
         ctl_r, ctl_w = os.pipe2(os.O_CLOEXEC)
@@ -315,7 +329,18 @@ class Warden:
         finally:
             for fd in passed:
                 os.close(fd)
-        await proc.started
+        try:
+            async with asyncio.timeout(SPAWN_ANSWER_S):
+                await proc.started
+        except TimeoutError:
+            proc.abandon()
+            raise SpawnError(
+                f"no shim answered in {SPAWN_ANSWER_S:g} s (one stopped by a process of the "
+                "executor's user?)"
+            ) from None
+        except BaseException:
+            proc.abandon()
+            raise
         return proc
 
     async def _send(self, data: bytes, fds: list[int]) -> None:

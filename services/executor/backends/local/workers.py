@@ -153,7 +153,8 @@ class Worker:
             if replies.take() != READY:
                 await asyncio.wait({worker.exited}, timeout=STOP_GRACE_S)
                 code = worker.exited.result().code if worker.exited.done() else None
-                raise RuntimeError(f"handler worker did not start: {exit_text(code)}")
+                why = proc.error or exit_text(code)
+                raise RuntimeError(f"handler worker did not start: {why}")
             worker.record = records.add_worker(name, proc.pid, proc.start_time)
         except BaseException:
             await worker.kill()
