@@ -38,7 +38,6 @@ if TYPE_CHECKING:  # imported by the calls that use them: reading a task needs o
 
     from shared.bus import AmqpBus, DeadLetter
     from shared.dag import WorkflowSpec
-    from shared.degrade import DegradeState, Mode
     from shared.queues import ReadyQueue
     from shared.store import NodeRow, Store
 
@@ -230,20 +229,28 @@ class SkedClient(Control):
     async def log(self, task_id: UUID | str, timeout: float = 5.0) -> str | None:
         """The task's log: while an attempt runs, as it is now, asked of its executor (a
         pod's log on Kubernetes, the process's log file locally); else the tail stored when
-        the attempt ended. None if there is none yet."""
+        the attempt ended. None if there is none yet. The live log is taken only from an
+        answer its executor signed (whoever may read `sked.probe` could answer first, with a
+        log of their own): without SKED_HEARTBEAT_SECRET to check it by, the stored tail."""
         task = await self.get(task_id)
-        if task.status is State.RUNNING and task.node is not None:
+        try:
+            secret = self.settings.require_heartbeat_secret()
+        except ValueError:
+            secret = ""
+        if task.status is State.RUNNING and task.node is not None and secret:
             from shared import heartbeat
             from shared.bus import PROBE_EXCHANGE
 
             probe = heartbeat.Probe(task_id=task.id, attempt=task.attempt, want="log")
+            cid = uuid4().hex
+            check = heartbeat.believer(secret, cid, probe)
+            bus = await self._publisher()
             body = probe.model_dump_json().encode()
-            got = await (await self._publisher()).request(PROBE_EXCHANGE, task.node, body, timeout)
+            got = await bus.request(PROBE_EXCHANGE, task.node, body, timeout, cid, check)
             if isinstance(got, bytes):
-                with contextlib.suppress(ValueError):
-                    answer = heartbeat.ProbeAnswer.model_validate_json(got)
-                    if answer.log is not None:
-                        return answer.log
+                live = heartbeat.believe(secret, cid, probe, got).log
+                if live is not None:
+                    return live
         return task.log_tail
 
     async def history(self, task_id: UUID | str) -> list[Event]:
@@ -266,28 +273,6 @@ class SkedClient(Control):
         """Workflows, newest first, each with its status and tasks counted; `after` (the last
         of the page before) gives the next page."""
         return await (await self._db()).workflows.page(page_size(limit), after, name)
-
-    async def degrade_status(self) -> DegradeState:
-        """The degrade mode every scheduler obeys."""
-        return await (await self._db()).degrade.read()
-
-    async def degrade(
-        self, mode: Mode, reason: str, by: str, for_s: float | None = None
-    ) -> DegradeState:
-        """Set the degrade mode (NORMAL lifts it) for `for_s` seconds or until lifted; its
-        event and alert go out. Raises ModeChanged if it changed meanwhile."""
-        from shared import modes
-        from shared.alerts import Alerter
-
-        modes.check_duration(for_s)  # before connecting anywhere
-        bus = await self._publisher()
-        alerter = Alerter(bus, self.settings.alertmanager_url)
-        try:
-            store = await self._db()
-            _, after = await modes.change(store.degrade, mode, reason, by, for_s, bus, alerter)
-        finally:
-            await alerter.close()
-        return after
 
     async def dead_letters(self, limit: int = 100) -> list[DeadLetter]:
         """The oldest submissions intake refused (sked.dead), each with its reason; left where

@@ -1,5 +1,6 @@
-"""The SDK's operator controls (shared.control: pause, resume, cancel, priority, and whole
-workflows), as SkedClient's methods: it supplies the store and the ready queue."""
+"""The SDK's operator controls (shared.control: pause, resume, cancel, priority, whole
+workflows; shared.modes: degrade), as SkedClient's methods: it supplies the store, the ready
+queue and the bus."""
 
 from __future__ import annotations
 
@@ -7,13 +8,21 @@ from typing import TYPE_CHECKING
 from uuid import UUID
 
 if TYPE_CHECKING:
+    from shared.bus import AmqpBus
+    from shared.degrade import DegradeState, Mode
     from shared.models import Task
     from shared.queues import ReadyQueue
+    from shared.settings import Settings
     from shared.store import Store
 
 
 class Control:
+    settings: Settings
+
     async def _db(self) -> Store:
+        raise NotImplementedError
+
+    async def _publisher(self) -> AmqpBus:
         raise NotImplementedError
 
     def _queue(self) -> ReadyQueue:
@@ -70,3 +79,25 @@ class Control:
 
         store = await self._db()
         return await control.set_priority(store, self._queue(), UUID(str(task_id)), priority)
+
+    async def degrade_status(self) -> DegradeState:
+        """The degrade mode every scheduler obeys."""
+        return await (await self._db()).degrade.read()
+
+    async def degrade(
+        self, mode: Mode, reason: str, by: str, for_s: float | None = None
+    ) -> DegradeState:
+        """Set the degrade mode (NORMAL lifts it) for `for_s` seconds or until lifted; its
+        event and alert go out. Raises ModeChanged if it changed meanwhile."""
+        from shared import modes
+        from shared.alerts import Alerter
+
+        modes.check_duration(for_s)  # before connecting anywhere
+        bus = await self._publisher()
+        alerter = Alerter(bus, self.settings.alertmanager_url)
+        try:
+            store = await self._db()
+            _, after = await modes.change(store.degrade, mode, reason, by, for_s, bus, alerter)
+        finally:
+            await alerter.close()
+        return after

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import hmac
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
@@ -110,6 +111,19 @@ def answer(
     )
     signed = unsigned.model_dump_json(exclude={"mac"}).encode()
     return unsigned.model_copy(update={"mac": _answer_mac(secret, correlation_id, signed)})
+
+
+def believer(secret: str, correlation_id: str, probe: Probe) -> Callable[[bytes], bool]:
+    """Whether an answer's body is one `believe` takes: the `accept` of a probe's request."""
+
+    def believed(body: bytes) -> bool:
+        try:
+            believe(secret, correlation_id, probe, body)
+        except ValueError:
+            return False
+        return True
+
+    return believed
 
 
 def believe(secret: str, correlation_id: str, probe: Probe, body: bytes) -> ProbeAnswer:

@@ -22,6 +22,7 @@ from services.heartbeat_monitor.ladder import Ladder
 from services.heartbeat_monitor.service import HeartbeatMonitor
 from shared import fsm, heartbeat
 from shared.bus import PROBE_EXCHANGE, UNROUTABLE, AmqpBus
+from shared.client import SkedClient
 from shared.fsm import State
 from shared.heartbeat import ProbeAnswer
 from shared.models import Task
@@ -228,13 +229,7 @@ def test_only_an_answer_signed_for_its_probe_is_believed() -> None:
         "not json": b"running",
     }
 
-    def believed(body: bytes) -> bool:
-        try:
-            heartbeat.believe(secret, cid, probe, body)
-        except ValueError:
-            return False
-        return True
-
+    believed = heartbeat.believer(secret, cid, probe)
     assert [why for why, forged_body in refused.items() if believed(forged_body)] == []
 
 
@@ -532,3 +527,58 @@ async def test_a_monitor_whose_rabbitmq_is_down_still_judges_an_attempt_whose_no
         f"lease ran out (the probed one: {first.status.label}); hb_deadline {after.hb_deadline}"
     )
     assert (asked, took < 2.0) == (None, True), f"a 1 s request gave {asked!r} in {took:.1f} s"
+
+
+# -- the live log -------------------------------------------------------------------------------
+
+
+def with_log(secret: str, text: str) -> Answer:
+    """A log probe's answer as the attempt's executor makes it."""
+
+    def make(correlation: str, probe: bytes) -> bytes:
+        asked = heartbeat.Probe.model_validate_json(probe)
+        made = heartbeat.answer(secret, correlation, asked, "running", log=text)
+        return made.model_dump_json().encode()
+
+    return make
+
+
+async def declared(settings: Settings) -> None:
+    """The exchanges, as every service's bus declares them at its start."""
+    bus = AmqpBus(settings.rabbitmq_url)
+    await bus.connect()
+    await bus.close()
+
+
+async def test_the_live_log_is_taken_only_from_the_executors_signed_answer(
+    settings: Settings, store: Store
+) -> None:
+    """`sked logs` of a running attempt (SkedClient.log) took the first answer to its probe,
+    from anyone bound to `sked.probe`: a forger showed the operator a log of its own. Only an
+    answer signed for the probe is taken now, and the wait goes on past others."""
+    node = f"n-{uuid4().hex[:8]}"
+    task = await running_on(store, node)
+    secret = settings.require_heartbeat_secret()
+    fake = ProbeAnswer(state="running", log="a log of the forger's")
+    await declared(settings)
+    async with (
+        SkedClient(settings) as client,
+        impostor(settings, node, forged(fake)),
+        impostor(settings, node, with_log(secret, "the attempt's own log"), delay_s=0.3) as seen,
+    ):
+        assert await client.log(task.id, timeout=10) == "the attempt's own log"
+    assert seen
+
+
+async def test_without_the_secret_the_live_log_is_not_asked_for(
+    settings: Settings, store: Store
+) -> None:
+    """A client that cannot check an answer does not take one: it shows the stored tail."""
+    node = f"n-{uuid4().hex[:8]}"
+    task = await running_on(store, node)
+    fake = ProbeAnswer(state="running", log="a log of the forger's")
+    blind = settings.model_copy(update={"heartbeat_secret": ""})
+    await declared(settings)
+    async with SkedClient(blind) as client, impostor(settings, node, forged(fake)) as seen:
+        assert await client.log(task.id, timeout=2) is None
+    assert seen == []
