@@ -365,26 +365,33 @@ def children(pid: int) -> list[int]:
     return found
 
 
-async def test_a_stopped_idle_shim_fails_the_attempt_it_is_handed(
-    backend: LocalBackend, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("stopped", ["idle shim", "warden"])
+async def test_a_stopped_shim_or_warden_hands_its_attempt_back_and_is_continued(
+    backend: LocalBackend, monkeypatch: pytest.MonkeyPatch, stopped: str
 ) -> None:
-    """Any process of the executor's user can SIGSTOP an idle shim. The warden hands it the
-    next attempt, which then never started, ignored its timeout and a stop, and kept a slot
-    for ever. A spawn that no shim answers in time now fails its attempt as not started; the
-    next one gets a shim of its own."""
+    """Any process of the executor's user can SIGSTOP an idle shim, or the warden. The
+    attempt handed to it then never started, ignored its timeout and a stop, and kept a slot
+    for ever (a stopped warden: every attempt after it too). A spawn that no shim answers in
+    time now goes back as a launch failure, no retry spent, and what was stopped is
+    continued: the attempt it held never runs, and the next runs as usual."""
     monkeypatch.setattr(process, "SPAWN_ANSWER_S", 2.0)
     assert (await run(backend, command("true"))).ok  # leaves one shim idle
     warden = backend._warden._proc
     assert warden is not None
-    shims = children(warden.pid)
-    assert shims, "no idle shim"
-    for pid in shims:
+    targets = children(warden.pid) if stopped == "idle shim" else [warden.pid]
+    assert targets, "no idle shim"
+    for pid in targets:
         os.kill(pid, signal.SIGSTOP)
+    marker = backend._io / "ran"
     try:
-        outcome = await run(backend, command("true", timeout_s=1.0))
+        outcome = await run(backend, command(f"touch {marker}", timeout_s=1.0))
         assert not outcome.ok
+        assert outcome.unstarted, outcome
         assert (outcome.error or "").startswith("could not start: no shim answered"), outcome
+        assert all(process.proctree.stat(pid).state != "T" for pid in targets)  # type: ignore[union-attr]
         assert (await run(backend, command("true"))).ok
+        assert not marker.exists(), "the abandoned attempt ran after all"
     finally:
-        for pid in shims:
-            os.kill(pid, signal.SIGKILL)
+        for pid in targets:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)

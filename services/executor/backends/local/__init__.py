@@ -273,8 +273,8 @@ class LocalBackend(OneNode):
                 lease_s=run.lease_s(),
                 freeze_max_s=self.freeze_max_s,
             )
-        except SpawnError as exc:
-            return Outcome.failed(f"could not start: {exc}")
+        except SpawnError as exc:  # the node's failure, not the task's (Proc.error is that)
+            return Outcome.launch_failed(f"could not start: {exc}")
         run.proc = proc
         try:
             self._records.add(key, proc.pid, proc.start_time)

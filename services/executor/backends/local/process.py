@@ -19,15 +19,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.executor.warden import wire
+from services.executor.warden import proctree, wire
 from services.executor.warden.shim import KILL_ROUNDS_S
 
 log = logging.getLogger(__name__)
 
 WARDEN_START_TIMEOUT_S = 30.0
 # A spawn request that no shim has answered (with the forked leader's pid) in this long went
-# to a shim that is stopped — any process of the executor's user can SIGSTOP an idle one — or
-# to a wedged warden: the attempt fails as not started rather than hold its slot for ever.
+# to a stopped shim or warden — any process of the executor's user can SIGSTOP one: the
+# attempt goes back as not started rather than hold its slot for ever, and what is found
+# stopped is continued (Warden.continue_stopped).
 SPAWN_ANSWER_S = 20.0
 
 
@@ -334,6 +335,7 @@ class Warden:
                 await proc.started
         except TimeoutError:
             proc.abandon()
+            self.continue_stopped()
             raise SpawnError(
                 f"no shim answered in {SPAWN_ANSWER_S:g} s (one stopped by a process of the "
                 "executor's user?)"
@@ -342,6 +344,23 @@ class Warden:
             proc.abandon()
             raise
         return proc
+
+    def continue_stopped(self) -> None:
+        """SIGCONT the warden and its shims where stopped: none is ever stopped by sked (a
+        lease freezes a tree below its shim), so a process of the executor's user did it, and
+        a stopped warden or idle shim answers no spawn. A request they held then finds its
+        pipes closed (Proc.abandon): its leader's first write fails, and nothing runs."""
+        if self._proc is None:
+            return
+        warden = self._proc.pid
+        for pid in [warden, *proctree.descendants(warden)]:
+            found = proctree.stat(pid)
+            if found is None or found.state != "T":
+                continue
+            if pid == warden or found.ppid == warden:  # the warden, or a shim
+                log.error("process %d of the warden was stopped (by a task?): continuing it", pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
 
     async def _send(self, data: bytes, fds: list[int]) -> None:
         """Send `data` with `fds` attached to its first byte, without blocking the loop."""
