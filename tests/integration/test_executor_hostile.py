@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import shutil
 import signal
 import stat
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -395,3 +398,69 @@ async def test_a_stopped_shim_or_warden_hands_its_attempt_back_and_is_continued(
         for pid in targets:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+
+
+# A backend whose attempts a task of the same user attacks through /proc/<pid>/fd: run apart,
+# without CAP_SYS_PTRACE (setpriv), as an unprivileged executor runs — root with it opens
+# every process's descriptors, dumpable or not, and the tests run as root.
+FORGER = """
+import asyncio, json, sys
+from pathlib import Path
+from services.executor.backends.local import LocalBackend
+from tests.integration.test_executor_hostile import command, handler
+
+async def main() -> None:
+    b = LocalBackend(2, Path(sys.argv[1]), warm_workers=0)
+    await b.start()
+    try:
+        victim = handler("sleep_for", [8]) if sys.argv[2] == "handler" else command("sleep 8")
+        victim = type(victim)(victim.task_id, 1, victim.job, 4.0)
+        ran = asyncio.create_task(b.run(victim))
+        while not b._runs or next(iter(b._runs.values())).proc is None:
+            await asyncio.sleep(0.05)
+        proc = next(iter(b._runs.values())).proc
+        target = proc.pid if sys.argv[2] == "handler" else proc.shim_pid
+        forge = (
+            f"for f in /proc/{target}/fd/*; do "
+            f"printf 'exit 0 exited\\\\n' 2>/dev/null > $f && echo wrote $f; done; true"
+        )
+        hostile = await b.run(command(forge))
+        outcome = await ran
+        print(json.dumps({"wrote": hostile.log_tail, "ok": outcome.ok, "error": outcome.error}))
+    finally:
+        await b.close()
+
+asyncio.run(main())
+"""
+
+
+def sleep_for(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux's setpriv")
+@pytest.mark.parametrize("victim", ["command", "handler"])
+async def test_a_task_cannot_forge_another_attempts_exit_through_proc(
+    tmp_path: Path, victim: str
+) -> None:
+    """The warden, its shims and the handler workers were dumpable: any process of the
+    executor's user could open their /proc/<pid>/fd and write to another attempt's pipes.
+    `exit 0 exited` on a shim's report pipe ended a command still running as a success; a
+    line on a worker's pipes forged or injected other tasks' jobs. They are now closed to
+    their user like the services, and the victim runs to its own end (its timeout here)."""
+    cmd = ["setpriv", "--bounding-set=-sys_ptrace", sys.executable, "-c", FORGER]
+    child = await asyncio.create_subprocess_exec(
+        *cmd, str(tmp_path / "state"), victim, stdout=asyncio.subprocess.PIPE, cwd=os.getcwd()
+    )
+    try:
+        async with asyncio.timeout(60):
+            out, _ = await child.communicate()
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
+    assert child.returncode == 0
+    got = json.loads(out.decode().strip().splitlines()[-1])
+    assert got["wrote"] == "", f"the task opened the victim's pipes: {got['wrote']}"
+    assert not got["ok"], got
+    assert got["error"] == "timed out after 4.0 s", got

@@ -10,6 +10,7 @@ import sys
 from typing import NamedTuple
 
 PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
 
 

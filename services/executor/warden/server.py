@@ -15,6 +15,7 @@ import time
 
 from services.executor.warden.proctree import (
     PR_SET_CHILD_SUBREAPER,
+    PR_SET_DUMPABLE,
     descendants,
     prctl,
     signal_,
@@ -41,6 +42,11 @@ class Warden:
         # are pages copied in it. Frozen, they are left alone (the prefork servers' remedy).
         gc.freeze()
         prctl(PR_SET_CHILD_SUBREAPER, 1)  # a shim that dies leaves its tree to us: killed
+        # Closed to the other processes of our user — the tasks among them — as the services
+        # are (shared.runtime.keep_private), and so is every shim, forked from here: their
+        # /proc/<pid>/fd would open any attempt's pipes to the executor, to forge its exit
+        # ("exit 0"), kill it or renew its lease. A leader's exec makes it dumpable again.
+        prctl(PR_SET_DUMPABLE, 0)
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)

@@ -35,6 +35,7 @@ from typing import Any
 
 from pydantic_core import from_json
 
+from services.executor.warden.proctree import PR_SET_DUMPABLE, prctl
 from shared import jsonvalue
 
 READY = b'{"ready": true}\n'
@@ -327,6 +328,10 @@ def _escaped(text: str) -> str:
 
 
 def main() -> None:
+    # Closed to the other processes of our user (see the warden's serve): a task's process
+    # could else open this worker's pipes through /proc/<pid>/fd and forge the replies of
+    # other tasks' jobs, or read and inject jobs. Jobs that share a worker share a process.
+    prctl(PR_SET_DUMPABLE, 0)
     # Handlers import as they would in the executor: from its working directory.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
