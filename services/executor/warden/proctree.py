@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import signal
 import sys
 from typing import NamedTuple
 
@@ -68,3 +69,28 @@ def descendants(root: int) -> list[int]:
 def signal_(pid: int, sig: int, *, group: bool = False) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         (os.killpg if group else os.kill)(pid, sig)
+
+
+def _cmdline(pid: int) -> bytes | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def continue_stopped(warden: int) -> list[int]:
+    """SIGCONT `warden` and its shims (its children and forks: the same command line) where
+    stopped; returns those continued. sked never stops them (a lease freezes the tree below
+    a shim), so a process of their user did; what a dead shim's tree left to the warden is
+    not continued, but killed by the warden."""
+    continued = []
+    for pid in [warden, *descendants(warden)]:
+        found = stat(pid)
+        if found is None or found.state != "T":
+            continue
+        if pid == warden or (found.ppid == warden and _cmdline(pid) == _cmdline(warden)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+                continued.append(pid)
+    return continued

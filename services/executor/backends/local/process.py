@@ -346,21 +346,12 @@ class Warden:
         return proc
 
     def continue_stopped(self) -> None:
-        """SIGCONT the warden and its shims where stopped: none is ever stopped by sked (a
-        lease freezes a tree below its shim), so a process of the executor's user did it, and
-        a stopped warden or idle shim answers no spawn. A request they held then finds its
+        """SIGCONT the warden and its shims where stopped (proctree.continue_stopped): a
+        stopped warden or idle shim answers no spawn. A request they held then finds its
         pipes closed (Proc.abandon): its leader's first write fails, and nothing runs."""
-        if self._proc is None:
-            return
-        warden = self._proc.pid
-        for pid in [warden, *proctree.descendants(warden)]:
-            found = proctree.stat(pid)
-            if found is None or found.state != "T":
-                continue
-            if pid == warden or found.ppid == warden:  # the warden, or a shim
-                log.error("process %d of the warden was stopped (by a task?): continuing it", pid)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGCONT)
+        if self._proc is not None:
+            for pid in proctree.continue_stopped(self._proc.pid):
+                log.error("process %d of the warden was stopped (by a task?): continued", pid)
 
     async def _send(self, data: bytes, fds: list[int]) -> None:
         """Send `data` with `fds` attached to its first byte, without blocking the loop."""
