@@ -35,7 +35,11 @@ PARKED_KEY = "sked:parked"
 # head of the queue (and the free slots it is popped for) from tasks that could run. A holder
 # ending moves them back.
 RESOURCE_KEY = "sked:parked:resource"
-_PARKED = (PARKED_KEY, RESOURCE_KEY)
+# Resumed tasks an earlier attempt still holds a lease for (paused while its executor could not
+# hear it) wait here until the lease ends or is given back: in line they too would take the
+# head and its free slots. A task end, a lease given back, or the reconcile period moves them.
+FENCED_KEY = "sked:parked:fenced"
+_PARKED = (PARKED_KEY, RESOURCE_KEY, FENCED_KEY)
 _SETS = (READY_KEY, *_PARKED)
 BUILT_KEY = "sked:ready:built"  # gone after FLUSHALL or a restart without persistence
 EPOCH = datetime(2025, 1, 1, tzinfo=UTC).timestamp()
@@ -177,7 +181,8 @@ class ReadyQueue:
     @_repairing
     async def park(self, tasks: Iterable[Queued], key: str = PARKED_KEY) -> int:
         """Set tasks aside (with their scores) until `unpark(key)`: PARKED_KEY for tasks no
-        node can take, RESOURCE_KEY for tasks waiting for a named resource."""
+        node can take, RESOURCE_KEY for tasks waiting for a named resource, FENCED_KEY for
+        tasks waiting for an earlier attempt's lease."""
         mapping = {str(t.id): self.score_of(t) for t in tasks}
         if mapping:
             await self.redis.zadd(key, mapping)
@@ -198,13 +203,14 @@ class ReadyQueue:
 
     @_repairing
     async def depths(self) -> dict[str, int]:
-        """Tasks in line ("ready"), parked because no node can take them ("parked"), and
-        waiting for a named resource ("resource")."""
+        """Tasks in line ("ready"), parked because no node can take them ("parked"), waiting
+        for a named resource ("resource"), and for an earlier attempt's lease ("fenced")."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            for key in (READY_KEY, PARKED_KEY, RESOURCE_KEY):
+            for key in _SETS:
                 pipe.zcard(key)
             counts = await pipe.execute()
-        return dict(zip(("ready", "parked", "resource"), map(int, counts), strict=True))
+        names = ("ready", "parked", "resource", "fenced")
+        return dict(zip(names, map(int, counts), strict=True))
 
     @_repairing
     async def absent(self, ids: Sequence[UUID]) -> list[UUID]:

@@ -20,7 +20,7 @@ from shared.dispatches import MAX_DISPATCHES, entry_of, pack
 from shared.fsm import State
 from shared.models import Task, TaskSpec
 from shared.placement import Choice, Need, NodeState, Units, place_many
-from shared.queues import RESOURCE_KEY, ReadyQueue
+from shared.queues import FENCED_KEY, RESOURCE_KEY, ReadyQueue
 from shared.resilience import TRANSIENT
 from shared.runtime import wait_any
 from shared.settings import Settings
@@ -55,7 +55,9 @@ class Dispatcher(Part):
         self.bus = bus
         # partial mode: where the last pass's candidates ended (_pop_urgent)
         self._urgent_after: tuple[int, datetime, UUID] | None = None
-        self._stale = False  # the last pass popped entries of tasks no longer Ready
+        # the last pass's pop may have left work it could place behind: entries of tasks no
+        # longer Ready, or members that name no task, took the slots it popped for
+        self._stale = False
 
     async def run(self, stopping: asyncio.Event) -> None:
         hub = self.hub
@@ -67,11 +69,12 @@ class Dispatcher(Part):
                 await self.queue.unpark()
             if hub.unpark_resources.is_set():
                 hub.unpark_resources.clear()
-                if hub.parked_resource_waiters:
-                    hub.parked_resource_waiters = False  # set again by any it re-parks
-                    await self.queue.unpark(RESOURCE_KEY)
-            # a full batch went out, or entries of tasks no longer Ready took the pass's pop
-            # (paused or canceled while in line): there may be more to place right away
+                aside, hub.waiting_aside = hub.waiting_aside, set()  # set again by re-parks
+                for key in sorted(aside):
+                    await self.queue.unpark(key)
+            # a full batch went out, or what the pass popped was not all placeable work
+            # (tasks paused or canceled while in line, members naming no task): there may be
+            # more to place right away
             while await self.timed_pass() >= self.settings.dispatch_batch or self._stale:
                 pass
             await wait_any(hub.dispatch, stopping, timeout=self.settings.reconcile_s)
@@ -101,6 +104,7 @@ class Dispatcher(Part):
         ends = self.hub.ends
         ids: list[UUID] = []
         known: list[Task] = []  # popped tasks as this scheduler queued them (queued.py)
+        short = False  # the pop took fewer than it asked for
         try:
             async with self.store.transaction() as tx:
                 rows, mode = await tx.nodes.lock_and_read()
@@ -115,10 +119,13 @@ class Dispatcher(Part):
                 if mode is Mode.PARTIAL:
                     ids = unknown = await self._pop_urgent(tx, free)
                 else:
-                    popped = await self.queue.pop_scored(min(free, self.settings.dispatch_batch))
+                    asked = min(free, self.settings.dispatch_batch)
+                    popped = await self.queue.pop_scored(asked)
+                    short = len(popped) < asked
                     ids = [task_id for task_id, _ in popped]
                     known, unknown = self.hub.queued.take(popped)
                 if not ids:
+                    self._stale = short  # it popped only members that name no task
                     return 0
                 tasks, fenced = await tx.tasks.get_ready(unknown) if unknown else ([], [])
                 self._stale = len(tasks) + len(fenced) < len(unknown)
@@ -130,11 +137,11 @@ class Dispatcher(Part):
             raise
         for task in fenced:
             # paused while its executor could not hear it: the old attempt may run until its
-            # lease runs out, so this one waits in line (docs: at most one live attempt)
+            # lease runs out, so this one waits aside (docs: at most one live attempt)
             waiting[task.id] = Choice(
-                None, f"waiting for attempt {task.lease_attempt} to stop (its lease)", True
+                None, f"waiting for attempt {task.lease_attempt} to stop (its lease)"
             )
-        await self.hand_over(moved, tasks + fenced, waiting, ends)
+        await self.hand_over(moved, tasks, waiting, ends, fenced)
         if known:
             # a kept copy whose CAS lost: the task changed since it was queued (paused,
             # canceled, placed elsewhere). Read afresh; what is still Ready goes back in line
@@ -142,6 +149,11 @@ class Dispatcher(Part):
             await self._put_back(
                 [t.id for t in known if t.id not in placed and t.id not in waiting]
             )
+        if short and not any(_kind(c) == "line" for c in waiting.values()):
+            # the pop came back short, yet nothing it took went back in line: members that
+            # name no task may have taken slots from tasks behind them (or the line is empty,
+            # and the next pass says so with one ZCARD)
+            self._stale = True
         return len(moved)
 
     async def _pop_urgent(self, tx: Tx, free: int) -> list[UUID]:
@@ -231,16 +243,22 @@ class Dispatcher(Part):
         return urgent, {t.id: Choice(None, why, True) for t in tasks if t.id not in let}
 
     async def hand_over(
-        self, moved: list[Task], tasks: list[Task], waiting: dict[UUID, Choice], ends: int
+        self,
+        moved: list[Task],
+        tasks: list[Task],
+        waiting: dict[UUID, Choice],
+        ends: int,
+        fenced: list[Task],
     ) -> None:
         """After COMMIT: dispatch what was placed; queue the rest with the reason they wait —
-        in line if a node could take them once it has room, parked if none can at all.
+        in line if a node could take them once it has room, parked if none can at all, aside
+        if an earlier attempt's lease fences them.
 
         Dispatches go out only after the commit: an executor whose CAS ran before it would not
         see the Scheduling row (its snapshot predates the commit) and would drop the attempt.
         """
         await self.send(moved)
-        await self.queue_waiting(tasks, waiting, ends)
+        await self.queue_waiting(tasks, waiting, ends, fenced=fenced)
 
     async def send(self, moved: list[Task]) -> None:
         """After COMMIT: one dispatch message per node, returning once RabbitMQ has confirmed
@@ -268,35 +286,54 @@ class Dispatcher(Part):
             await self.queue.push(back)
 
     async def queue_waiting(
-        self, tasks: list[Task], waiting: dict[UUID, Choice], ends: int
+        self,
+        tasks: list[Task],
+        waiting: dict[UUID, Choice],
+        ends: int,
+        nodes: int | None = None,
+        fenced: list[Task] | None = None,
     ) -> None:
         """Tasks a node can take once it has room go back in line; those no node can take
-        are parked until nodes change; those waiting for a named resource until a task ends.
+        are parked until nodes change; those waiting for a named resource until a task ends;
+        `fenced` ones (their reasons in `waiting`) until an earlier attempt's lease ends.
         `ends` is the count of task-end notifications before the resources were counted: if
-        one came since, a holder may have ended unseen, so the resource waiters go back now."""
+        one came since, a holder may have ended unseen, so the resource waiters go back now.
+        `nodes`, likewise, is Hub.node_changes when the nodes planned on were read, for a
+        caller outside the dispatch loop (intake): that loop unparks after its own passes."""
         if not waiting:
             return
+        hub = self.hub
         kinds: dict[str, list[Task]] = {"line": [], "parked": [], "resource": []}
         for task in tasks:
             choice = waiting.get(task.id)
             if choice is not None:
-                kind = "resource" if choice.resource else "line" if choice.fits_later else "parked"
-                kinds[kind].append(task)
+                kinds[_kind(choice)].append(task)
         await self.queue.push(kinds["line"], back=True)
         score = self.queue.score_of
-        self.hub.queued.keep((t, score(t)) for t in kinds["line"] if t.queued_at is not None)
+        hub.queued.keep((t, score(t)) for t in kinds["line"] if t.queued_at is not None)
         await self.queue.park(kinds["parked"])
-        if kinds["resource"]:
-            await self.queue.park(kinds["resource"], RESOURCE_KEY)
-            self.hub.parked_resource_waiters = True
-            if self.hub.ends != ends:
-                self.hub.unpark_resources.set()
-        if kinds["parked"] or kinds["resource"]:
+        if kinds["parked"] and nodes is not None and hub.node_changes != nodes:
+            # a node changed since the read: the unpark its notification asked for may have
+            # run before this park, and nothing else would bring these back
+            hub.unpark.set()
+        aside = [(RESOURCE_KEY, kinds["resource"]), (FENCED_KEY, fenced or [])]
+        for key, some in aside:
+            if some:
+                await self.queue.park(some, key)
+                hub.waiting_aside.add(key)
+                if hub.ends != ends:
+                    hub.unpark_resources.set()
+        if kinds["parked"] or kinds["resource"] or fenced:
             # they left the queue: the tasks behind them get the slots they were popped for
-            self.hub.work_arrived()
+            hub.work_arrived()
         await self.store.tasks.set_wait_reasons(
             {k: c.reason for k, c in waiting.items() if c.reason}
         )
+
+
+def _kind(choice: Choice) -> str:
+    """Where a task that waits goes: "line", "parked" (no node can take it) or "resource"."""
+    return "resource" if choice.resource else "line" if choice.fits_later else "parked"
 
 
 def _as_placed(before: Task, row: Mapping[str, Any]) -> Task:

@@ -73,13 +73,15 @@ class Hub:
         self.new_work = asyncio.Event()
         # nodes changed: tasks parked because no node could take them go back in line
         self.unpark = asyncio.Event()
-        # a task ended: tasks waiting for a named resource go back in line. `ends` counts
-        # those notifications, so a pass that parked after one arrived knows it missed it.
-        # Only a scheduler that parked some does this on its dispatch path (a Redis round trip
-        # per pass otherwise); the reconcile period covers a parker that died.
+        # a task ended (or an attempt gave its lease back): tasks waiting for a named resource
+        # or for an earlier attempt's lease go back in line. `ends` counts those
+        # notifications, so a pass that parked after one arrived knows it missed it. Only a
+        # scheduler that parked some does this on its dispatch path (a Redis round trip per
+        # pass otherwise): `waiting_aside` holds the sets it parked them in (RESOURCE_KEY,
+        # FENCED_KEY). The reconcile period covers a parker that died, and a lease run out.
         self.unpark_resources = asyncio.Event()
         self.ends = 0
-        self.parked_resource_waiters = False
+        self.waiting_aside: set[str] = set()
         # tasks this scheduler's intake admitted, by id, with the version their admission
         # gives them, until that Ready is heard: intake placed each or queued it and woke
         # dispatch itself, so the notification asks for nothing (at low rates it cost a pass,

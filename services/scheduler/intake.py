@@ -309,7 +309,7 @@ class Intake(Part):
         if any(t.id in needs for t in ready):
             self._view = None  # a node refused its plan: the view was wrong
         waiting = {t.id: unplaced.get(t.id) or Choice(None, fits_later=True) for t in ready}
-        await self.dispatcher.queue_waiting(ready, waiting, ends)
+        await self.dispatcher.queue_waiting(ready, waiting, ends, nodes=view.generation)
         await self._send_soon(moved)
         if waiting:
             hub.work_arrived()

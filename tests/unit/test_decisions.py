@@ -30,7 +30,7 @@ from shared.fsm import State
 from shared.heartbeat import ProbeAnswer, Rung
 from shared.models import Dispatch, Task, TaskSpec
 from shared.outcome import Report
-from shared.queues import RESOURCE_KEY
+from shared.queues import FENCED_KEY, RESOURCE_KEY
 from shared.settings import Settings
 from tests.fakes import FakeReadyQueue, InMemoryStore, StubBus, StubMessage, new_task
 
@@ -132,7 +132,7 @@ async def test_resource_waiters_wait_aside_and_a_holder_s_end_brings_them_back()
     assert await dispatcher.dispatch_once() == 2
     assert {d.task_id for d in dispatched(bus)} == {first.id, other.id}
     assert queue.parked(RESOURCE_KEY) == {second.id}
-    assert hub.parked_resource_waiters
+    assert RESOURCE_KEY in hub.waiting_aside
     assert "waiting for resource lock (1/1 held)" in store.data.wait_reasons[second.id]
     # the holder ends; the notification sends the waiter back in line, and it is placed
     holder = await store.tasks.get(first.id)
@@ -145,10 +145,12 @@ async def test_resource_waiters_wait_aside_and_a_holder_s_end_brings_them_back()
     assert dispatched(bus)[-1].task_id == second.id
 
 
-async def test_a_resumed_task_whose_old_attempt_holds_a_lease_waits_in_line() -> None:
+async def test_a_resumed_task_whose_old_attempt_holds_a_lease_waits_aside() -> None:
+    """Fenced until the lease ends, it waits in FENCED_KEY, not at the head of the line (where
+    every pass popped it again for slots it could not use); a task end brings it back."""
     store = InMemoryStore()
     store.nodes.add("a")
-    dispatcher, queue, bus, _ = scheduler_parts(store)
+    dispatcher, queue, bus, hub = scheduler_parts(store)
     task = await ready(store, spec("paused", heartbeat_timeout_s=30))
     task = await store.walk(task, State.SCHEDULING, node="a")
     task = await store.walk(task, State.RUNNING, lease_owner=str(uuid4()))
@@ -157,7 +159,10 @@ async def test_a_resumed_task_whose_old_attempt_holds_a_lease_waits_in_line() ->
     assert await dispatcher.dispatch_once() == 0
     assert bus.published == []
     assert "waiting for attempt 1 to stop" in store.data.wait_reasons[task.id]
-    assert await queue.size() == 1
+    assert await queue.size() == 0
+    assert queue.parked(FENCED_KEY) == {task.id}
+    assert FENCED_KEY in hub.waiting_aside
+    assert hub.dispatch.is_set()  # what was behind it gets the slots at once
 
 
 # -- intake ----------------------------------------------------------------------------------

@@ -31,15 +31,19 @@ WHERE t.status = 'running' AND t.attempt = u.attempt AND t.lease_owner = $1
 -- name: release_leases
 -- An executor gives up the leases of attempts it no longer runs (paused or canceled, their
 -- processes gone), so that a next attempt need not wait for them to lapse. Never the lease of
--- an attempt still Running.
+-- an attempt still Running. A lease given back frees its node's slot and lets a resumed task
+-- start: the schedulers are told (NOTIFY sked_task, the tasks as they stand, no move).
 WITH u AS (SELECT * FROM unnest($2::uuid[], $3::int[]) AS u(id, attempt)),
 locked AS (
     {{locked_in_id_order(t.lease_owner = $1 AND t.lease_attempt = u.attempt AND NOT (t.status = 'running' AND t.attempt = u.attempt))}}
+), released AS (
+    UPDATE tasks t SET lease_owner = NULL, lease_attempt = NULL, lease_until = NULL
+    FROM locked u
+    WHERE t.id = u.id AND t.lease_owner = $1 AND t.lease_attempt = u.attempt
+      AND NOT (t.status = 'running' AND t.attempt = u.attempt)
+    RETURNING t.id, t.version, t.schedule_deadline, t.workflow_id, t.status
 )
-UPDATE tasks t SET lease_owner = NULL, lease_attempt = NULL, lease_until = NULL
-FROM locked u
-WHERE t.id = u.id AND t.lease_owner = $1 AND t.lease_attempt = u.attempt
-  AND NOT (t.status = 'running' AND t.attempt = u.attempt)
+SELECT pg_notify('sked_task', {{task_payload}}) FROM released HAVING count(*) > 0
 
 -- name: apply_heartbeats
 -- Beats (task, attempt, seq), applied only to the attempt Running now and only when newer

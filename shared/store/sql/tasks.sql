@@ -64,11 +64,13 @@ FROM sked_admit($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int[], $6::i
 -- commit, in one call and one transaction (autocommit). The caller placed the tasks on the
 -- nodes as it read them moments before, without locks (`nodes_with_usage`); so here, each
 -- planned node is locked (in id order, as every placement locks them) if it is still live,
--- ready, uncordoned and of the same incarnation (its boot id: a node registered anew may have
--- new labels), and then its usage is read by a statement of its own (a snapshot taken after
--- the lock, as in sked_nodes). A node takes its planned tasks only if all of them still fit:
--- its attempts held (Scheduling or Running) plus the planned ones within its slots and
--- backlog, cpu, memory and gpu. The degrade mode must be normal. Only tasks this call created
+-- ready, uncordoned and of the same incarnation (its boot id), and then its labels and usage
+-- are read by a statement of its own (a snapshot taken after the lock, as in sked_nodes). A
+-- node takes its planned tasks only if all of them still fit: its labels carry every planned
+-- task's selector (a cluster node's boot id is the same at every registration, so a node
+-- relabelled since the read keeps it), and its attempts held (Scheduling or Running) plus the
+-- planned ones are within its slots and backlog, cpu, memory and gpu. The degrade mode must
+-- be normal. Only tasks this call created
 -- are moved (an existing one keeps its state); those not moved stay Ready for the caller to
 -- queue. The moves go through sked_transition: the same CAS, events and NOTIFY as any move.
 -- Returns the created tasks as they stand at the end. Why it pays: at 100 tasks/s the lone
@@ -108,7 +110,8 @@ BEGIN
         SELECT COALESCE(array_agg(want.node), '{}') INTO fit
         FROM (
             SELECT m.patch::jsonb ->> 'node' AS node, count(*) AS n, sum(t.cpu) AS cpu,
-                   sum(t.memory_mb) AS memory_mb, sum(t.gpu) AS gpu
+                   sum(t.memory_mb) AS memory_mb, sum(t.gpu) AS gpu,
+                   array_agg(DISTINCT COALESCE(t.spec -> 'selector', '{}')) AS selectors
             FROM unnest(m_ids, m_patches) AS m(id, patch)
             JOIN tasks t ON t.id = m.id
             WHERE m.id = ANY(fresh)
@@ -121,6 +124,7 @@ BEGIN
             FROM tasks t WHERE t.node = want.node AND {{holds_slot}}
         ) used ON true
         WHERE n.id = ANY(held)
+          AND n.labels @> ALL(want.selectors)
           AND used.n + want.n <= n.slots + n.prefetch
           AND used.cpu + want.cpu <= n.cpu + 1e-9
           AND used.memory_mb + want.memory_mb <= n.memory_mb
