@@ -49,10 +49,21 @@ def _commands(executors: int, slots: int) -> list[tuple[str, list[str]]]:
 
 
 async def _pump(child: Child, colour: str, tty: bool) -> None:
+    """The child's output, each line under its name. Read in chunks, not with readline: a
+    line past its 64 KiB limit (a traceback with a big repr) ended the reader, the child's
+    pipe then filled, and the service hung on its next log line."""
     assert child.proc.stdout is not None
     prefix = f"\x1b[{colour}m{child.name:>10}\x1b[0m | " if tty else f"{child.name:>10} | "
-    async for line in child.proc.stdout:
-        sys.stdout.write(prefix + line.decode(errors="replace"))
+    pending = b""
+    while chunk := await child.proc.stdout.read(1 << 16):
+        *lines, pending = (pending + chunk).split(b"\n")
+        if lines:
+            sys.stdout.write(
+                "".join(f"{prefix}{line.decode(errors='replace')}\n" for line in lines)
+            )
+            sys.stdout.flush()
+    if pending:
+        sys.stdout.write(f"{prefix}{pending.decode(errors='replace')}\n")
         sys.stdout.flush()
 
 
