@@ -13,6 +13,7 @@ import pytest
 
 from shared import control, dag, fsm, workflows
 from shared.dag import WorkflowSpec
+from shared.errors import StaleWrite
 from shared.fsm import State
 from shared.models import Task
 from shared.outcome import not_started
@@ -235,17 +236,40 @@ async def test_the_sweep_and_its_look_ahead_use_the_partial_index(
             assert "tasks_schedule_deadline" in plan, plan
 
 
-async def test_a_start_claim_holding_the_row_wins_and_the_sweep_skips_it(
+async def test_a_start_claim_holding_the_row_is_skipped_by_the_sweep(
     store: Store, pool: asyncpg.Pool
 ) -> None:
-    task = await placed(store, schedule_timeout_s=2)
-    await make_overdue(pool, task)
+    task = await placed(store, schedule_timeout_s=30)
+    await pool.execute(  # due in a moment, by Postgres's clock
+        "UPDATE tasks SET schedule_deadline = now() + interval '0.5 second' WHERE id = $1",
+        task.id,
+    )
     start = fsm.plan(task, State.RUNNING, "started on n1", lease_owner=str(uuid4()))
     async with store.transaction() as tx:
         assert len(await tx.tasks.transition_many([start])) == 1  # holds the row until COMMIT
+        await asyncio.sleep(1.0)  # the deadline passes meanwhile
         assert await sweep(store) == []  # SKIP LOCKED: not waited for, not failed
     assert (await store.tasks.get(task.id)).status is State.RUNNING
     assert await sweep(store) == []  # started: no longer waiting to start
+
+
+async def test_no_attempt_is_placed_or_starts_past_its_deadline_whatever_the_sweep(
+    store: Store, pool: asyncpg.Pool
+) -> None:
+    """Only the scheduler's sweep enforced the deadline: with it late (every scheduler down,
+    or behind), an executor's claim of a dispatch it held in its backlog started the attempt
+    a minute past its deadline (and then the sweep no longer saw it), and a pass placed an
+    overdue task. The CAS now refuses both moves past the deadline, by Postgres's clock; the
+    sweep fails the task as before."""
+    task = await placed(store, "placed", schedule_timeout_s=2)
+    waiting = await ready(store, "waiting", schedule_timeout_s=2)
+    await make_overdue(pool, task, waiting)
+    start = fsm.plan(task, State.RUNNING, "started on n1", lease_owner=str(uuid4()))
+    async with asyncio.timeout(10):
+        assert await store.tasks.transition_many([start]) == []
+        with pytest.raises(StaleWrite):
+            await fsm.apply(store.tasks, waiting, State.SCHEDULING, node="n1")
+    assert {t.id for t in await sweep(store)} == {task.id, waiting.id}
 
 
 async def test_a_start_claim_racing_the_sweep_loses_to_the_failed_move(

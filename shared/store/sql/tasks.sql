@@ -255,6 +255,10 @@ WITH u AS (
     WHERE t.id = u.id AND t.version = u.version AND t.status || '' = u.from_status
       AND (u.to_status NOT IN ('lost', 'running') OR {{lease_over($7)}}
            OR (u.to_status = 'lost' AND t.lease_owner = (u.p ->> 'lease_owner')::uuid))
+      -- no attempt is placed or starts past its schedule deadline, by this clock: the sweep
+      -- that fails such a task may be behind, or down (services/scheduler/timeouts.py)
+      AND (u.to_status NOT IN ('scheduling', 'running') OR t.schedule_deadline IS NULL
+           OR t.schedule_deadline > now())
     RETURNING t AS task, u.from_status AS _from, u.reason AS _reason
 ), after AS (
     SELECT (task).* FROM moved
