@@ -104,6 +104,10 @@ class Alerter:
             state = "resolved" if alert.resolved else "firing"
             log.warning("alert %s %s: %s", alert.name, state, alert.summary)
         wire = [a.wire(now) for a in alerts]
+        if self.url is not None:
+            # queued first: a broker slow to confirm (seconds) held these back, and alerts
+            # sent later (a newer degrade mode's) could reach Alertmanager before them
+            self._queue(wire)
         if self.bus is not None:
             messages = [
                 Outgoing(f"alert.{a.name}", json.dumps(w).encode())
@@ -113,8 +117,6 @@ class Alerter:
                 await self.bus.publish(EVENTS_EXCHANGE, messages)
             except Exception as exc:  # an alert is not worth failing the caller for
                 log.error("alerts not published: %s", one_line(exc))
-        if self.url is not None:
-            self._queue(wire)
 
     def _queue(self, wire: list[dict[str, Any]]) -> None:
         """Hand alerts to the poster: a flood of them, or an Alertmanager that does not answer
@@ -142,21 +144,36 @@ class Alerter:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=POST_TIMEOUT_S)
             )
+        url = f"{self.url}/api/v2/alerts"
         try:
-            async with self._session.post(f"{self.url}/api/v2/alerts", json=wire) as resp:
-                if resp.status >= 300:
-                    body = (await resp.text())[:300]
+            # not followed: a redirected POST turns into a GET that Alertmanager answers 200
+            # with its alerts, and ours would be dropped without a word
+            async with self._session.post(url, json=wire, allow_redirects=False) as resp:
+                if 300 <= resp.status < 400:
+                    log.error(
+                        "Alertmanager refused %d alert(s): %s redirects to %s (set "
+                        "SKED_ALERTMANAGER_URL to where it points)",
+                        len(wire),
+                        resp.status,
+                        masked(resp.headers.get("Location", "?")),
+                    )
+                elif resp.status >= 300:
+                    # a proxy's error page may be in any charset
+                    body = (await resp.read())[:300].decode("utf-8", errors="replace")
                     log.error(
                         "Alertmanager refused %d alert(s): %s %s", len(wire), resp.status, body
                     )
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             log.error("Alertmanager not reached (%s): %s", masked(self.url or ""), one_line(exc))
+        except Exception as exc:  # the poster must outlive any one answer
+            log.error("Alertmanager post failed (%s): %s", masked(self.url or ""), one_line(exc))
 
     async def close(self) -> None:
         await self.flush()
         if self._posting is not None:
             self._posting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            # what killed the poster was logged by it; closing must not fail the caller
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._posting
         if self._session is not None:
             await self._session.close()

@@ -4,8 +4,12 @@ queue and the bus."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 from uuid import UUID
+
+from shared.errors import one_line
+from shared.redact import masked
 
 if TYPE_CHECKING:
     from shared.bus import AmqpBus
@@ -14,6 +18,8 @@ if TYPE_CHECKING:
     from shared.queues import ReadyQueue
     from shared.settings import Settings
     from shared.store import Store
+
+log = logging.getLogger(__name__)
 
 
 class Control:
@@ -88,12 +94,26 @@ class Control:
         self, mode: Mode, reason: str, by: str, for_s: float | None = None
     ) -> DegradeState:
         """Set the degrade mode (NORMAL lifts it) for `for_s` seconds or until lifted; its
-        event and alert go out. Raises ModeChanged if it changed meanwhile."""
+        event and alert go out (without RabbitMQ: its alert only). Raises ModeChanged if it
+        changed meanwhile."""
         from shared import modes
         from shared.alerts import Alerter
 
         modes.check_duration(for_s)  # before connecting anywhere
-        bus = await self._publisher()
+        bus: AmqpBus | None
+        try:
+            bus = await self._publisher()
+        except Exception as exc:
+            if not _away(exc):
+                raise  # RabbitMQ refused (no such vhost, bad credentials): configuration
+            # the mode is a Postgres row the schedulers obey; its event is a courtesy, and
+            # an outage is when an operator may most want to hold dispatch back
+            log.error(
+                "RabbitMQ not reached (%s): the degrade mode is set, but no scheduler.degrade "
+                "event goes out",
+                masked(one_line(exc)),
+            )
+            bus = None
         alerter = Alerter(bus, self.settings.alertmanager_url)
         try:
             store = await self._db()
@@ -101,3 +121,18 @@ class Control:
         finally:
             await alerter.close()
         return after
+
+
+def _away(exc: BaseException) -> bool:
+    """Whether RabbitMQ could not be reached (refused, unresolvable, timed out), as opposed
+    to answering with a refusal: an OS-level error in the chain that is not AMQP's own."""
+    import aiormq
+
+    seen: BaseException | None = exc
+    for _ in range(8):  # a chain is short; never loop on a cycle
+        if seen is None:
+            return False
+        if isinstance(seen, OSError) and not isinstance(seen, aiormq.exceptions.AMQPError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

@@ -10,7 +10,8 @@ A drain is a cordon, then a wait until no attempt holds the node (Scheduling or 
 every attempt there runs to its end — or moves on by the usual ways (pause, cancel, loss) —
 and none starts after. A placement pass that held the node's row when the cordon came commits
 first (the cordon waits for its row lock), so what it placed there is among what the drain
-waits for.
+waits for. A drain ends with Uncordoned when the cordon it relies on is lifted while it waits
+(another operator's uncordon): the node takes new work, so "drained" would be a lie.
 """
 
 from __future__ import annotations
@@ -21,11 +22,16 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
+from shared.control import NotAllowed
 from shared.errors import NotFound
 from shared.jsonvalue import note
 from shared.store import NodeRow, Store
 
 POLL_S = 0.5  # how often a drain looks at what still holds the node (an operator's wait)
+
+
+class Uncordoned(NotAllowed):
+    """The node's cordon was lifted while a drain waited: it takes new work (API 409)."""
 
 
 @dataclass(frozen=True)
@@ -35,7 +41,7 @@ class Drain:
 
     @property
     def done(self) -> bool:
-        return not self.holding
+        return not self.holding and self.node.cordoned_at is not None
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -53,8 +59,8 @@ async def node(store: Store, node_id: str) -> NodeRow:
 
 
 async def cordon(store: Store, node_id: str, by: str, reason: str = "") -> NodeRow:
-    by, reason = note("by", by), note("reason", reason)
     """No new work on the node (a node cordoned already keeps its first cordon)."""
+    by, reason = note("by", by), note("reason", reason)
     if not await store.nodes.cordon(node_id, by, reason):
         raise NotFound(f"no node {node_id!r}")
     return await node(store, node_id)
@@ -70,12 +76,19 @@ async def drain(
     store: Store, node_id: str, by: str, timeout: float | None = None, reason: str = ""
 ) -> Drain:
     """Cordon the node, then wait (at most `timeout` seconds; None: as long as it takes) until
-    no attempt holds it. `Drain.done` says whether it got there."""
-    await cordon(store, node_id, by, reason or "drain")
+    no attempt holds it. `Drain.done` says whether it got there. Raises Uncordoned if the
+    cordon is lifted meanwhile (even if cordoned again: the node took work in between)."""
+    cordoned_at = (await cordon(store, node_id, by, reason or "drain")).cordoned_at
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         holding = await store.nodes.holders(node_id)
+        row = await node(store, node_id)  # after the holders: no attempt came before it
+        if row.cordoned_at is None or row.cordoned_at != cordoned_at:
+            raise Uncordoned(
+                f"node {node_id!r} was uncordoned while the drain waited: it takes new work "
+                "and is not drained (cordon it again, or drain it again, when it is meant)"
+            )
         left = None if deadline is None else deadline - time.monotonic()
         if not holding or (left is not None and left <= 0):
-            return Drain(await node(store, node_id), holding)
+            return Drain(row, holding)
         await asyncio.sleep(POLL_S if left is None else min(POLL_S, left))

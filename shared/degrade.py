@@ -8,7 +8,9 @@ every scheduler replica obeys the same mode; it ends by itself at `until` (Postg
 
 An operator sets a mode by hand (`sked degrade`); one scheduler at a time evaluates the
 automatic triggers (`decide`). An automatic mode never replaces an active manual one: the
-operator's word holds until it ends or the operator lifts it.
+operator's word holds until it ends or the operator lifts it. An operator's lift holds too:
+no trigger degrades again until its `until` (`sked degrade off --for S`), or for
+`Rules.calm_s` after it when it has none (`held`).
 """
 
 from __future__ import annotations
@@ -55,10 +57,6 @@ class DegradeState:
         """The mode in force: a mode past its `until` is over."""
         return in_force(self.mode, self.remaining_s)
 
-    @property
-    def manual(self) -> bool:
-        return not self.automatic and self.effective() is not Mode.NORMAL
-
 
 @dataclass(frozen=True)
 class Snapshot:
@@ -84,7 +82,9 @@ class Rules:
     healthy_for_s: float = 1800.0
     waiting: int = 10_000  # more tasks than this waiting -> partial
     waiting_for_s: float = 300.0
-    calm_s: float = 60.0  # an automatic mode whose cause has been gone this long ends early
+    # an automatic mode whose cause has been gone this long ends early; an operator's lift
+    # with no end of its own holds the triggers back this long
+    calm_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,11 @@ def decide(state: DegradeState, snapshot: Snapshot, rules: Rules) -> Change | No
     current = state.effective()
     trigger = triggered(snapshot, rules, backlog=not backlog_rests(state, snapshot, rules))
     expired = state.mode is not Mode.NORMAL and current is Mode.NORMAL
-    if trigger is not None and not state.manual and trigger.mode.rank > current.rank:
+    if (
+        trigger is not None
+        and not held(state, snapshot, rules)
+        and trigger.mode.rank > current.rank
+    ):
         return trigger
     if expired:
         return Change(Mode.NORMAL, f"{state.mode.value} mode ended at its until", None, True)
@@ -151,6 +155,24 @@ def decide(state: DegradeState, snapshot: Snapshot, rules: Rules) -> Change | No
             return Change(Mode.NORMAL, why, None, True)
         return Change(trigger.mode, f"{why}; {trigger.reason}", trigger.for_s, True)
     return None
+
+
+def held(state: DegradeState, snapshot: Snapshot, rules: Rules) -> bool:
+    """Whether the operator's word holds the automatic triggers back: a mode they set, while
+    in force; their lift (normal), until its `until` or, with none, for `rules.calm_s` after
+    it (Postgres time). Without it, a cause that outlasts what the operator knows (nodes gone
+    for good still count as seen for an hour) degraded again at the next evaluation."""
+    if state.automatic:
+        return False
+    if state.mode is not Mode.NORMAL:
+        return state.effective() is not Mode.NORMAL
+    if state.version <= 1:
+        return False  # the row as its migration left it: nobody lifted anything
+    if state.remaining_s is not None:
+        return state.remaining_s > 0
+    if snapshot.at is None:
+        return False  # no clock to judge by
+    return (snapshot.at - state.since).total_seconds() < rules.calm_s
 
 
 def calm(state: DegradeState, snapshot: Snapshot, rules: Rules) -> bool:

@@ -24,7 +24,7 @@ Cluster-wide, computed ONCE per deployment:
   sked_tasks{state}                      tasks in each state work passes through
   sked_outbox_backlog                    events not yet published
   sked_relay_lag_seconds                 age of the oldest of them (Postgres clock)
-  sked_ready_queue_depth{queue}          the Redis ready queue: ready, parked, resource
+  sked_ready_queue_depth{queue}          the Redis ready queue: ready, parked, resource, fenced
 
 Why once: these are facts about the shared Postgres and Redis, not about a process. Were
 every replica to query them on every scrape, the load would grow with replicas x scrapers,
@@ -40,8 +40,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     REGISTRY,
@@ -49,7 +53,7 @@ from prometheus_client import (
     Gauge,
     Histogram,
     disable_created_metrics,
-    start_http_server,
+    make_wsgi_app,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -142,7 +146,7 @@ CLUSTER_STATES = tuple(
         State.PAUSED,
     )
 )
-QUEUES = ("ready", "parked", "resource")
+QUEUES = ("ready", "parked", "resource", "fenced")
 
 
 def set_degrade_mode(mode: str) -> None:
@@ -234,7 +238,8 @@ class ClusterCollector(Collector):
         depth = GaugeMetricFamily(
             "sked_ready_queue_depth",
             "Tasks in the Redis ready queue: in line (ready), parked because no node can take "
-            "them (parked), waiting for a named resource (resource); once per deployment.",
+            "them (parked), waiting for a named resource (resource) or an earlier attempt's "
+            "lease (fenced); once per deployment.",
             labels=["queue"],
         )
         backlog = GaugeMetricFamily(
@@ -270,17 +275,74 @@ def install() -> None:
         _installed = True
 
 
+# The metrics port's bounds: a thread per connection, at most MAX_CONNECTIONS of them (past
+# it a connection is closed at once), each given READ_TIMEOUT_S per read or write. Unbounded,
+# anyone who reached the port (containers bind 0.0.0.0) held a thread per idle connection
+# for ever, until the process could start none (asyncio's executor, getaddrinfo).
+MAX_CONNECTIONS = 16
+READ_TIMEOUT_S = 10.0
+
+
+class _Handler(WSGIRequestHandler):
+    timeout = READ_TIMEOUT_S  # StreamRequestHandler sets it on the connection
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """A line per scrape is noise."""
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a scrape never holds the process's exit
+    request_queue_size = 64  # the listen backlog: 5 made a burst of connections wait 1 s each
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*args, **kw)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # full: refused, and no thread started
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # a client that went quiet (timed out) or away: not worth a traceback on stderr
+        log.debug("metrics request from %s failed", client_address, exc_info=True)
+
+
+def serve(host: str, port: int) -> WSGIServer:
+    """Serve the registry on GET /metrics at host:port from a thread of its own, within the
+    bounds above (a scrape is answered even while the event loop is busy)."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    server_class = type("_MetricsServer", (_Server,), {"address_family": family})
+    app = make_wsgi_app(REGISTRY)
+    server: WSGIServer = make_server(str(sockaddr[0]), port, app, server_class, _Handler)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server
+
+
 def setup(settings: Settings, service: str) -> int | None:
     """A service process's metrics (services call this once at start, as they set tracing
-    up): with SKED_METRICS_PORT >= 0, install the hook and serve GET /metrics from a thread
-    (so a scrape is answered even while the event loop is busy). Returns the port bound."""
+    up): with SKED_METRICS_PORT >= 0, install the hook and serve GET /metrics (`serve`).
+    Returns the port bound."""
     if settings.metrics_port < 0:
         return None
     install()
     if service == "scheduler":
         # a scheduler dispatches as in normal mode until it has read the degrade row
         set_degrade_mode("normal")
-    server, _thread = start_http_server(settings.metrics_port, settings.metrics_host)
+    server = serve(settings.metrics_host, settings.metrics_port)
     port = int(server.server_port)
     log.info("%s metrics on http://%s:%d/metrics", service, settings.metrics_host, port)
     return port

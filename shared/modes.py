@@ -48,14 +48,25 @@ def alerts(before: DegradeState, after: DegradeState) -> list[Alert]:
     """Entering, changing or extending a mode fires SkedDegraded, ending at its until (sent
     again when its until, reason or setter changes: Alertmanager keeps the first endsAt
     otherwise, and resolved an extended mode at its old end); leaving it resolves the one
-    that fired, with the same labels, severity included."""
+    that fired, with the same labels, severity included — even when it is left after its
+    until passed, as the alert may still fire then (below). Shortening a mode resolves its
+    alert first: of two endsAt for one alert, Alertmanager keeps the later."""
     out = []
-    previous = before.effective()
-    if previous is not Mode.NORMAL and previous is not after.mode:
-        out.append(_degraded(previous, after.reason, before.since, resolved=True))
-    if (firing := degraded_alert(after)) is not None:
+    firing = degraded_alert(after)
+    if before.mode is not Mode.NORMAL and (
+        before.mode is not after.mode or (firing is not None and _shortened(before, after))
+    ):
+        out.append(_degraded(before.mode, after.reason, before.since, resolved=True))
+    if firing is not None:
         out.append(firing)
     return out
+
+
+def _shortened(before: DegradeState, after: DegradeState) -> bool:
+    """Whether `after` (the same mode) ends before the end Alertmanager was given for it."""
+    if before.until is None or before.effective() is Mode.NORMAL:
+        return False
+    return after.until is None or after.until < before.until
 
 
 def degraded_alert(state: DegradeState) -> Alert | None:
@@ -92,11 +103,31 @@ def _degraded(
     )
 
 
+def degraded_alerts(state: DegradeState) -> list[Alert]:
+    """What the evaluator sends again while a mode lasts (Alertmanager forgets an alert not
+    heard of for its resolve_timeout): the mode in force's SkedDegraded, and a resolve for
+    every other mode's, so that one fired late by a change announced after a newer one (a
+    slow broker held it back) is corrected at the next resend."""
+    firing = degraded_alert(state)
+    out = [] if firing is None else [firing]
+    for mode in (Mode.PARTIAL, Mode.FULL):
+        if firing is None or mode is not state.effective():
+            out.append(_degraded(mode, state.reason, state.since, resolved=True))
+    return out
+
+
 async def announce(
-    before: DegradeState, after: DegradeState, bus: Publisher | None, alerter: Alerter
-) -> None:
-    """Publish the change and raise its alerts; failures are logged, never raised (the
-    change itself is committed)."""
+    before: DegradeState,
+    after: DegradeState,
+    bus: Publisher | None,
+    alerter: Alerter,
+    degrade: Degrade | None = None,
+) -> DegradeState:
+    """Raise the change's alerts and publish its event; failures are logged, never raised
+    (the change itself is committed). With `degrade`, the row is read again first: if it
+    changed since (another operator, the evaluator), that change's own alerts stand, and
+    these are not sent. Returns the row as read again at the end (`after` without
+    `degrade`): what the caller's alerts should follow from now on."""
     body = event(before, after)
     log.warning(
         "degrade mode %s -> %s (%s, by %s): %s",
@@ -106,12 +137,30 @@ async def announce(
         after.set_by or "-",
         after.reason,
     )
+    now = await _reread(degrade, after)
+    if now.version == after.version:
+        # before the event: a broker slow to confirm held the alerts back for seconds, and
+        # a newer change's could reach Alertmanager first, to be contradicted by these
+        await alerter.send(alerts(before, after), after.since)
+    else:
+        log.info("degrade alerts for version %d not sent: now at %d", after.version, now.version)
     if bus is not None:
         try:
             await bus.publish(EVENTS_EXCHANGE, [Outgoing(DEGRADE_KEY, json.dumps(body).encode())])
         except Exception as exc:
             log.error("degrade event not published: %s", one_line(exc))
-    await alerter.send(alerts(before, after), after.since)
+        now = await _reread(degrade, now)  # the publish may have taken seconds
+    return now
+
+
+async def _reread(degrade: Degrade | None, known: DegradeState) -> DegradeState:
+    if degrade is None:
+        return known
+    try:
+        return await degrade.read()
+    except Exception as exc:  # Postgres away: the alerts go out as the change made them
+        log.error("degrade row not read again: %s", one_line(exc))
+        return known
 
 
 def check_duration(for_s: float | None) -> None:
@@ -142,7 +191,7 @@ async def change(
     after = await degrade.set(mode, reason, by, for_s, before.version, automatic)
     if after is None:
         raise ModeChanged("the degrade mode changed meanwhile; look again and retry")
-    await announce(before, after, bus, alerter)
+    await announce(before, after, bus, alerter, degrade)
     return before, after
 
 

@@ -100,13 +100,15 @@ async def uncordon_node(request: web.Request) -> web.StreamResponse:
     "POST",
     "/v1/nodes/{node}/drain",
     Role.OPERATE,
-    "Drain a node: cordon it, then wait until no attempt holds it (200; 202: not yet)",
+    "Drain a node: cordon it, then wait until no attempt holds it (200; 202: not yet; "
+    "409: uncordoned meanwhile)",
     "nodes",
     ok=200,
     response=schemas.Drain,
     body=schemas.CordonBody,
     body_required=False,
     query=(WAIT,),
+    conflict=True,
 )
 async def drain_node(request: web.Request) -> web.StreamResponse:
     node_id = request.match_info["node"]

@@ -1,7 +1,9 @@
 """`sked degrade`: set, lift and show the degrade mode every scheduler obeys.
 
 sked degrade partial|full --for SECONDS --reason TEXT [--by WHO]
-sked degrade off [--reason TEXT] [--by WHO]
+sked degrade off [--for SECONDS] [--reason TEXT] [--by WHO]
+                 the automatic triggers are held back for SECONDS (default:
+                 SKED_DEGRADE_CALM_S); then a trigger that still holds degrades again
 sked degrade status [--json]
 """
 
@@ -24,7 +26,12 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("mode", choices=["partial", "full", "off", "status"])
     p.add_argument(
-        "--for", dest="for_s", type=float, metavar="SECONDS", help="how long (default: until off)"
+        "--for",
+        dest="for_s",
+        type=float,
+        metavar="SECONDS",
+        help="how long (default: until off); off: how long the automatic triggers are held "
+        "back (default: SKED_DEGRADE_CALM_S)",
     )
     p.add_argument("--reason", default="", help="why (required for partial and full)")
     p.add_argument("--by", help="who is acting (default: user@host)")
@@ -37,6 +44,9 @@ def _line(state: DegradeState) -> str:
 
     mode = state.effective()
     if mode is Mode.NORMAL:
+        if not state.automatic and state.until is not None and (state.remaining_s or 0) > 0:
+            held = f"set by {state.set_by or '-'}: automatic triggers held back until "
+            return printable(f"normal: everything is dispatched ({held}{state.until.isoformat()})")
         return "normal: everything is dispatched"
     how = "automatic" if state.automatic else f"set by {state.set_by or '-'}"
     until = f" until {state.until.isoformat()}" if state.until else " until lifted"
@@ -58,8 +68,7 @@ async def _degrade(args: argparse.Namespace) -> int:
             if mode is not Mode.NORMAL and not args.reason:
                 raise SkedError("degrade: --reason is required for partial and full")
             reason = args.reason or ("lifted" if mode is Mode.NORMAL else "")
-            for_s = None if mode is Mode.NORMAL else args.for_s
-            state = await client.degrade(mode, reason, args.by or operator(), for_s)
+            state = await client.degrade(mode, reason, args.by or operator(), args.for_s)
     if args.json:
         print_json(describe(state))
     else:

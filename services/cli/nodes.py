@@ -6,6 +6,7 @@ sked node cordon NODE [--reason TEXT] [--by WHO] [--json]     no new work there
 sked node uncordon NODE [--json]
 sked node drain NODE [--timeout SECONDS] [--reason TEXT] [--by WHO] [--json]
                      cordon, then wait until nothing runs there: exit 0 drained, 1 not yet
+                     (or uncordoned by someone else meanwhile: it takes work again)
 """
 
 from __future__ import annotations

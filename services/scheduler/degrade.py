@@ -110,7 +110,8 @@ class Degrade(Part):
                 # scheduler evaluates next counts from the same moment)
                 await tx.degrade.mark_calm(quiet, before.version)
         if after is not None:
-            await modes.announce(before, after, self.bus, self.alerter)
+            # re-read by announce: an operator's change meanwhile is not contradicted
+            after = await modes.announce(before, after, self.bus, self.alerter, self.store.degrade)
             self.hub.degrade_changed.set()
         raised = self.watch(snapshot)
         if time.monotonic() >= self._resend_at:
@@ -122,12 +123,12 @@ class Degrade(Part):
         await self.alerter.send(raised, snapshot.at or before.since)
 
     def still_firing(self, state: DegradeState, raised: list[Alert]) -> list[Alert]:
-        """The alerts this evaluator raised that still fire, and the mode's, not sent now."""
+        """The alerts this evaluator raised that still fire, and the mode's (with resolves of
+        the modes not in force), not sent now."""
         sent = {(a.name, a.labels.get("node", "")) for a in raised}
         again = [a for key, a in self.firing.items() if key not in sent]
-        mode = modes.degraded_alert(state)
-        if mode is not None and not any(a.name == mode.name for a in raised):
-            again.append(mode)
+        if not any(a.name == "SkedDegraded" for a in raised):
+            again += modes.degraded_alerts(state)
         return again
 
     def watch(self, snapshot: Snapshot) -> list[Alert]:

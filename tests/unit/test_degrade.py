@@ -11,7 +11,7 @@ import pytest
 from services.scheduler.hub import DegradeView
 from shared.degrade import DegradeState, Mode, Rules, Snapshot, decide, triggered
 from shared.errors import InvalidSpec
-from shared.modes import MAX_FOR_S, alerts, check_duration, describe, event
+from shared.modes import MAX_FOR_S, alerts, check_duration, degraded_alerts, describe, event
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 RULES = Rules()
@@ -203,3 +203,36 @@ def test_an_automatic_mode_ends_or_weakens_once_its_cause_has_been_gone_a_while(
     assert weaker.reason.endswith("8 of 8 GPUs allocated (over 95%)")
     # an operator's mode is never lifted for calm
     assert decide(calm(Mode.FULL, 600, automatic=False), snap(), RULES) is None
+
+
+def test_an_operators_lift_holds_the_triggers_back() -> None:
+    """An operator's `sked degrade off` once lasted one evaluation when a trigger still held
+    (nodes gone for good count for an hour): now it holds the triggers back until its until,
+    or for calm_s when it has none; an automatic normal holds nothing back."""
+    sick = {"nodes_healthy": 1}
+    lift = replace(LEFT, automatic=False, reason="lifted")
+    assert decide(lift, at(0.0, **sick), RULES) is None
+    assert decide(lift, at(RULES.calm_s - 1, **sick), RULES) is None
+    again = decide(lift, at(RULES.calm_s + 1, **sick), RULES)
+    assert again is not None
+    assert again.mode is Mode.FULL
+    held = replace(lift, until=T0 + timedelta(hours=1), remaining_s=3000.0)
+    assert decide(held, at(600, **sick), RULES) is None
+    over = decide(replace(held, remaining_s=-1.0), at(3601, **sick), RULES)
+    assert over is not None
+    assert over.mode is Mode.FULL
+    assert decide(LEFT, at(0.0, **sick), RULES) is not None  # the evaluator's own normal
+
+
+def test_a_mode_left_after_its_until_or_shortened_resolves_its_alert() -> None:
+    """Alertmanager keeps the later of two endsAt for one alert: a mode shortened resolves
+    its alert before firing it again, and one left after its until passed is resolved too
+    (it may still fire from before the shortening)."""
+    expired = state(Mode.PARTIAL, False, -1)
+    assert [(a.labels["mode"], a.resolved) for a in alerts(expired, LEFT)] == [("partial", True)]
+    hour = replace(state(Mode.PARTIAL, False, 3600), until=T0 + timedelta(hours=1))
+    short = replace(state(Mode.PARTIAL, False, 2), until=T0 + timedelta(seconds=2))
+    assert [a.resolved for a in alerts(hour, short)] == [True, False]
+    assert [a.resolved for a in alerts(short, hour)] == [False]  # extended: fired again only
+    resent = degraded_alerts(state(Mode.FULL, False, None))
+    assert [(a.labels["mode"], a.resolved) for a in resent] == [("full", False), ("partial", True)]
