@@ -17,6 +17,9 @@ from typing import Any
 from shared.errors import InvalidSpec
 
 MAX_DEPTH = 64  # levels of arrays and objects; a task spec needs a handful
+# A result's JSON once cleaned (json.dumps of `clean`'s copy); more fails the attempt. Here, not
+# in shared.outcome, so that a handler worker can judge its result without importing the models.
+MAX_RESULT_BYTES = 1024 * 1024
 CUT = " …[cut]"
 
 
@@ -200,8 +203,12 @@ def clean(value: Any) -> Any:
             for k, v in item.items():
                 if not isinstance(k, str):
                     raise ValueError(f"a JSON object key must be a string, not {type(k).__name__}")
-                obj[clean_text(k)] = None
-                todo.append((v, obj, clean_text(k), depth + 1))
+                ck = clean_text(k)
+                if ck in obj:  # two keys one once escaped: keeping either drops a value
+                    other = next(o for o in item if o != k and clean_text(o) == ck)
+                    raise ValueError(f"keys {other!r} and {k!r} are the same once escaped ({ck!r})")
+                obj[ck] = None
+                todo.append((v, obj, ck, depth + 1))
         elif isinstance(item, list | tuple):
             arr: list[Any] = [None] * len(item)
             parent[key] = arr
@@ -209,6 +216,33 @@ def clean(value: Any) -> Any:
         else:
             raise ValueError(f"{type(item).__name__} is not a JSON type")
     return root[0]
+
+
+def cleaned_size_floor(text: str | bytes) -> int:
+    """At most the size of `clean(value)`'s JSON, given `text`, the json.dumps of `value`:
+    cleaning shortens only a NUL (`\\u0000`, 6 bytes, becomes `\\0`, 3) and lengthens a lone
+    surrogate. A count over the text, where walking the value costs ~2 µs an element."""
+    # an escaped backslash before "u0000" counts too: a lower floor, still a floor
+    if isinstance(text, bytes):
+        return len(text) - 3 * text.count(b"\\u0000")
+    return len(text) - 3 * text.count("\\u0000")
+
+
+def few(value: Any, limit: int) -> bool:
+    """Whether `value` holds at most `limit` values, itself and those nested in it (what
+    `clean` walks), counted only as far as `limit`."""
+    todo, seen = [value], 1
+    while todo:
+        item = todo.pop()
+        if isinstance(item, dict):
+            item = item.values()
+        elif not isinstance(item, list | tuple):
+            continue
+        seen += len(item)
+        if seen > limit:
+            return False
+        todo.extend(item)
+    return True
 
 
 def same_json(a: Any, b: Any) -> bool:

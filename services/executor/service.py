@@ -37,7 +37,7 @@ from shared import heartbeat
 from shared.bus import AmqpBus
 from shared.errors import one_line
 from shared.fsm import State
-from shared.jsonvalue import clean_text
+from shared.jsonvalue import clean_text, clip
 from shared.outcome import storable
 from shared.queues import ReadyQueue
 from shared.resilience import TRANSIENT
@@ -276,7 +276,8 @@ class Executor(Service):
             if probe.want == "log":
                 async with asyncio.timeout(self.settings.probe_timeout_s):
                     tail = await node.backend.log_tail(key, heartbeat.LIVE_LOG_CHARS)
-                tail = None if tail is None else clean_text(tail)
+                if tail is not None:  # cleaning lengthens a NUL: cut again, to the end
+                    tail = clip(clean_text(tail), heartbeat.LIVE_LOG_CHARS, keep_end=True)
                 known = key in node.backend.running()
                 answer = heartbeat.answer(
                     node.secret, cid, probe, "running" if known else "unknown", log=tail

@@ -15,7 +15,8 @@ class LateResults:
         self.db = db
 
     async def record(self, results: Sequence[tuple[UUID, int, bool, Any, str | None, str]]) -> None:
-        """(task id, attempt, ok, result, error, note) rows."""
+        """(task id, attempt, ok, result, error, note) rows; an attempt recorded already is
+        skipped (one attempt, one outcome: a retried write records nothing twice)."""
         if results:
             await self.db.execute(
                 Q.record_late_results, *(list(x) for x in zip(*results, strict=True))

@@ -159,7 +159,7 @@ CREATE TABLE late_results (
     note      text NOT NULL,
     at        timestamptz NOT NULL DEFAULT now()
 );
-CREATE INDEX late_results_task ON late_results (task_id);
+CREATE UNIQUE INDEX late_results_attempt ON late_results (task_id, attempt);  -- once (0021)
 
 -- The object each attempt of a cluster backend runs as (a Kubernetes Job), once it exists.
 CREATE TABLE launches (

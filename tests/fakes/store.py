@@ -386,7 +386,12 @@ class FakeLate:
         self.d = data
 
     async def record(self, results: Sequence[tuple[UUID, int, bool, Any, str | None, str]]) -> None:
-        self.d.late.extend(results)
+        # one per (task, attempt), as late_results' unique index keeps them (0021)
+        seen = {(r[0], r[1]) for r in self.d.late}
+        for r in results:
+            if (r[0], r[1]) not in seen:
+                seen.add((r[0], r[1]))
+                self.d.late.append(r)
 
 
 class FakeDegrade:

@@ -316,3 +316,54 @@ async def test_events_not_yet_relayed_move_to_the_outbox_in_order() -> None:
         admin = await asyncpg.connect(PG_ADMIN)
         await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         await admin.close()
+
+
+async def test_a_late_result_recorded_twice_is_kept_once() -> None:
+    """Migration 0021 (one late result an attempt): a database migrated to 0020 whose
+    late_results hold an attempt twice (a finish write retried after its COMMIT went
+    through) is migrated on; the first of the copies is kept, and recording it again adds
+    nothing."""
+    name = f"{RUN}_late_0021"
+    admin = await asyncpg.connect(PG_ADMIN)
+    await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    await admin.execute(f'CREATE DATABASE "{name}"')
+    await admin.close()
+    dsn = f"{PG_BASE}/{name}"
+    task = uuid4()
+    try:
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute(Q.create_ledger.sql)
+            for m in migrate_module.available():
+                if m.version < 21:
+                    await conn.execute(m.sql)
+                    await conn.execute(Q.record_migration.sql, m.version, m.name)
+            await conn.execute(
+                "INSERT INTO tasks (id, name, kind, spec, status, heartbeat_timeout_s)"
+                " VALUES ($1, 'late', 'handler', '{}', 'canceled', 30)",
+                task,
+            )
+            for attempt, note in [(1, "first"), (1, "again"), (2, "other"), (1, "third")]:
+                await conn.execute(
+                    "INSERT INTO late_results (task_id, attempt, ok, note)"
+                    " VALUES ($1, $2, true, $3)",
+                    task,
+                    attempt,
+                    note,
+                )
+        finally:
+            await conn.close()
+        assert await migrate_module.migrate(dsn) == migrate_module.available()[-1].version
+        store = await Store.connect(dsn)
+        try:
+            await store.late.record([(task, 1, False, None, "late", "once more")])
+            rows = await store.pool.fetch(
+                "SELECT attempt, note FROM late_results WHERE task_id = $1 ORDER BY attempt", task
+            )
+        finally:
+            await store.close()
+        assert [(r["attempt"], r["note"]) for r in rows] == [(1, "first"), (2, "other")]
+    finally:
+        admin = await asyncpg.connect(PG_ADMIN)
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()

@@ -123,3 +123,34 @@ def test_same_json_compares_numbers_by_value_and_nothing_else_loosely() -> None:
     ]
     assert all(jsonvalue.same_json(a, b) and jsonvalue.same_json(b, a) for a, b in same)
     assert not any(jsonvalue.same_json(a, b) for a, b in different)
+
+
+@given(VALUES)
+def test_the_size_floor_never_exceeds_the_cleaned_json_s_size(value: Any) -> None:
+    """`storable` and the handler worker refuse a result by `cleaned_size_floor` of its text
+    without walking it: the floor must never be over what the walk would make of it."""
+    try:
+        cleaned = jsonvalue.clean(value)
+    except ValueError:
+        return  # NaN, Infinity, keys that collide once escaped: refused by the walk anyway
+    floor = jsonvalue.cleaned_size_floor(json.dumps(value))
+    assert floor <= len(json.dumps(cleaned))
+    assert floor == jsonvalue.cleaned_size_floor(json.dumps(value).encode())
+
+
+def test_keys_that_collide_once_escaped_are_refused_naming_both() -> None:
+    with pytest.raises(ValueError, match="same once escaped"):
+        jsonvalue.clean({"k\x00": 1, "k\\0": 2})
+    assert jsonvalue.clean({"k\x00": 1, "k": 2}) == {"k\\0": 1, "k": 2}
+
+
+@given(VALUES, st.integers(min_value=1, max_value=40))
+def test_few_counts_the_values_the_walk_visits(value: Any, limit: int) -> None:
+    def count(v: Any) -> int:
+        if isinstance(v, dict):
+            return 1 + sum(count(x) for x in v.values())
+        if isinstance(v, list):
+            return 1 + sum(count(x) for x in v)
+        return 1
+
+    assert jsonvalue.few(value, limit) == (count(value) <= limit)

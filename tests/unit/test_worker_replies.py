@@ -1,6 +1,7 @@
 """A handler worker's reply pipe as the executor reads it (workers.Replies): whole lines however
 the pipe splits them, none when the worker died mid-line or wrote past the limit, and a wait
-that ends on a line, the end of the pipe, another future or its timeout. Real pipes."""
+that ends on a line, the end of the pipe, another future or its timeout. Real pipes. And the
+worker's failure reply, which fits that limit whatever the exception's text holds."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from services.executor.backends.local import worker
 from services.executor.backends.local.replies import Replies
 from services.executor.backends.local.worker import MAX_REPLY_BYTES
 
@@ -89,3 +91,17 @@ async def test_a_wait_ends_with_another_future_or_its_timeout(pipe: tuple[Replie
     await asyncio.wait_for(waiting, 5)
     await asyncio.wait_for(replies.wait(timeout=0.01), 5)  # nothing came: the timeout ends it
     assert not replies.answered()
+
+
+@pytest.mark.parametrize("char", ["\x01", "\U0001f600", "\udc80", "\\"])
+def test_a_failure_reply_fits_its_line_whatever_the_exception_holds(char: str) -> None:
+    """A traceback is cut by characters; escaped, each is at most 12 bytes of JSON: an
+    exception's text of 3 M control characters (18 MB escaped) once made the reply a line
+    past the limit, taken for a protocol breach."""
+    try:
+        raise ValueError(char * (MAX_REPLY_BYTES // 2))
+    except ValueError as exc:
+        reply = worker._failure(worker.describe(exc))
+    assert len(reply) < MAX_REPLY_BYTES
+    assert reply.endswith(b"\n")
+    assert reply.count(b"\n") == 1

@@ -11,7 +11,6 @@ import fcntl
 import json
 import logging
 import os
-import shutil
 import time
 from collections.abc import Iterable, Set
 from dataclasses import replace
@@ -23,7 +22,7 @@ from pydantic_core import to_json
 
 from services.executor.backends import Key, Launch, OneNode, Outcome
 from services.executor.backends.local.env import task_base_env, task_env
-from services.executor.backends.local.files import remove
+from services.executor.backends.local.files import move_or_tail, remove
 from services.executor.backends.local.outputs import prune_logs, tail, with_output
 from services.executor.backends.local.pool import Stopped, WorkerPool
 from services.executor.backends.local.process import Proc, SpawnError, Warden, exit_text
@@ -393,5 +392,8 @@ class LocalBackend(OneNode):
             return ""
         if size == 0:
             return ""
-        await asyncio.to_thread(shutil.copyfile, worker.out, log_path)
+        try:  # its worker is dead: the file is the log's now (moved; a bounded tail if not)
+            await asyncio.to_thread(move_or_tail, worker.out_name, log_path)
+        except OSError as exc:
+            log.warning("output of a job cut short not kept in %s: %s", log_path, exc)
         return tail(log_path, self.log_tail_bytes)

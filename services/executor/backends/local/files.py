@@ -52,3 +52,27 @@ def remove(path: Path | str) -> None:
             log.warning("cannot remove the directory %s", path)
     except OSError as exc:
         log.warning("cannot remove %s: %s", path, exc)
+
+
+KEPT_BYTES = 16 * 1024 * 1024  # of an output that cannot be moved: its end, where errors are
+
+
+def move_or_tail(src: Path | str, dst: Path | str, limit: int = KEPT_BYTES) -> None:
+    """Move the file at `src` to `dst` (which must not hold a directory); where it cannot be
+    moved (another file system), copy its last `limit` bytes instead. Never copies a whole
+    file a task sized: one ftruncate()d to a terabyte of holes is free for the task, and
+    would be a terabyte of real blocks copied. Raises OSError."""
+    try:
+        os.rename(src, dst)  # a hole stays a hole
+        return
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+    with open_regular(src) as f:
+        end = f.seek(0, os.SEEK_END)
+        f.seek(max(0, end - limit))
+        remove(dst)  # whatever the task put there: written anew, never through a symlink
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        with os.fdopen(os.open(dst, flags, 0o644), "wb") as out:
+            while chunk := f.read(1 << 20):
+                out.write(chunk)

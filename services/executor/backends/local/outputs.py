@@ -14,9 +14,15 @@ from typing import Any
 
 from services.executor.backends import Key, Outcome
 from services.executor.backends.local.files import open_regular, remove
-from services.executor.backends.local.worker import MAX_REPLY_BYTES, describe
+from services.executor.backends.local.worker import describe
+from shared.jsonvalue import MAX_RESULT_BYTES
 
 log = logging.getLogger(__name__)
+
+# A command's declared output file: twice the result limit, room for a document's indentation.
+# Larger is refused unread: it is parsed on the event loop (~25 ms a megabyte), then made
+# storable (outcome.storable), which refuses what is over the result limit once compact.
+MAX_OUTPUT_BYTES = 2 * MAX_RESULT_BYTES
 
 
 def tail(path: Path | str, size: int) -> str:
@@ -44,7 +50,7 @@ def with_output(outcome: Outcome, path: Path) -> Outcome:
     try:
         with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
-            data = f.read(MAX_REPLY_BYTES + 1) if 0 < size <= MAX_REPLY_BYTES else b""
+            data = f.read(MAX_OUTPUT_BYTES + 1) if 0 < size <= MAX_OUTPUT_BYTES else b""
     except FileNotFoundError:
         return outcome  # declared nothing
     except OSError as exc:  # a directory, a FIFO, a symlink in its place
@@ -52,8 +58,9 @@ def with_output(outcome: Outcome, path: Path) -> Outcome:
         return Outcome.failed(error, outcome.log_tail)
     if size == 0:
         return outcome
-    if size > MAX_REPLY_BYTES or len(data) > MAX_REPLY_BYTES:
-        error = f"declared output too large: {max(size, len(data))} bytes in $SKED_OUTPUT"
+    if size > MAX_OUTPUT_BYTES or len(data) > MAX_OUTPUT_BYTES:
+        size = max(size, len(data))
+        error = f"declared output too large: {size} bytes in $SKED_OUTPUT, over {MAX_OUTPUT_BYTES}"
         return Outcome.failed(error, outcome.log_tail)
     try:
         output = json.loads(data, parse_constant=_refuse_constant)

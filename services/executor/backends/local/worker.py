@@ -39,8 +39,12 @@ from services.executor.warden.proctree import PR_SET_DUMPABLE, prctl
 from shared import jsonvalue
 
 READY = b'{"ready": true}\n'
-# Replies are single lines; the backend's line reader is sized to this.
-MAX_REPLY_BYTES = 16 * 1024 * 1024
+# Replies are single lines; the backend's line reader is sized to this. A success carries a
+# result of at most MAX_RESULT_BYTES once cleaned (twice that before: each NUL halves as it is
+# escaped), a failure at most MAX_TRACE_CHARS of traceback (12 bytes a character at most).
+MAX_REPLY_BYTES = 4 * 1024 * 1024
+MAX_TRACE_CHARS = 64 * 1024
+_SUCCESS = len(b'{"ok": true, "result": }')  # a success reply's bytes around its result
 READ_SIZE = 1 << 20
 NUDGE = signal.SIGUSR1
 IO, WAIT, RUN = "io", "wait", "run"  # what the loop is doing when a nudge comes
@@ -278,8 +282,12 @@ class Worker:
                 reply = json.dumps({"ok": True, "result": cleaned}, allow_nan=False).encode()
         except Exception as exc:  # a result's own methods may raise anything, or recurse
             return _failure(f"result is not JSON: {describe(exc)}", show=False)
-        if len(reply) >= MAX_REPLY_BYTES:
-            return _failure(f"result too large: {len(reply)} bytes of JSON", show=False)
+        # judged here, by the reply's bytes, as the executor would judge it (outcome.storable):
+        # refused at once, it never crosses the pipe nor is parsed and walked there
+        size = jsonvalue.cleaned_size_floor(reply) - _SUCCESS
+        if size > jsonvalue.MAX_RESULT_BYTES or len(reply) >= MAX_REPLY_BYTES:
+            limit = jsonvalue.MAX_RESULT_BYTES
+            return _failure(f"result too large: {size} bytes of JSON (at most {limit})", show=False)
         return reply + b"\n"
 
 
@@ -316,10 +324,13 @@ def _failure(error: str, *, show: bool = True) -> bytes:
         trace = traceback.format_exc() if show else ""
     except Exception:  # a frame's or an exception's own text that will not format
         trace = ""
-    error, trace = _escaped(error[:2000]), _escaped(trace[-MAX_REPLY_BYTES // 2 :])
+    error, trace = _escaped(error[:2000]), _escaped(trace)
     if trace:
         sys.stderr.write(trace)
-    return json.dumps({"ok": False, "error": error, "traceback": trace}).encode() + b"\n"
+    # cut by characters, each at most 12 bytes of JSON (a surrogate pair's escapes): the reply
+    # always fits its line, whatever the exception's text holds
+    shown = trace[-MAX_TRACE_CHARS:]
+    return json.dumps({"ok": False, "error": error, "traceback": shown}).encode() + b"\n"
 
 
 def _escaped(text: str) -> str:
