@@ -287,7 +287,8 @@ class Worker:
         size = jsonvalue.cleaned_size_floor(reply) - _SUCCESS
         if size > jsonvalue.MAX_RESULT_BYTES or len(reply) >= MAX_REPLY_BYTES:
             limit = jsonvalue.MAX_RESULT_BYTES
-            return _failure(f"result too large: {size} bytes of JSON (at most {limit})", show=False)
+            why = f"result too large: {size} bytes of JSON, over the limit of {limit}"
+            return _failure(why, show=False)
         return reply + b"\n"
 
 
