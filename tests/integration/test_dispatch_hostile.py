@@ -16,12 +16,13 @@ from services.scheduler.reconcile import Reconciler
 from services.scheduler.service import Scheduler
 from shared import control, fsm
 from shared.fsm import State
-from shared.models import TaskSpec
+from shared.models import Task
 from shared.queues import READY_KEY
 from shared.settings import Settings
 from shared.store import Placing, Store
-from shared.wiring import backends
+from shared.wiring import Backends, backends
 from tests.helpers import spec
+from tests.integration.test_admit_place import planned
 
 BOUND_S = 30.0
 
@@ -29,16 +30,12 @@ ADMISSION = (State.PENDING, State.READY)
 TTL_S = 10.0
 
 
-def _planned(ids: list[UUID], specs: list[TaskSpec], nodes: list[str]) -> list[fsm.Move]:
-    return [
-        fsm.plan(
-            fsm.Newborn(i, State.READY, 3, s.max_retries, s.max_launch_failures),
-            State.SCHEDULING,
-            "placed",
-            node=n,
-        )
-        for i, s, n in zip(ids, specs, nodes, strict=True)
-    ]
+async def _queued_task(b: Backends) -> Task:
+    """A Ready task in line, the queue marked built (a scheduler then does not rebuild it)."""
+    [real] = await b.store.tasks.create_many([spec("real")], walk=(State.PENDING, State.READY))
+    await b.ready_queue.push([real])
+    await b.ready_queue.mark_built()
+    return real
 
 
 async def test_a_cluster_node_relabelled_since_the_read_takes_a_task_its_labels_refuse(
@@ -57,7 +54,7 @@ async def test_a_cluster_node_relabelled_since_the_read_takes_a_task_its_labels_
     await store.nodes.register("k1", 4, 4.0, 1024, 0, {"zone": "b"}, owner)
     specs = [spec("t", selector={"zone": "a"})]
     ids = [uuid4()]
-    placing = Placing(_planned(ids, specs, ["k1"]), boots, TTL_S)
+    placing = Placing(planned(ids, specs, ["k1"]), boots, TTL_S)
     [(task, _)] = await store.tasks.admit_many(specs, ids, ADMISSION, None, placing)
     node = next(n for n in await store.nodes.all() if n.id == "k1")
     assert task.status is State.READY, (
@@ -77,7 +74,7 @@ async def test_a_relabel_that_keeps_the_selector_still_places_the_planned_task(
     await store.nodes.register("k1", 4, 4.0, 1024, 0, {"zone": "a", "pool": "y"}, owner)
     specs = [spec("t", selector={"zone": "a"}), spec("u")]
     ids = [uuid4(), uuid4()]
-    placing = Placing(_planned(ids, specs, ["k1", "k1"]), boots, TTL_S)
+    placing = Placing(planned(ids, specs, ["k1", "k1"]), boots, TTL_S)
     admitted = await store.tasks.admit_many(specs, ids, ADMISSION, None, placing)
     assert [t.status for t, _ in admitted] == [State.SCHEDULING, State.SCHEDULING]
 
@@ -108,9 +105,7 @@ async def test_foreign_members_at_the_head_of_the_line_idle_the_free_slots(
         await _node(b, slots=2)
         redis = b.ready_queue.redis
         await redis.zadd(READY_KEY, {f"junk-{i}": -1e12 + i for i in range(40)})
-        [real] = await b.store.tasks.create_many([spec("real")], walk=(State.PENDING, State.READY))
-        await b.ready_queue.push([real])
-        await b.ready_queue.mark_built()
+        real = await _queued_task(b)
         scheduler = Scheduler(settings, b.store, b.bus, b.ready_queue)
         async with asyncio.timeout(BOUND_S):
             async with scheduler:
@@ -142,9 +137,7 @@ async def test_fenced_tasks_at_the_head_of_the_line_hold_the_free_slots_for_thei
             await fsm.apply(b.store.tasks, t, State.RUNNING, lease_owner=str(uuid4()))
             await control.pause(b.store, t.id, "hold", by="ops")  # unheard: lease kept
             await control.resume(b.store, b.ready_queue, t.id, by="ops")
-        [real] = await b.store.tasks.create_many([spec("real")], walk=(State.PENDING, State.READY))
-        await b.ready_queue.push([real])
-        await b.ready_queue.mark_built()
+        real = await _queued_task(b)
         scheduler = Scheduler(settings, b.store, b.bus, b.ready_queue)
         async with asyncio.timeout(BOUND_S):
             async with scheduler:
