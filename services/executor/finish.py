@@ -279,19 +279,19 @@ def _successes_alone(current: Written, superseded: Written) -> bool:
     return not superseded and all(r.ok for _, r in current)
 
 
+async def storable_report(outcome: Outcome) -> Report:
+    """An outcome's report made storable (`storable`); one whose result holds many values in a
+    thread: the walk costs ~2 µs a value, and a megabyte of small numbers held the event loop
+    (lease renewals, probe answers, for every attempt here) for over half a second."""
+    report = report_of(outcome)
+    if few(report.result, FEW_VALUES):
+        return storable(report)
+    return await asyncio.to_thread(storable, report)
+
+
 async def _storable(batch: list[tuple[Attempt, Outcome]]) -> dict[Key, Report]:
-    """The batch's reports made storable (`storable`); those whose result holds many values
-    in a thread: the walk costs ~2 µs a value, and a megabyte of small numbers held the event
-    loop (lease renewals, probe answers, for every attempt here) for over half a second."""
-    reports = {}
-    for attempt, outcome in batch:
-        report = report_of(outcome)
-        if few(report.result, FEW_VALUES):
-            report = storable(report)
-        else:
-            report = await asyncio.to_thread(storable, report)
-        reports[attempt.task.id, attempt.task.attempt] = report
-    return reports
+    """The batch's reports made storable (`storable_report`), by attempt."""
+    return {(a.task.id, a.task.attempt): await storable_report(o) for a, o in batch}
 
 
 def _taken(queue: asyncio.Queue[T]) -> list[T]:

@@ -28,8 +28,8 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 from pydantic import ValidationError
 
 from services.executor.backends import Backend, Outcome
-from services.executor.finish import Finisher
-from services.executor.node import Attempt, Node, report_of
+from services.executor.finish import Finisher, storable_report
+from services.executor.node import Attempt, Node
 from services.executor.serving import Serving
 from services.executor.start import Starter
 from services.executor.watch import Watcher
@@ -38,7 +38,6 @@ from shared.bus import AmqpBus
 from shared.errors import one_line
 from shared.fsm import State
 from shared.jsonvalue import clean_text, clip
-from shared.outcome import storable
 from shared.queues import ReadyQueue
 from shared.resilience import TRANSIENT
 from shared.runtime import wait_any
@@ -283,7 +282,7 @@ class Executor(Service):
                     node.secret, cid, probe, "running" if known else "unknown", log=tail
                 )
             elif key in node.unreported:
-                report = storable(report_of(node.unreported[key]))
+                report = await storable_report(node.unreported[key])  # maybe in a thread
                 answer = heartbeat.answer(node.secret, cid, probe, "finished", report=report)
             elif node.backend.frozen(key):
                 answer = heartbeat.answer(node.secret, cid, probe, "frozen")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from uuid import uuid4
 import asyncpg
 import pytest
 
+from services.executor import finish
 from services.executor.backends import Launch, Outcome
 from services.executor.backends.local import LocalBackend
 from services.executor.node import Attempt
@@ -65,6 +67,27 @@ async def run(backend: LocalBackend, launch: Launch, limit: float = 60) -> Outco
 
 def attempt(task: Task) -> Attempt:
     return Attempt(task, StubMessage(b""))  # type: ignore[arg-type]
+
+
+async def answer_to(
+    executor: Executor, monkeypatch: pytest.MonkeyPatch, task: Task, want: str
+) -> heartbeat.ProbeAnswer:
+    """The executor's answer to a monitor's probe (`want`) of the task's attempt."""
+    replies: list[bytes] = []
+
+    async def reply(message: Any, body: bytes) -> None:
+        replies.append(body)
+
+    monkeypatch.setattr(executor.node.bus, "reply", reply)
+    probe = heartbeat.Probe.model_validate(
+        {"task_id": task.id, "attempt": task.attempt, "want": want}
+    )
+    message = StubMessage(probe.model_dump_json().encode(), reply_to="amq.rabbitmq.reply-to")
+    message.correlation_id = "c1"
+    async with asyncio.timeout(30):
+        await executor._on_probe(message)  # type: ignore[arg-type]
+    assert len(replies) == 1, f"no answer to a probe of {want}"
+    return heartbeat.ProbeAnswer.model_validate_json(replies[0])
 
 
 # --- findings ----------------------------------------------------------------------------------
@@ -161,19 +184,7 @@ async def test_a_running_attempt_s_log_with_nul_bytes_gets_no_live_tail(
     logs = backend.state_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     (logs / f"{task.id}-{task.attempt}.log").write_bytes(b"progress\x00" * 20_000)
-    replies: list[bytes] = []
-
-    async def reply(message: Any, body: bytes) -> None:
-        replies.append(body)
-
-    monkeypatch.setattr(executor.node.bus, "reply", reply)
-    probe = heartbeat.Probe(task_id=task.id, attempt=task.attempt, want="log")
-    message = StubMessage(probe.model_dump_json().encode(), reply_to="amq.rabbitmq.reply-to")
-    message.correlation_id = "c1"
-    async with asyncio.timeout(10):
-        await executor._on_probe(message)  # type: ignore[arg-type]
-    assert len(replies) == 1, "no answer to a log probe"
-    answer = heartbeat.ProbeAnswer.model_validate_json(replies[0])
+    answer = await answer_to(executor, monkeypatch, task, "log")
     assert answer.log is not None
     assert answer.log.endswith("progress\\0")
 
@@ -224,3 +235,29 @@ async def test_a_large_result_stalls_the_executor_s_event_loop_for_seconds(
     assert stored.status is State.SUCCESS
     assert stored.result == [0] * 300_000
     assert max(gaps) < 0.5, f"the event loop stalled {max(gaps):.1f} s on one result"
+
+
+async def test_a_probe_of_an_unreported_large_result_walks_it_off_the_event_loop(
+    executor: Executor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A monitor's probe of an attempt that ended here but whose end is not yet written
+    (`node.unreported`) is answered with the outcome made storable. `_on_probe` walked it on
+    the event loop: a storable megabyte of numbers (~2 µs a value) held every lease renewal
+    and probe answer of the node for over half a second, where the finisher walks it in a
+    thread. Now both go through `finish.storable_report`."""
+    task = await running(executor, "unreported")
+    key = (task.id, task.attempt)
+    executor.node.unreported[key] = Outcome(True, [0] * 300_000, None, False, False, "")
+    walked_on: list[bool] = []
+    real = finish.storable
+
+    def watched(report: Report) -> Report:
+        walked_on.append(threading.current_thread() is threading.main_thread())
+        return real(report)
+
+    monkeypatch.setattr(finish, "storable", watched)
+    answer = await answer_to(executor, monkeypatch, task, "state")
+    assert answer.state == "finished"
+    assert answer.report is not None
+    assert answer.report.result == [0] * 300_000
+    assert walked_on == [False], "the result was walked on the event loop, or not at all"
