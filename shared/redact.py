@@ -30,3 +30,12 @@ def printable(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
+def for_terminal(text: str) -> str:
+    """`printable`, but keeping line breaks and tabs: many lines that anyone could have
+    written (a task's log) as a terminal may show them. A carriage return is escaped too: it
+    lets a line overwrite what an earlier one said."""
+    return "\n".join(
+        "\t".join(printable(part) for part in line.split("\t")) for line in text.split("\n")
+    )

@@ -172,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("logs", help="the log tail of a task's latest attempt")
     p.add_argument("id")
     p.add_argument("--json", action="store_true", help="its id, state and log (null: none yet)")
+    p.add_argument(
+        "--raw",
+        action="store_true",
+        help="on a terminal too, the log as it is (else its controls but line breaks and tabs"
+        " are written as escapes)",
+    )
     p.set_defaults(func=command("_logs"))
 
     p = sub.add_parser("wait", help="wait for tasks; exit 0 only if all succeeded")

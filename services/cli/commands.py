@@ -24,7 +24,7 @@ from services.cli.remote import Client, connect
 from shared import fsm
 from shared.errors import SkedError
 from shared.fsm import State
-from shared.redact import printable
+from shared.redact import for_terminal, printable
 
 # What one command alone needs is imported in it: `sked status` must not pay for the
 # migrations, the workflow models or the submit path (services.cli.command).
@@ -231,8 +231,10 @@ async def _logs(args: argparse.Namespace) -> int:
         print_json({"id": str(task_id), "status": task.status.value, "log": text})
     elif text is None:
         print(f"(no log yet: the task is {task.status.label})", file=sys.stderr)
-    else:
+    elif args.raw or not sys.stdout.isatty():
         sys.stdout.write(text)
+    else:  # a task's escape sequences would act on the operator's terminal
+        sys.stdout.write(for_terminal(text))
     return 0
 
 

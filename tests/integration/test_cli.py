@@ -5,10 +5,15 @@ not there, is a one-line error with exit code 2, never a traceback, and changes 
 from __future__ import annotations
 
 import json
+import os
+import pty
 import re
+import select
 import subprocess
 from pathlib import Path
 from uuid import UUID, uuid4
+
+import asyncpg
 
 from shared import workflows
 from shared.dag import WorkflowSpec
@@ -135,3 +140,52 @@ async def test_logs_as_json(store: Store, service_env: dict[str, str]) -> None:
     done = sked(service_env, "logs", str(task.id), "--json")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"id": str(task.id), "status": "created", "log": None}
+
+
+def sked_on_a_terminal(env: dict[str, str], *args: str) -> tuple[int, bytes]:
+    """`sked ARGS` with its stdout on a pseudo-terminal, as an operator's shell runs it: its
+    exit code and the bytes the terminal received."""
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.Popen([SKED, *args], env=env, stdout=follower, stderr=subprocess.PIPE)
+        os.close(follower)
+        out = b""
+        while True:
+            ready, _, _ = select.select([leader], [], [], 60)
+            assert ready, "no output from sked within 60 s"
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: every writer closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+        assert proc.stderr is not None
+        with proc.stderr:
+            assert proc.wait(timeout=60) == 0, proc.stderr.read()
+        return proc.returncode, out
+    finally:
+        os.close(leader)
+
+
+async def test_a_log_s_escape_sequences_do_not_reach_the_operator_s_terminal(
+    store: Store, pool: asyncpg.Pool, service_env: dict[str, str]
+) -> None:
+    """A task writes its log: `sked logs` wrote it to the terminal as it was, so a task could
+    retitle the operator's terminal, clear it, hide lines, or (OSC 52) set their clipboard.
+    On a terminal the controls other than line breaks and tabs are now written as escapes;
+    piped, and with --raw, the log is written as it is."""
+    task = await store.tasks.create(spec("loud"))
+    log = "line one\n\x1b]0;owned\x07\x1b[2Jtab\there\n\x1b]52;c;ZWNobyBvd25lZA==\x07end\n"
+    await pool.execute("UPDATE tasks SET log_tail = $2 WHERE id = $1", task.id, log)
+    code, shown = sked_on_a_terminal(service_env, "logs", str(task.id))
+    assert code == 0
+    assert b"\x1b" not in shown, shown
+    assert b"\x07" not in shown, shown
+    assert b"\\x1b]0;owned\\x07\\x1b[2Jtab\there" in shown, shown
+    piped = sked(service_env, "logs", str(task.id))
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == log
+    code, raw = sked_on_a_terminal(service_env, "logs", str(task.id), "--raw")
+    assert code == 0
+    assert b"\x1b]0;owned\x07" in raw

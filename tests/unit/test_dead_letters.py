@@ -13,7 +13,7 @@ import pytest
 
 from services.cli.output import status_lines
 from shared.bus import DEAD_PREVIEW, REASON_HEADER, dead_letter_of
-from shared.redact import printable
+from shared.redact import for_terminal, printable
 from tests.fakes.store import new_task
 from tests.helpers import spec
 
@@ -75,6 +75,13 @@ def test_printed_inert() -> None:
     assert shown.isprintable()
     assert shown == "ok\\x1b[2J\\x1b]0;owned\\x07\\r\\nnext\\u202eevil\\x00"
     assert printable("naïve 漢字") == "naïve 漢字"  # text stays as it is
+
+
+def test_a_log_for_the_terminal_keeps_its_lines_and_tabs_only() -> None:
+    hostile = "a\tb\nprogress 10%\rprogress 99%\x1b[1A\nnext\u202eevil\n"
+    shown = for_terminal(hostile)
+    assert shown == "a\tb\nprogress 10%\\rprogress 99%\\x1b[1A\nnext\\u202eevil\n"
+    assert all(line.replace("\t", " ").isprintable() for line in shown.split("\n"))
 
 
 def test_a_task_s_status_shows_what_others_wrote_inert() -> None:
