@@ -65,12 +65,20 @@ class WaitTimeout(SkedError, TimeoutError):
         super().__init__(f"not terminal after {timeout:g} s: {ids}")
 
 
+# How many ids of keyed submissions a client remembers (`SkedClient._keyed`): ~100 bytes each.
+KEYED_KEPT = 10_000
+
+
 class SkedClient(Control):
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = settings or Settings()
         self._bus: AmqpBus | None = None
         self._store: Store | None = None
         self._redis: Redis | None = None
+        # ids of keyed tasks this client submitted, latest last (at most KEYED_KEPT): a key
+        # retention freed names the same id as the task it deleted, whose tombstone must not
+        # end a wait for the new one before intake admits it
+        self._keyed: dict[UUID, None] = {}
 
     async def __aenter__(self) -> SkedClient:
         return self
@@ -172,6 +180,12 @@ class SkedClient(Control):
         limit = self.settings.max_message_bytes
         bodies = [(rendered(s, limit), task_id_for(s), s.name) for s in parsed]
         await self._publish(SUBMIT_KEY, bodies, batch=len(bodies) > 1)
+        for spec, (_, ident, _) in zip(parsed, bodies, strict=True):
+            if spec.idempotency_key is not None:
+                self._keyed.pop(ident, None)
+                self._keyed[ident] = None
+        while len(self._keyed) > KEYED_KEPT:
+            del self._keyed[next(iter(self._keyed))]
         return [ident for _, ident, _ in bodies]
 
     async def submit_workflow(self, spec: WorkflowSpec | dict[str, Any]) -> UUID:
@@ -345,6 +359,8 @@ class SkedClient(Control):
                     finished = await store.tasks.terminal_among(check)
                     if full:  # a task retention deleted never ends: say so
                         gone = await store.retention.tasks_purged(check)
+                        for ident in self._keyed.keys() & gone.keys():
+                            del gone[ident]  # submitted again here: on its way to intake
                 except TRANSIENT:  # Postgres is away: wait and look at everything again
                     check_all = True
                     finished = []

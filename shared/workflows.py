@@ -57,6 +57,8 @@ async def admit(
     async with store.transaction() as tx:
         if not await tx.workflows.insert(workflow_id, spec.name, submitted):
             stored = await tx.workflows.spec(workflow_id)
+            if stored is None:
+                return []  # run and deleted by retention: this submission again (its tombstone)
             if not same_json(stored, submitted):
                 raise InvalidSpec(
                     f"workflow id {workflow_id} already names a different workflow: a message id "

@@ -128,6 +128,20 @@ class Db:
                 async with conn.transaction():
                     yield Db(conn, self.lease_margin_s)
 
+    @asynccontextmanager
+    async def snapshot(self) -> AsyncIterator[Db]:
+        """Reads that see one snapshot (a read-only REPEATABLE READ transaction): a reader of
+        several statements never sees a commit between them, such as a purge by retention.
+        Inside a transaction already, that one."""
+        if isinstance(self.target, asyncpg.Connection):
+            yield self
+            return
+        async with (
+            self.target.acquire() as conn,
+            conn.transaction(isolation="repeatable_read", readonly=True),
+        ):
+            yield Db(conn, self.lease_margin_s)
+
 
 def task(row: asyncpg.Record) -> Task:
     return Task.from_row(row)

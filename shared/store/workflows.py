@@ -130,9 +130,11 @@ class Workflows:
     async def get(
         self, workflow_id: UUID
     ) -> tuple[asyncpg.Record, list[Task], list[asyncpg.Record]]:
-        """The workflow's row, its tasks and its edges."""
-        row = await self.db.fetchrow(Q.get_workflow, workflow_id)
-        if row is None:
-            raise await missing(self.db, "workflow", workflow_id)
-        tasks = [task(r) for r in await self.db.fetch(Q.workflow_tasks, workflow_id)]
-        return row, tasks, await self.db.fetch(Q.workflow_edges, workflow_id)
+        """The workflow's row, its tasks and its edges, as of one moment: retention's purge
+        committed between the reads left the row without its tasks (an empty workflow)."""
+        async with self.db.snapshot() as db:
+            row = await db.fetchrow(Q.get_workflow, workflow_id)
+            if row is None:
+                raise await missing(db, "workflow", workflow_id)
+            tasks = [task(r) for r in await db.fetch(Q.workflow_tasks, workflow_id)]
+            return row, tasks, await db.fetch(Q.workflow_edges, workflow_id)

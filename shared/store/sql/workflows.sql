@@ -1,8 +1,11 @@
 -- Workflows: the DAG as stored, its edges, and what decides a task downstream.
 
 -- name: insert_workflow
--- Record a workflow; nothing if one with this id exists (a redelivered submission).
-INSERT INTO workflows (id, name, spec) VALUES ($1, $2, $3::jsonb)
+-- Record a workflow; nothing if one with this id exists (a redelivered submission), or
+-- existed and retention deleted it (its tombstone, 0018): the id is its submission's message
+-- id, so the same id is that submission again, already run, not a new one.
+INSERT INTO workflows (id, name, spec)
+SELECT $1, $2, $3::jsonb WHERE NOT EXISTS (SELECT 1 FROM purged WHERE id = $1)
 ON CONFLICT (id) DO NOTHING
 RETURNING id
 
