@@ -26,9 +26,17 @@ def _total_memory_mb() -> int:
 
 
 def parse_labels(value: Any) -> dict[str, str]:
-    """Labels from `k=v,k2=v2`, a JSON object, or a dict."""
+    """Labels from `k=v,k2=v2`, a JSON object, or a dict: string values only (a JSON null or
+    object was stored as 'None' or a Python repr), and no NUL (jsonb refuses it)."""
     if isinstance(value, dict):
-        return {str(k): str(v) for k, v in value.items()}
+        labels = {}
+        for k, v in value.items():
+            if not isinstance(v, str):
+                raise ValueError(f"label {str(k)!r}: a value must be a string")
+            if "\x00" in f"{k}{v}":
+                raise ValueError(f"label {str(k)!r}: a label holds no NUL character")
+            labels[str(k)] = v
+        return labels
     text = str(value or "").strip()
     if not text:
         return {}
@@ -40,8 +48,11 @@ def parse_labels(value: Any) -> dict[str, str]:
         if not sep or not key.strip():
             raise ValueError(f"a label must look like key=value, got {part!r}")
         labels[key.strip()] = val.strip()
-    return labels
+    return parse_labels(labels)  # the NUL check
 
+
+# nodes.id's CHECK (shared/store/schema.sql): a letter or digit, then up to 62 of [A-Za-z0-9_.-]
+NODE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 
 WEAK_SECRET = "sked-dev-heartbeat-secret"  # the old default: never accepted
 
@@ -153,7 +164,12 @@ class Settings(BaseSettings):
     api_token: str | None = None
 
     # Executor (one process = one node).
-    node_id: str = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "node")
+    # what the nodes row holds: nodes.id's CHECK, memory_mb a bigint, gpu an integer
+    node_id: str = Field(
+        default_factory=lambda: socket.gethostname().split(".")[0] or "node",
+        pattern=NODE_ID_PATTERN,
+        max_length=63,
+    )
     slots: int = Field(default=4, ge=1, le=10_000)
     # Dispatches a node holds beyond its slots, each started the moment a slot frees, so its
     # slots never wait for a round through the scheduler (shared/backlog.py). Unset: up to
@@ -163,8 +179,8 @@ class Settings(BaseSettings):
     prefetch: int | None = Field(default=None, ge=0, le=10_000)
     backlog_hold_s: float = Field(default=2.0, gt=0)
     node_cpu: float = Field(default_factory=lambda: float(os.cpu_count() or 1), ge=0)
-    node_memory_mb: int = Field(default_factory=_total_memory_mb, ge=0)
-    node_gpu: int = Field(default=0, ge=0)
+    node_memory_mb: int = Field(default_factory=_total_memory_mb, ge=0, le=2**63 - 1)
+    node_gpu: int = Field(default=0, ge=0, le=2**31 - 1)
     node_labels: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
     node_heartbeat_s: float = Field(default=2.0, gt=0)
     state_dir: Path | None = None  # default: <tmp>/sked/<node_id>
@@ -319,6 +335,16 @@ class Settings(BaseSettings):
                 f" SKED_DEGRADE_NODES_SEEN_S ({self.degrade_nodes_seen_s:g}) and"
                 f" SKED_NODE_TTL_S ({self.node_ttl_s:g}): a node is forgotten only once"
                 " nothing counts it"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _beat_within_ttl(self) -> Settings:
+        if self.node_heartbeat_s > self.node_ttl_s / 2:
+            raise ValueError(
+                f"SKED_NODE_HEARTBEAT_S ({self.node_heartbeat_s:g}) must be at most half of"
+                f" SKED_NODE_TTL_S ({self.node_ttl_s:g}): a node that beats less often is"
+                " dead to placement between its beats, or flaps on any delay"
             )
         return self
 

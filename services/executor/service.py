@@ -30,7 +30,7 @@ from pydantic import ValidationError
 from services.executor.backends import Backend, Outcome
 from services.executor.finish import Finisher, storable_report
 from services.executor.node import Attempt, Node
-from services.executor.serving import Serving
+from services.executor.serving import Serving, prefetch_count
 from services.executor.start import Starter
 from services.executor.watch import Watcher
 from shared import heartbeat
@@ -115,7 +115,8 @@ class Executor(Service):
     async def setup(self) -> None:
         s, node = self.settings, self.node
         await node.backend.start()
-        prefetch = s.slots + node.backlog.limit
+        # capped at 65,535: AMQP's prefetch_count is a 16-bit field (serving.MAX_PREFETCH)
+        prefetch = prefetch_count(s.slots + node.backlog.limit)
         self._channel = channel = await node.bus.consumer_channel(prefetch=prefetch)
         probes = await channel.declare_queue(exclusive=True, auto_delete=True)
         await probes.consume(self._on_probe)

@@ -25,6 +25,17 @@ from shared.bus import PROBE_EXCHANGE
 from shared.resilience import TRANSIENT
 from shared.settings import Settings
 
+# AMQP's basic.qos prefetch_count is a 16-bit field: a larger count (a cluster node with
+# more than 65,535 allocatable pods) is refused by the client library with a TypeError,
+# which would stop the nodes loop and with it every node this executor serves.
+MAX_PREFETCH = 65_535
+
+
+def prefetch_count(count: int) -> int:
+    """A consumer's prefetch as AMQP can carry it: at most MAX_PREFETCH."""
+    return min(count, MAX_PREFETCH)
+
+
 log = logging.getLogger(__name__)
 
 
@@ -105,7 +116,8 @@ class Serving:
                 self._advertised(offer),
             )
             # RabbitMQ hands the next consumer no more than the node may hold
-            await self.channel.set_qos(prefetch_count=offer.slots + offer.prefetch)
+            # (capped: prefetch_count is 16 bits; MAX_PREFETCH)
+            await self.channel.set_qos(prefetch_count=prefetch_count(offer.slots + offer.prefetch))
             tag = await queue.consume(node.receive)
             self.served[node_id] = Served(offer, owner, queue, tag)
             node.serves.add(node_id)

@@ -5,6 +5,7 @@ attempts that hold it (Scheduling or Running on it), released by the very CAS th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -49,6 +50,15 @@ class NodeRow:
         values["used_cpu"] = float(values["used_cpu"])
         values["used_memory_mb"] = int(values["used_memory_mb"])
         values["used_gpu"] = int(values["used_gpu"])
+        # The row as placement may trust it, whatever was written to it by hand (its CHECKs
+        # let through a jsonb that is no object, and a cpu of NaN or Infinity): labels are an
+        # object of strings, and a capacity that is no finite number is none at all, so the
+        # node is said to be too small rather than full (a task would wait on it for ever).
+        labels = values["labels"]
+        labels = labels if isinstance(labels, dict) else {}
+        values["labels"] = {k: v for k, v in labels.items() if isinstance(v, str)}
+        if not math.isfinite(values["cpu"]):  # memory_mb and gpu are integer columns
+            values["cpu"] = 0.0
         return cls(**values)
 
     def state(self) -> NodeState:

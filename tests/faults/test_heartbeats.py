@@ -174,7 +174,7 @@ async def test_stale_heartbeats_change_nothing_and_bad_tokens_are_refused(
     # The executor's own beats are slowed to one an hour (and the scheduler keeps its node
     # placeable meanwhile), so the only beats the monitor sees are this test's: every counter
     # of /healthz can then be checked exactly, and hb_seq is never moved by anyone else.
-    quiet = {"SKED_NODE_HEARTBEAT_S": "3600", "SKED_NODE_TTL_S": "3600"}
+    quiet = {"SKED_NODE_HEARTBEAT_S": "3600", "SKED_NODE_TTL_S": "7200"}
     await deployment.start("scheduler", env=quiet)
     async with aiohttp.ClientSession() as http:
         mon = await start_monitor(deployment, settings, http, quiet)
