@@ -58,6 +58,9 @@ class Dispatcher(Part):
         # the last pass's pop may have left work it could place behind: entries of tasks no
         # longer Ready, or members that name no task, took the slots it popped for
         self._stale = False
+        # tasks the last pass put back in line while nodes kept room (a node that fits them is
+        # full, another idle): the next pass pops that many more, to reach what is behind them
+        self._behind = 0
 
     async def run(self, stopping: asyncio.Event) -> None:
         hub = self.hub
@@ -97,6 +100,7 @@ class Dispatcher(Part):
         so two schedulers placing at once serialise here and neither overcommits a node.
         """
         self._stale = False
+        behind, self._behind = self._behind, 0
         if self.hub.degrade.mode() is Mode.FULL:
             return 0  # degraded: nothing is dispatched (the pass below checks the row itself)
         if not await self.queue.size():
@@ -119,7 +123,7 @@ class Dispatcher(Part):
                 if mode is Mode.PARTIAL:
                     ids = unknown = await self._pop_urgent(tx, free)
                 else:
-                    asked = min(free, self.settings.dispatch_batch)
+                    asked = min(free + behind, self.settings.dispatch_batch)
                     popped = await self.queue.pop_scored(asked)
                     short = len(popped) < asked
                     ids = [task_id for task_id, _ in popped]
@@ -149,11 +153,18 @@ class Dispatcher(Part):
             await self._put_back(
                 [t.id for t in known if t.id not in placed and t.id not in waiting]
             )
-        if short and not any(_kind(c) == "line" for c in waiting.values()):
+        in_line = sum(_kind(c) == "line" for c in waiting.values())
+        if short and not in_line:
             # the pop came back short, yet nothing it took went back in line: members that
             # name no task may have taken slots from tasks behind them (or the line is empty,
             # and the next pass says so with one ZCARD)
             self._stale = True
+        elif in_line and free > len(moved) and mode is Mode.NORMAL:
+            # tasks waiting for a full node took the pop of a node with room: the next pass
+            # looks past them (deeper each time, up to a batch: at the bottom of the line, or
+            # a batch deep, it waits for a wake-up as before)
+            self._behind = in_line
+            self._stale = not short and asked < self.settings.dispatch_batch
         return len(moved)
 
     async def _pop_urgent(self, tx: Tx, free: int) -> list[UUID]:

@@ -230,3 +230,43 @@ async def test_reconcile_brings_parked_tasks_back_now_and_then(settings: Setting
         assert await reconciler.reconcile_once() == 1
         assert await b.ready_queue.depths() == {"ready": 1, "parked": 0, "resource": 0, "fenced": 0}
         assert hub.dispatch.is_set()
+
+
+async def test_a_task_waiting_for_a_full_node_does_not_idle_another_nodes_slot(
+    settings: Settings,
+) -> None:
+    """A pass pops as many tasks as the ready nodes have free slots, whichever nodes those are.
+    A task at the head that only a full node can take went back in line, at the head, and was
+    popped again by every pass for the idle node's slot: a task behind it that the idle node
+    takes waited for as long as the full node stayed busy. Now a pass that put tasks back in
+    line while room was left looks past them (the next pass pops that many more), and the
+    task behind is placed at once."""
+    async with backends(settings) as b:
+        for node, pool in (("na", "a"), ("nb", "b")):
+            await b.bus.declare_node_queue(await b.bus.consumer_channel(1), node)
+            await b.store.nodes.register(node, 1, 0.0, 0, 0, {"pool": pool}, uuid4(), prefetch=0)
+        [busy] = await b.store.tasks.create_many(
+            [spec("busy", selector={"pool": "a"})], walk=(State.PENDING, State.READY)
+        )
+        await fsm.apply(b.store.tasks, busy, State.SCHEDULING, node="na")  # na is full
+        head, behind = await b.store.tasks.create_many(
+            [
+                spec("head", selector={"pool": "a"}, priority=5),
+                spec("behind", selector={"pool": "b"}),
+            ],
+            walk=(State.PENDING, State.READY),
+        )
+        await b.ready_queue.push([head, behind])
+        await b.ready_queue.mark_built()
+        scheduler = Scheduler(settings, b.store, b.bus, b.ready_queue)
+        async with asyncio.timeout(BOUND_S):
+            async with scheduler:
+                status = await _wait_placed(b, behind.id, 8.0)
+            placed = await b.store.tasks.get(behind.id)
+            waiting = await b.store.tasks.get(head.id)
+        assert status is State.SCHEDULING, (
+            f"after 8 s with nb idle the pool=b task is still {status.label}: the pool=a task"
+            " at the head took nb's slot count every pass"
+        )
+        assert placed.node == "nb"
+        assert waiting.status is State.READY  # still waiting for na's room, in line
