@@ -167,8 +167,7 @@ class Settings(BaseSettings):
     # what the nodes row holds: nodes.id's CHECK, memory_mb a bigint, gpu an integer
     node_id: str = Field(
         default_factory=lambda: socket.gethostname().split(".")[0] or "node",
-        pattern=NODE_ID_PATTERN,
-        max_length=63,
+        pattern=NODE_ID_PATTERN,  # at most 63 characters
     )
     slots: int = Field(default=4, ge=1, le=10_000)
     # Dispatches a node holds beyond its slots, each started the moment a slot frees, so its

@@ -115,7 +115,6 @@ class Executor(Service):
     async def setup(self) -> None:
         s, node = self.settings, self.node
         await node.backend.start()
-        # capped at 65,535: AMQP's prefetch_count is a 16-bit field (serving.MAX_PREFETCH)
         prefetch = prefetch_count(s.slots + node.backlog.limit)
         self._channel = channel = await node.bus.consumer_channel(prefetch=prefetch)
         probes = await channel.declare_queue(exclusive=True, auto_delete=True)

@@ -116,7 +116,6 @@ class Serving:
                 self._advertised(offer),
             )
             # RabbitMQ hands the next consumer no more than the node may hold
-            # (capped: prefetch_count is 16 bits; MAX_PREFETCH)
             await self.channel.set_qos(prefetch_count=prefetch_count(offer.slots + offer.prefetch))
             tag = await queue.consume(node.receive)
             self.served[node_id] = Served(offer, owner, queue, tag)

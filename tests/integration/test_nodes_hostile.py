@@ -80,8 +80,9 @@ async def test_settings_refuse_a_node_its_row_cannot_hold(
     starts, declares its queue, then dies in setup on a raw CheckViolation / overflow from
     Postgres instead of a clear InvalidSettings naming the variable (and a supervisor
     restarts it in a loop). The Kubernetes path already checks
-    names (_NODE_ID) and clamps to the columns; the local path did not. Fixed: a pattern and
-    max_length=63 on node_id, le=2**63-1 on node_memory_mb and le=2**31-1 on node_gpu, and
+    names (_NODE_ID) and clamps to the columns; the local path did not. Fixed: the nodes.id
+    pattern on node_id (NODE_ID_PATTERN, shared with the Kubernetes path: 63 characters at
+    most), le=2**63-1 on node_memory_mb and le=2**31-1 on node_gpu, and
     parse_labels refusing NULs and non-string values, in shared/settings_model.py."""
     try:
         s = Settings(**values)

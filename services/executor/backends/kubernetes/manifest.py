@@ -21,6 +21,7 @@ from uuid import UUID
 
 from services.executor.backends import NodeOffer
 from shared.models import CommandJob, Resources
+from shared.settings_model import NODE_ID_PATTERN
 
 MANAGED_BY = "app.kubernetes.io/managed-by"
 TASK_LABEL = "sked.io/task-id"
@@ -37,7 +38,7 @@ HOSTNAME = "kubernetes.io/hostname"
 BACKSTOP_EXTRA_S = 600
 
 _INT32 = 2**31 - 1
-_NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")  # what a sked node id may be
+_NODE_ID = re.compile(NODE_ID_PATTERN)  # what a sked node id may be
 
 
 def job_name(task_id: UUID, attempt: int) -> str:
