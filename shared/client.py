@@ -357,10 +357,10 @@ class SkedClient(Control):
                 gone: dict[UUID, datetime] = {}
                 try:
                     finished = await store.tasks.terminal_among(check)
-                    if full:  # a task retention deleted never ends: say so
-                        gone = await store.retention.tasks_purged(check)
-                        for ident in self._keyed.keys() & gone.keys():
-                            del gone[ident]  # submitted again here: on its way to intake
+                    if full:  # a task retention deleted never ends: say so (not one
+                        # this client submitted again: it is on its way to intake)
+                        kept = [i for i in check if i not in self._keyed]
+                        gone = await store.retention.tasks_purged(kept)
                 except TRANSIENT:  # Postgres is away: wait and look at everything again
                     check_all = True
                     finished = []
