@@ -60,6 +60,8 @@ WEAK_SECRET = "sked-dev-heartbeat-secret"  # the old default: never accepted
 # Every duration (a `*_s` setting) at most this long: Postgres adds some to timestamps, where
 # 1e300 s wrapped to a negative interval and failed every read of the nodes.
 MAX_DURATION_S = 1e8  # three years
+# Loops sleep a period between passes against the servers, idle or not: 1e-300 s would spin
+MIN_PERIOD_S = 0.01
 URL_SCHEMES = {
     "database_url": ("postgresql", "postgres"),
     "redis_url": ("redis", "rediss", "unix"),
@@ -97,7 +99,7 @@ class Settings(BaseSettings):
     # Outbox relay: the largest batch read per pass, and the safety sweep period that catches
     # events whose NOTIFY was missed (a listener reconnect, a relay crash).
     relay_batch: int = Field(default=1000, ge=1, le=10_000)
-    relay_sweep_s: float = Field(default=5.0, gt=0)
+    relay_sweep_s: float = Field(default=5.0, ge=MIN_PERIOD_S)
     # The batching window after a wake. Events feed observers only (no service of sked
     # consumes them), so they may wait a little: at 100 tasks/s, 100 ms rather than 20 ms
     # halves the relay's CPU a task and the Postgres and RabbitMQ work its passes cost.
@@ -116,7 +118,9 @@ class Settings(BaseSettings):
     dead_max_bytes: int = Field(default=1024**3, ge=1024)
     submit_batch: int = Field(default=500, ge=1, le=10_000)
     dispatch_batch: int = Field(default=500, ge=1, le=10_000)
-    reconcile_s: float = Field(default=5.0, gt=0, description="queue/Postgres consistency check")
+    reconcile_s: float = Field(
+        default=5.0, ge=MIN_PERIOD_S, description="queue/Postgres consistency check"
+    )
     # How long the dispatch message of an attempt placed at admission waits: its node is told
     # by the placement's commit and claims it from there; the message goes out only if the
     # attempt is still unclaimed after this (services/scheduler/follow.py). 0: at once.
@@ -137,9 +141,11 @@ class Settings(BaseSettings):
     heartbeat_url: str = "http://127.0.0.1:8470/heartbeat"  # given to every task process
     monitor_host: str = "127.0.0.1"
     monitor_port: int = Field(default=8470, ge=0, le=65535)
-    heartbeat_flush_s: float = Field(default=0.1, gt=0, description="batch window for beats")
+    heartbeat_flush_s: float = Field(
+        default=0.1, ge=MIN_PERIOD_S, description="batch window for beats"
+    )
     probe_timeout_s: float = Field(default=2.0, gt=0, description="wait for a backend's answer")
-    recovery_period_s: float = Field(default=2.0, gt=0)
+    recovery_period_s: float = Field(default=2.0, ge=MIN_PERIOD_S)
     # How long past an attempt's lease its task may be declared Lost or start again: covers
     # the node watchdog's reaction time (docs/architecture.md, "At most one live attempt").
     lease_margin_s: float = Field(default=0.5, ge=0.1, le=60)
@@ -153,7 +159,7 @@ class Settings(BaseSettings):
     # an audit is often kept longer than the work it records.
     audit_retention_days: float = Field(default=0, ge=0, le=36_500)
     # how often recovery looks for tasks past the retention (at once again while it finds more)
-    retention_check_s: float = Field(default=60.0, gt=0)
+    retention_check_s: float = Field(default=60.0, ge=MIN_PERIOD_S)
 
     # The operator API (services/api): where it listens (port 0: any free one). With both
     # api_url (e.g. http://127.0.0.1:8480) and api_token set, the CLI's read and control
@@ -181,7 +187,7 @@ class Settings(BaseSettings):
     node_memory_mb: int = Field(default_factory=_total_memory_mb, ge=0, le=2**63 - 1)
     node_gpu: int = Field(default=0, ge=0, le=2**31 - 1)
     node_labels: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
-    node_heartbeat_s: float = Field(default=2.0, gt=0)
+    node_heartbeat_s: float = Field(default=2.0, ge=MIN_PERIOD_S)
     state_dir: Path | None = None  # default: <tmp>/sked/<node_id>
     # handler workers started with the executor (the rest start on their slot's first handler)
     warm_workers: int = Field(default=2, ge=0, le=10_000)
@@ -207,7 +213,7 @@ class Settings(BaseSettings):
     # full; more tasks waiting than a bound -> partial; each for its duration.
     degrade_min_priority: int = Field(default=100, ge=-1000, le=1000)
     degrade_partial_batch: int = Field(default=10, ge=1, le=10_000)
-    degrade_check_s: float = Field(default=5.0, gt=0)
+    degrade_check_s: float = Field(default=5.0, ge=MIN_PERIOD_S)
     degrade_gpu_ratio: float = Field(default=0.95, gt=0, le=1)
     degrade_gpu_for_s: float = Field(default=600.0, gt=0)
     degrade_healthy_ratio: float = Field(default=0.5, ge=0, le=1)
@@ -228,7 +234,7 @@ class Settings(BaseSettings):
     # one (a Postgres advisory lock) to compute the cluster-wide gauges every metrics_cluster_s.
     metrics_port: int = Field(default=-1, ge=-1, le=65535)
     metrics_host: str = "127.0.0.1"
-    metrics_cluster_s: float = Field(default=5.0, gt=0)
+    metrics_cluster_s: float = Field(default=5.0, ge=MIN_PERIOD_S)
 
     # Where an executor runs attempts: "local" processes on this machine (one executor = one
     # node), or "kubernetes" Jobs on a cluster's nodes (one executor serves the cluster).
@@ -253,7 +259,7 @@ class Settings(BaseSettings):
     # Job's status and their log's freshness (the loss ladder's first rung).
     k8s_node_grace_s: float = Field(default=40.0, ge=0)
     # Every list is repeated this often: a watch alone is never trusted.
-    k8s_relist_s: float = Field(default=60.0, gt=0)
+    k8s_relist_s: float = Field(default=60.0, ge=MIN_PERIOD_S)
 
     # What this deployment runs at all (shared.policy): handler module prefixes and command
     # programs (a directory ends in "/"); empty allows everything.
@@ -356,8 +362,7 @@ class Settings(BaseSettings):
         return names
 
     @property
-    def dead_max(self) -> tuple[int, int]:
-        """sked.dead's bounds: messages, bytes (shared.bus.AmqpBus)."""
+    def dead_max(self) -> tuple[int, int]:  # sked.dead's bounds (shared.bus.AmqpBus)
         return self.dead_max_messages, self.dead_max_bytes
 
     @property

@@ -32,3 +32,37 @@ def test_every_setting_is_documented_in_the_readme() -> None:
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text("utf-8")
     missing = [f"SKED_{name.upper()}" for name in Settings.model_fields]
     assert [v for v in missing if f"`{v}`" not in readme] == []
+
+
+LOOP_PERIODS = [
+    "relay_sweep_s",
+    "reconcile_s",
+    "recovery_period_s",
+    "retention_check_s",
+    "degrade_check_s",
+    "node_heartbeat_s",
+    "k8s_relist_s",
+    "metrics_cluster_s",
+    "heartbeat_flush_s",
+]
+
+
+@pytest.mark.parametrize("value", ["1e-300", "0.0001"])
+@pytest.mark.parametrize("name", LOOP_PERIODS)
+def test_a_loop_period_too_short_to_sleep_is_refused(
+    name: str, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A period is how long a loop sleeps between passes against Postgres, Redis or the
+    Kubernetes API: one of 1e-300 s would spin the loop on those servers, so every period has
+    a floor, and the refusal names the variable."""
+    monkeypatch.setenv(f"SKED_{name.upper()}", value)
+    with pytest.raises(InvalidSettings, match=f"SKED_{name.upper()}"):
+        Settings()
+
+
+@pytest.mark.parametrize("name", LOOP_PERIODS)
+def test_a_loop_period_at_the_floor_is_taken(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(f"SKED_{name.upper()}", "0.01")
+    if name == "node_heartbeat_s":
+        monkeypatch.setenv("SKED_NODE_TTL_S", "1")
+    assert getattr(Settings(), name) == 0.01
