@@ -300,9 +300,16 @@ class Intake(Part):
             placing, unplaced, needs = view.plan(specs, ids, ADMISSION, self.store.node_ttl_s)
         hub.admitting(dict.fromkeys(ids, fsm.walked_version(ADMISSION)))
         admitted = await self.store.tasks.admit_many(specs, ids, ADMISSION, traceparents, placing)
-        new = [t for t, fresh in admitted if fresh]
-        existing = {i: t for i, (t, fresh) in zip(ids, admitted, strict=True) if not fresh}
-        hub.forget_admitting(existing)
+        new = [a[0] for a in admitted if a is not None and a[1]]
+        existing = {i: a[0] for i, a in zip(ids, admitted, strict=True) if a and not a[1]}
+        gone = [i for i, a in zip(ids, admitted, strict=True) if a is None]
+        if gone:  # its message again (a redelivery, a replay): not run twice
+            log.info(
+                "%d submissions ran already and retention deleted them (%s, ...)",
+                len(gone),
+                gone[0],
+            )
+        hub.forget_admitting([*existing, *gone])
         moved = [t for t in new if t.status is State.SCHEDULING]
         ready = [t for t in new if t.status is State.READY]
         view.placed(moved, needs)

@@ -16,14 +16,13 @@ from types import MappingProxyType
 from typing import Any
 from uuid import UUID, uuid4
 
-from pydantic_core import PydanticSerializationError, to_json
-
 from shared import fsm, hooks
 from shared.dag import effective_priorities
-from shared.errors import NotFound
+from shared.errors import InvalidSpec, NotFound
 from shared.fsm import Move, State
 from shared.models import Event, Task, TaskSpec
 from shared.store.db import Db, get_task, task, tasks_of
+from shared.store.moves import move_args
 from shared.store.queries import Q
 
 
@@ -62,44 +61,6 @@ class Placing:
     node_ttl_s: float
 
 
-def _json_default(value: Any) -> Any:
-    if hasattr(value, "isoformat"):
-        return value.isoformat()
-    raise TypeError(f"cannot store {type(value).__name__} in a transition patch")
-
-
-# json.dumps with these options builds this encoder on every call: one, built once.
-# allow_nan=False: a NaN would reach Postgres as a token jsonb refuses.
-_PATCH = json.JSONEncoder(default=_json_default, allow_nan=False)
-
-
-def _patch_json(patch: Mapping[str, Any]) -> str:
-    """A move's patch as JSON. pydantic's encoder writes it at a fifth of the cost (every
-    move of every statement has one); what it writes as NaN or Infinity, or any value that
-    is not plain JSON, goes through the strict encoder above, which refuses it as before."""
-    try:
-        text = to_json(patch).decode()
-    except PydanticSerializationError:
-        return _PATCH.encode(dict(patch))
-    if "NaN" in text or "Infinity" in text:  # a non-finite float, or only a string with it
-        return _PATCH.encode(dict(patch))
-    return text
-
-
-def move_args(moves: Sequence[Move]) -> tuple[list[Any], ...]:
-    ids = [m.task_id for m in moves]
-    if len(set(ids)) != len(ids):
-        raise ValueError("a batch may move each task only once")
-    return (
-        ids,
-        [m.version for m in moves],
-        [m.source.value for m in moves],
-        [m.target.value for m in moves],
-        [m.reason for m in moves],
-        [_patch_json(m.patch) for m in moves],
-    )
-
-
 class Tasks:
     def __init__(self, db: Db) -> None:
         self.db = db
@@ -116,10 +77,11 @@ class Tasks:
         walk: Sequence[State],
         traceparents: Sequence[str | None] | None = None,
         placing: Placing | None = None,
-    ) -> list[tuple[Task, bool]]:
+    ) -> list[tuple[Task, bool] | None]:
         """Create tasks and walk the new ones from Created through `walk` (checked by the FSM)
         in one statement. Returns each task with whether this statement created it: existing
-        ones (a redelivery, a taken idempotency key) come back as they are.
+        ones (a redelivery, a taken idempotency key) come back as they are; None for an id
+        without a key that retention deleted (the same submission again, already run).
 
         With `placing`, the same statement (sked_admit) then places the new ones as planned,
         under the planned nodes' locks: a node takes its tasks only if it is still live, of
@@ -127,7 +89,7 @@ class Tasks:
         transaction that is one round trip and one commit for admission and placement."""
         tasks, fresh = await self._create(specs, ids, walk, traceparents, placing=placing)
         created = {t.id for t in fresh}
-        return [(t, t.id in created) for t in tasks]
+        return [None if t is None else (t, t.id in created) for t in tasks]
 
     async def create_many(
         self,
@@ -144,7 +106,10 @@ class Tasks:
         task); `priorities`: the effective ones a workflow's tasks are queued by (the spec
         keeps the priority its producer asked for)."""
         tasks, _ = await self._create(specs, ids, walk, traceparents, workflow_id, uses, priorities)
-        return tasks
+        for t, task_id in zip(tasks, ids or (), strict=False):
+            if t is None:  # a workflow's task under an id once a plain task's (crafted)
+                raise InvalidSpec(f"task id {task_id} names a task retention deleted")
+        return [t for t in tasks if t is not None]
 
     async def _create(
         self,
@@ -156,8 +121,9 @@ class Tasks:
         uses: Sequence[Sequence[str]] | None = None,
         priorities: Sequence[int] | None = None,
         placing: Placing | None = None,
-    ) -> tuple[list[Task], list[Task]]:
-        """All the tasks asked for, in order, and those this call created."""
+    ) -> tuple[list[Task | None], list[Task]]:
+        """All the tasks asked for, in order (None: an id retention deleted, not created
+        again), and those this call created."""
         if not specs:
             return [], []
         ids = list(ids) if ids is not None else [uuid4() for _ in specs]
@@ -207,14 +173,19 @@ class Tasks:
                 by_id[found.id] = found
                 if found.idempotency_key is not None:
                     by_key[found.idempotency_key] = found
-        out = []
+        out: list[Task | None] = []
         for task_id, spec in zip(ids, specs, strict=True):
             got = created.get(task_id) or by_id.get(task_id)
             if got is None and spec.idempotency_key is not None:
                 got = by_key.get(spec.idempotency_key)
-            if got is None:
-                raise RuntimeError(f"task {task_id} was neither created nor found")
             out.append(got)
+        missing = {i: s for i, s, t in zip(ids, specs, out, strict=True) if t is None}
+        if missing:  # read only on a miss: kept out of the insert's round trip
+            gone = {r["id"] for r in await self.db.fetch(Q.tasks_purged, list(missing))}
+            # a keyed one missing met a purge of its key's old task: not this submission's
+            lost = [i for i, s in missing.items() if s.idempotency_key or i not in gone]
+            if lost:
+                raise RuntimeError(f"task {lost[0]} was neither created nor found")
         if hooks.installed:
             hooks.transitions(
                 [

@@ -20,8 +20,8 @@ from shared.fsm import State
 from shared.models import Event, TaskSpec
 from shared.store import Store
 from shared.store import migrate as migrate_module
+from shared.store.moves import move_args
 from shared.store.queries import Q, load
-from shared.store.tasks import move_args
 from tests.conftest import PG_ADMIN, PG_BASE, RUN
 from tests.helpers import spec
 

@@ -21,6 +21,7 @@ from shared.client import SkedClient, WaitTimeout
 from shared.dag import WorkflowSpec
 from shared.errors import NotFound, Purged
 from shared.fsm import State
+from shared.models import task_id_for
 from shared.queues import ReadyQueue
 from shared.relay import OutboxRelay
 from shared.settings import Settings
@@ -169,7 +170,8 @@ async def test_a_purged_task_or_workflow_reads_and_waits_as_deleted(
     where it waited until its timeout as for a task not admitted yet. A new task of the same
     id (its idempotency key is free again) is waited for as any other. One retention after
     the deletion the tombstone goes, and the id reads as never admitted."""
-    alone = await store.tasks.create(spec("alone"))
+    keyed = spec("alone", idempotency_key=f"nightly-{uuid4()}")
+    alone = await store.tasks.create(keyed, task_id_for(keyed))
     await put(pool, [alone.id], State.SUCCESS)
     wf_id = uuid4()
     await workflows.admit(store, wf_id, WorkflowSpec.parse({"name": "wf", "tasks": [ONE]}))
@@ -198,8 +200,8 @@ async def test_a_purged_task_or_workflow_reads_and_waits_as_deleted(
             await client.wait_workflow(wf_id, timeout=30)
         assert time.monotonic() - began < 10
 
-        # the same id made again: a task like any other, waited for until it ends
-        again = await store.tasks.create_many([spec("again")], ids=[alone.id])
+        # the same id made again by its key: a task like any other, waited for until it ends
+        again = await store.tasks.create_many([keyed], ids=[alone.id])
         assert [t.id for t in again] == [alone.id]
         with pytest.raises(WaitTimeout):
             await client.wait(alone.id, timeout=0.5)

@@ -81,7 +81,7 @@ async def test_a_workflow_submission_delivered_again_after_its_purge_runs_again(
     must create nothing (or be refused); it makes its root task Ready again.
 
     Now insert_workflow creates nothing for an id with a tombstone, and admit treats it as
-    the same submission again. (A task whose id is its message id is not yet held to it.)"""
+    the same submission again; so does admission for a task whose id is its message id."""
     wf = WorkflowSpec.parse({"name": "deploy", "tasks": [ONE]})
     wf_id = uuid4()
     await workflows.admit(store, wf_id, wf)
@@ -146,3 +146,87 @@ async def test_a_workflow_read_while_retention_commits_is_never_half_gone(
         except Purged:
             return  # the reader saw it gone: fine
     assert [t.id for t in tasks] == [member]  # whole, as it was: not a workflow of no tasks
+
+
+async def test_a_task_submission_delivered_again_after_its_purge_runs_nothing(
+    settings: Settings, pool: asyncpg.Pool
+) -> None:
+    """A plain task's id is its submission's message id (the SDK's uuid4: task_id_for), so,
+    as with a workflow's, the same id can only come back as the same message: a redelivery
+    (after a scheduler's crash between its commit and its ack), or an operator replaying a
+    message. Admission creates nothing for an id that names a task; but once retention deleted
+    the task, the same message made it again, and it ran a second time.
+
+    Shown: a submission admitted by a running scheduler, its task ended two hours ago and
+    purged; the same message published again. Nothing must be created, nothing dead-lettered
+    (it is the same submission, already run), and the scheduler must live on. A keyed task's
+    id is its key's, free again once purged (README): a keyed submission after its purge is
+    still a new task."""
+    from services.scheduler.service import Scheduler
+    from shared.bus import SUBMIT_KEY
+    from shared.models import TaskSpec
+    from shared.wiring import backends
+    from tests.helpers import eventually
+
+    fast = settings.model_copy(update={"reconcile_s": 0.3})
+    async with backends(fast) as b, SkedClient(fast) as client:
+        scheduler = Scheduler(fast, b.store, b.bus, b.ready_queue)
+        running = asyncio.create_task(scheduler.run())
+        try:
+            await asyncio.wait_for(scheduler.ready.wait(), 30)
+            plain = TaskSpec.parse({"name": "pay", "job": {"kind": "command", "argv": ["true"]}})
+            keyed = TaskSpec.parse(
+                {
+                    "name": "k",
+                    "job": {"kind": "command", "argv": ["true"]},
+                    "idempotency_key": uuid4().hex,
+                }
+            )
+            first = task_id_for(plain)
+            sent = [(plain.model_dump_json().encode(), first, "pay")]
+            await client._publish(SUBMIT_KEY, sent)
+            key_id = await client.submit(keyed)
+
+            async def both_admitted() -> bool:
+                n = await pool.fetchval(
+                    "SELECT count(*) FROM tasks WHERE id = ANY($1::uuid[])", [first, key_id]
+                )
+                return n == 2
+
+            await eventually(both_admitted, timeout=10, what="both admitted")
+            await put(pool, [first, key_id], State.SUCCESS)
+            assert {first, key_id} <= set(await b.store.retention.purge_tasks(10, HOUR))
+
+            await client._publish(SUBMIT_KEY, sent)  # the same message again
+            assert await client.submit(keyed) == key_id  # the key is free: a new task
+            await eventually(
+                lambda: pool.fetchval("SELECT count(*) FROM tasks WHERE id = $1", key_id),
+                timeout=10,
+                what="the keyed task made again",
+            )
+            await asyncio.sleep(1.0)  # dead letters are published after the batch's admission
+            assert not running.done(), running
+            assert await pool.fetchval("SELECT count(*) FROM tasks WHERE id = $1", first) == 0
+            assert [d.reason for d in await client.dead_letters(1000)] == []
+        finally:
+            scheduler.stop()
+            await asyncio.wait_for(running, 30)
+
+
+async def test_a_workflow_never_makes_a_task_under_a_purged_plain_task_s_id(
+    store: Store, pool: asyncpg.Pool
+) -> None:
+    """A workflow's task ids come from its id and its tasks' names, which a producer may know
+    (and a plain task's id is whatever message id its producer set). A plain task made under
+    such an id, run and purged, leaves a tombstone that admission will not create past; the
+    workflow that names that task is then refused whole, saying why, not half made."""
+    from shared.errors import InvalidSpec
+
+    wf_id = uuid4()
+    squatter = workflows.task_id(wf_id, "a")
+    await store.tasks.create(spec("squat"), squatter)
+    await put(pool, [squatter], State.SUCCESS)
+    assert await store.retention.purge_tasks(10, HOUR) == [squatter]
+    with pytest.raises(InvalidSpec, match="retention deleted"):
+        await workflows.admit(store, wf_id, WorkflowSpec.parse({"name": "w", "tasks": [ONE]}))
+    assert await pool.fetchval("SELECT count(*) FROM workflows WHERE id = $1", wf_id) == 0

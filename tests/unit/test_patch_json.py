@@ -1,4 +1,4 @@
-"""A move's patch as the CAS reads it (shared.store.tasks._patch_json): the same JSON values as
+"""A move's patch as the CAS reads it (shared.store.moves._patch_json): the same JSON values as
 the strict encoder it replaced on the hot path, and a non-finite float refused as before."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.store.tasks import _PATCH, _patch_json
+from shared.store.moves import _PATCH, _patch_json
 
 values = st.recursive(
     st.none()

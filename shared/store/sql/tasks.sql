@@ -9,10 +9,13 @@ SELECT ins.*, (SELECT count(*) FROM note) AS _notified FROM ins
 -- fragment: admission
 -- The CTEs that create tasks and walk them through their first moves: each row is inserted
 -- in the last state of the walk ($13-$15, planned and checked by fsm.walk), with one event per
--- step. A redelivered submission (same id) or a taken idempotency key creates nothing; no
--- CAS is needed, as nobody else can hold a row this statement creates. A task walked into
--- Ready gets its schedule deadline ($19: schedule_timeout_s) as `transition` would give it.
--- $20: max_launch_failures. CTE `ins` holds the rows created; `note` must be read (NOTIFY).
+-- step. A redelivered submission (same id) or a taken idempotency key creates nothing, and
+-- nor does an id without a key that retention deleted (its tombstone, table purged): that id
+-- is its submission's message id, so this is the same submission, already run (a key is
+-- free again once its task is deleted: README). No CAS is needed, as nobody else can hold a
+-- row this statement creates. A task walked into Ready gets its schedule deadline ($19:
+-- schedule_timeout_s) as `transition` would give it. $20: max_launch_failures. CTE `ins`
+-- holds the rows created; `note` must be read (NOTIFY).
 w AS (
     SELECT * FROM unnest($13::text[], $14::text[], $15::text[]) WITH ORDINALITY
                   AS w(from_status, to_status, reason, version)
@@ -36,6 +39,7 @@ w AS (
          AS u(id, name, kind, spec, priority, max_retries, timeout_s, hb, ikey, cpu, memory_mb,
               gpu, traceparent, uses, sched, max_launch)
     CROSS JOIN last
+    WHERE u.ikey IS NOT NULL OR NOT EXISTS (SELECT 1 FROM purged p WHERE p.id = u.id)
     ON CONFLICT DO NOTHING
     RETURNING {{task_columns()}}
 ), ev AS (
