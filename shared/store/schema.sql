@@ -222,9 +222,11 @@ CREATE TABLE api_audit (
 CREATE INDEX api_audit_at ON api_audit (at);
 
 -- The ids of tasks and workflows retention deleted, and when (0018): a read or a wait for one
--- says so. Deleted one retention later.
+-- says so. Deleted one retention later. created_at (0022): the deleted row's, where a listing
+-- paged by its id goes on from.
 CREATE TABLE purged (
-    id        uuid PRIMARY KEY,
-    purged_at timestamptz NOT NULL DEFAULT now()
+    id         uuid PRIMARY KEY,
+    purged_at  timestamptz NOT NULL DEFAULT now(),
+    created_at timestamptz
 );
 CREATE INDEX purged_at ON purged (purged_at);

@@ -266,11 +266,8 @@ class Tasks:
         states = State if statuses is None else statuses
         wanted = list(dict.fromkeys(State.parse(s).value for s in states))
         rows = await self.db.fetch(Q.list_tasks, wanted, name, limit, after)
-        if not rows and after is not None:
-            try:
-                await self.get(after)
-            except NotFound:
-                raise NotFound(f"no task {after} to list after") from None
+        if not rows and after and not await self.db.fetchval(Q.task_cursor_known, after):
+            raise NotFound(f"no task {after} to list after")
         return [task(row) for row in rows]
 
     async def history(self, task_id: UUID) -> list[Event]:

@@ -120,7 +120,7 @@ class Workflows:
         optionally of one name; each with its tasks counted. Raises NotFound for an unknown
         `after`."""
         rows = await self.db.fetch(Q.list_workflows, name, limit, after)
-        if not rows and after is not None and not await self.db.fetchval(Q.workflow_exists, after):
+        if not rows and after and not await self.db.fetchval(Q.workflow_cursor_known, after):
             raise NotFound(f"no workflow {after} to list after")
         return [
             WorkflowSummary(r["id"], r["name"], r["created_at"], dict(r["counts"]), int(r["open"]))

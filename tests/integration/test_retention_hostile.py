@@ -14,7 +14,7 @@ import pytest
 from shared import workflows
 from shared.client import SkedClient
 from shared.dag import WorkflowSpec
-from shared.errors import Purged
+from shared.errors import NotFound, Purged
 from shared.fsm import State
 from shared.models import task_id_for
 from shared.settings import Settings
@@ -230,3 +230,47 @@ async def test_a_workflow_never_makes_a_task_under_a_purged_plain_task_s_id(
     with pytest.raises(InvalidSpec, match="retention deleted"):
         await workflows.admit(store, wf_id, WorkflowSpec.parse({"name": "w", "tasks": [ONE]}))
     assert await pool.fetchval("SELECT count(*) FROM workflows WHERE id = $1", wf_id) == 0
+
+
+async def test_a_page_after_a_cursor_retention_deleted_goes_on_from_where_it_stood(
+    store: Store, pool: asyncpg.Pool
+) -> None:
+    """`sked list --after ID` / GET /v1/tasks?after=ID (and the same for workflows) page by the
+    last id of the page before. When retention deleted that task or workflow between two
+    pages (an operator paging back through old work is paging through what retention is
+    deleting), the next page answered 404 ("no task ... to list after"): the listing could not
+    go on at all. Now a tombstone keeps its row's creation time, and the next page goes on
+    from where the deleted row stood."""
+    old = [await store.tasks.create(spec(f"t{i}")) for i in range(3)]
+    await pool.execute(
+        "UPDATE tasks SET created_at = now() - make_interval(hours => (10 - n)::int)"
+        " FROM unnest($1::uuid[]) WITH ORDINALITY AS u(id, n) WHERE tasks.id = u.id",
+        [t.id for t in old],
+    )
+    newest_first = [t.id for t in reversed(old)]
+    page = await store.tasks.list_tasks(limit=2)
+    assert [t.id for t in page] == newest_first[:2]
+    await put(pool, [page[-1].id], State.SUCCESS)  # the cursor's task ends and is purged
+    assert await store.retention.purge_tasks(10, HOUR) == [page[-1].id]
+    rest = await store.tasks.list_tasks(limit=2, after=page[-1].id)
+    assert [t.id for t in rest] == newest_first[2:]
+    assert await store.tasks.list_tasks(name="t2", after=page[-1].id) == []  # the last page
+    with pytest.raises(NotFound, match="to list after"):
+        await store.tasks.list_tasks(after=uuid4())  # an id never known is still refused
+
+    flows = []
+    for i in range(3):
+        wf_id = uuid4()
+        await workflows.admit(store, wf_id, WorkflowSpec.parse({"name": f"w{i}", "tasks": [ONE]}))
+        flows.append(wf_id)
+    await pool.execute(
+        "UPDATE workflows SET created_at = now() - make_interval(hours => (10 - n)::int)"
+        " FROM unnest($1::uuid[]) WITH ORDINALITY AS u(id, n) WHERE workflows.id = u.id",
+        flows,
+    )
+    first = await store.workflows.page(2)
+    assert [w.id for w in first] == flows[::-1][:2]
+    # the cursor's workflow ends and is purged; the others have not ended
+    await put(pool, [workflows.task_id(first[-1].id, "a")], State.SUCCESS)
+    assert (await store.retention.purge_workflows(10, HOUR)).workflows == 1
+    assert [w.id for w in await store.workflows.page(2, after=first[-1].id)] == [flows[0]]

@@ -10,12 +10,14 @@
  AND (t.status IN ({{terminal_states}})
       OR (t.status IN ({{retryable_states}}) AND t.retry_count >= t.max_retries)))
 
--- fragment: remember(ids)
--- A tombstone for each id deleted (table purged, 0018): a later read or wait says so. An id
--- can be deleted twice (a task's id comes from its idempotency key, which is free again once
--- it is deleted): the tombstone then tells the later time.
-INSERT INTO purged (id) SELECT DISTINCT id FROM ({{ids}}) AS deleted
-ON CONFLICT (id) DO UPDATE SET purged_at = now()
+-- fragment: remember(rows)
+-- A tombstone for each (id, created_at) deleted (table purged, 0018): a later read or wait
+-- says so, and a page of a listing after it goes on from where it stood (0022). An id can be
+-- deleted twice (a task's id comes from its idempotency key, which is free again once it is
+-- deleted): the tombstone then tells the later time.
+INSERT INTO purged (id, created_at)
+SELECT DISTINCT ON (id) id, created_at FROM ({{rows}}) AS deleted
+ON CONFLICT (id) DO UPDATE SET purged_at = now(), created_at = EXCLUDED.created_at
 
 -- name: purge_tasks
 -- Up to $1 tasks outside any workflow that ended $2 seconds ago or longer, oldest first,
@@ -23,7 +25,7 @@ ON CONFLICT (id) DO UPDATE SET purged_at = now()
 -- workflow goes (purge_workflows): a task Pending downstream reads its upstreams' results, and
 -- an edge deleted with its upstream would release it without them.
 WITH doomed AS (
-    SELECT t.id FROM tasks t
+    SELECT t.id, t.created_at FROM tasks t
     WHERE t.workflow_id IS NULL
       AND t.status IN ({{terminal_states}}, {{retryable_states}})  -- tasks_ended_alone
       AND {{ended_before(now() - make_interval(secs => $2))}}
@@ -33,7 +35,7 @@ WITH doomed AS (
 ), history AS (
     DELETE FROM task_events e USING doomed d WHERE e.task_id = d.id
 ), remembered AS (
-    {{remember(SELECT id FROM doomed)}}
+    {{remember(SELECT id, created_at FROM doomed)}}
 )
 DELETE FROM tasks t USING doomed d WHERE t.id = d.id
 RETURNING t.id
@@ -57,7 +59,7 @@ WITH candidate AS (
     LIMIT $3
     FOR UPDATE OF w SKIP LOCKED
 ), sized AS (
-    SELECT c.id, n.tasks,
+    SELECT c.id, c.created_at, n.tasks,
            sum(n.tasks) OVER (ORDER BY c.created_at, c.id) AS running,
            row_number() OVER (ORDER BY c.created_at, c.id) AS nth
     FROM candidate c
@@ -65,13 +67,13 @@ WITH candidate AS (
         SELECT count(*) AS tasks FROM tasks t WHERE t.workflow_id = c.id  -- tasks_workflow
     ) n
 ), doomed AS (
-    SELECT id FROM sized WHERE running <= $1
+    SELECT id, created_at FROM sized WHERE running <= $1
 ), members AS (
-    SELECT t.id FROM tasks t JOIN doomed d ON t.workflow_id = d.id
+    SELECT t.id, t.created_at FROM tasks t JOIN doomed d ON t.workflow_id = d.id
 ), history AS (
     DELETE FROM task_events e USING members m WHERE e.task_id = m.id
 ), remembered AS (
-    {{remember(SELECT id FROM members UNION ALL SELECT id FROM doomed)}}
+    {{remember(SELECT id, created_at FROM members UNION ALL SELECT id, created_at FROM doomed)}}
 ), gone AS (
     DELETE FROM workflows w USING doomed d WHERE w.id = d.id
     RETURNING w.id
@@ -102,11 +104,11 @@ FOR UPDATE OF w SKIP LOCKED
 -- A chunk of a locked workflow's tasks ($1, ids from lock_workflow_purge), deleted with their
 -- history (edges, late results and launches by cascade). Returns how many.
 WITH doomed AS (
-    SELECT t.id FROM tasks t WHERE t.id = ANY($1::uuid[])
+    SELECT t.id, t.created_at FROM tasks t WHERE t.id = ANY($1::uuid[])
 ), history AS (
     DELETE FROM task_events e USING doomed d WHERE e.task_id = d.id
 ), remembered AS (
-    {{remember(SELECT id FROM doomed)}}
+    {{remember(SELECT id, created_at FROM doomed)}}
 ), gone AS (
     DELETE FROM tasks t USING doomed d WHERE t.id = d.id
     RETURNING 1
@@ -118,9 +120,9 @@ SELECT count(*) FROM gone
 -- Returns how many (1, or 0 for a workflow that is gone).
 WITH gone AS (
     DELETE FROM workflows w WHERE w.id = $1
-    RETURNING w.id
+    RETURNING w.id, w.created_at
 ), remembered AS (
-    {{remember(SELECT id FROM gone)}}
+    {{remember(SELECT id, created_at FROM gone)}}
 )
 SELECT count(*) FROM gone
 

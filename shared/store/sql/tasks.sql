@@ -355,8 +355,14 @@ WHERE id = ANY($1::uuid[])
 -- one statement shares its created_at. Each state's newest are read from tasks_status_created
 -- and merged, so the cost is that of $3 rows a state whatever the table holds; one ORDER BY
 -- over the table (or status = ANY($1)) sorted every row of it: 200 ms at 300,000 tasks,
--- against ~2 ms this way. An unknown $4 yields no rows (the caller tells it from the end).
-WITH c AS (SELECT created_at, id FROM tasks WHERE id = $4)
+-- against ~2 ms this way. An unknown $4 yields no rows (the caller tells it from the end); a
+-- $4 retention deleted since goes on from where it stood (its tombstone's created_at).
+WITH c AS (
+    SELECT created_at, id FROM tasks WHERE id = $4
+    UNION ALL  -- deleted by retention since: where it stood, from its tombstone (0022)
+    SELECT created_at, id FROM purged WHERE id = $4 AND created_at IS NOT NULL
+    LIMIT 1
+)
 SELECT {{task_columns(t.)}}
 FROM unnest($1::text[]) AS s(status)
 CROSS JOIN LATERAL (
@@ -373,6 +379,12 @@ CROSS JOIN LATERAL (
 WHERE $4::uuid IS NULL OR EXISTS (SELECT FROM c)
 ORDER BY t.created_at DESC, t.id
 LIMIT $3
+
+-- name: task_cursor_known
+-- Whether a listing can page after task $1: it exists, or retention deleted it and its
+-- tombstone tells where it stood (an empty page after it: unknown, or the last page).
+SELECT EXISTS (SELECT FROM tasks WHERE id = $1)
+       OR EXISTS (SELECT FROM purged WHERE id = $1 AND created_at IS NOT NULL)
 
 -- name: history
 -- A task's transitions, in version order.

@@ -131,9 +131,15 @@ WHERE w.id = ANY($1::uuid[])
 -- name: list_workflows
 -- Workflows newest first (created_at descending, then id), optionally of one name ($1), at
 -- most $2; with $3, those after workflow $3 in that order (keyset paging, as list_tasks: an
--- unknown $3 yields no rows). Each with its tasks counted by state and how many have not
--- ended (terminal_among's test), read for the page's workflows alone through tasks_workflow.
-WITH c AS (SELECT created_at, id FROM workflows WHERE id = $3),
+-- unknown $3 yields no rows, a deleted one goes on from its tombstone). Each with its tasks
+-- counted by state and how many have not ended (terminal_among's test), read for the page's
+-- workflows alone through tasks_workflow.
+WITH c AS (
+    SELECT created_at, id FROM workflows WHERE id = $3
+    UNION ALL  -- deleted by retention since: where it stood, from its tombstone (0022)
+    SELECT created_at, id FROM purged WHERE id = $3 AND created_at IS NOT NULL
+    LIMIT 1
+),
 page AS (
     SELECT w.id, w.name, w.created_at FROM workflows w
     WHERE ($1::text IS NULL OR w.name = $1)
@@ -163,3 +169,9 @@ ORDER BY p.created_at DESC, p.id
 -- name: workflow_exists
 -- Whether workflow $1 exists (an empty page after it: unknown, or the last page).
 SELECT EXISTS (SELECT FROM workflows WHERE id = $1)
+
+-- name: workflow_cursor_known
+-- Whether a listing can page after workflow $1: it exists, or retention deleted it and its
+-- tombstone tells where it stood (an empty page after it: unknown, or the last page).
+SELECT EXISTS (SELECT FROM workflows WHERE id = $1)
+       OR EXISTS (SELECT FROM purged WHERE id = $1 AND created_at IS NOT NULL)
