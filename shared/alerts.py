@@ -158,8 +158,9 @@ class Alerter:
                         masked(resp.headers.get("Location", "?")),
                     )
                 elif resp.status >= 300:
-                    # a proxy's error page may be in any charset
-                    body = (await resp.read())[:300].decode("utf-8", errors="replace")
+                    # a proxy's error page may be in any charset, and of any size: only
+                    # what is logged is read
+                    body = (await resp.content.read(300)).decode("utf-8", errors="replace")
                     log.error(
                         "Alertmanager refused %d alert(s): %s %s", len(wire), resp.status, body
                     )

@@ -69,6 +69,8 @@ class Snapshot:
     waiting: int  # tasks Ready
     outbox_backlog: int  # events not yet published
     unhealthy: Sequence[str] = field(default_factory=tuple)  # the nodes seen lately, not healthy
+    back: Sequence[str] = field(default_factory=tuple)  # of those asked after: healthy again
+    departed: Sequence[str] = field(default_factory=tuple)  # of those: left cleanly or forgotten
     at: datetime | None = None  # when it was read (Postgres time)
 
 

@@ -98,7 +98,9 @@ class Degrade(Part):
                 return
             before = await tx.degrade.read()
             s = self.settings
-            snapshot = await tx.degrade.snapshot(s.node_ttl_s, s.degrade_nodes_seen_s)
+            snapshot = await tx.degrade.snapshot(
+                s.node_ttl_s, s.degrade_nodes_seen_s, self.nodes_down
+            )
             change = decide(before, snapshot, self.rules)
             after = None
             if change is not None:
@@ -146,18 +148,22 @@ class Degrade(Part):
                     starts_at=snapshot.at,
                 )
             )
-        for node in sorted(self.nodes_down - down):
+        # resolved only when it is healthy again or has left: one gone quiet past the seen
+        # window drops out of `unhealthy`, and is lost all the same
+        back, departed = set(snapshot.back) - down, set(snapshot.departed) - down
+        for node in sorted((back | departed) & self.nodes_down):
+            how = "is back" if node in back else "has left (stopped cleanly, or forgotten)"
             out.append(
                 Alert(
                     "SkedNodeLost",
                     "warning",
-                    f"node {node} is back",
+                    f"node {node} {how}",
                     "",
                     {"node": node},
                     resolved=True,
                 )
             )
-        self.nodes_down = down
+        self.nodes_down = (self.nodes_down | down) - back - departed
         s = self.settings
         bounds = {
             "SkedOutboxBacklog": (

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from datetime import datetime
 from typing import Any
 from uuid import UUID
@@ -61,8 +61,13 @@ class Degrade:
         assert self.db.in_transaction, "the evaluator's lock lasts one transaction"
         return bool(await self.db.fetchval(Q.lead_degrade))
 
-    async def snapshot(self, healthy_within_s: float, seen_within_s: float) -> Snapshot:
-        row = await self.db.fetchrow(Q.degrade_snapshot, healthy_within_s, seen_within_s)
+    async def snapshot(
+        self, healthy_within_s: float, seen_within_s: float, lost: Collection[str] = ()
+    ) -> Snapshot:
+        """What the triggers look at; of the nodes `lost`, which came back or departed."""
+        row = await self.db.fetchrow(
+            Q.degrade_snapshot, healthy_within_s, seen_within_s, sorted(lost)
+        )
         assert row is not None
         return Snapshot(**{k: row[k] for k in row.keys()})  # noqa: SIM118 - a Record
 

@@ -39,19 +39,26 @@ SELECT pg_try_advisory_xact_lock(hashtext('sked:degrade'))
 -- What the triggers look at, in one statement: nodes seen within $2 seconds and which of
 -- them are healthy (ready, heartbeat within $1 seconds), their GPUs and those held, the tasks
 -- waiting, the outbox backlog; and Postgres's now() (alerts carry its time). A node whose
--- executor stopped cleanly (left_at) is not counted: it was not lost.
+-- executor stopped cleanly (left_at) is not counted: it was not lost. Of the nodes $3 the
+-- evaluator holds lost: those healthy again (`back`), and those that left cleanly or were
+-- forgotten (`departed`); one only gone quiet past $2 seconds is neither, still lost. Sums
+-- are bigint: each node's GPUs may be up to 2^31 - 1, and two such overflowed an int.
 WITH n AS (
     SELECT id, gpu, ready AND heartbeat_at > now() - make_interval(secs => $1) AS healthy
     FROM nodes WHERE heartbeat_at > now() - make_interval(secs => $2) AND left_at IS NULL
 )
-SELECT (SELECT count(*) FROM n)::int AS nodes_total,
-       (SELECT count(*) FROM n WHERE healthy)::int AS nodes_healthy,
-       (SELECT COALESCE(sum(gpu), 0) FROM n WHERE healthy)::int AS gpu_total,
+SELECT (SELECT count(*) FROM n) AS nodes_total,
+       (SELECT count(*) FROM n WHERE healthy) AS nodes_healthy,
+       (SELECT COALESCE(sum(gpu), 0) FROM n WHERE healthy)::bigint AS gpu_total,
        (SELECT COALESCE(sum(t.gpu), 0) FROM tasks t JOIN n ON n.id = t.node AND n.healthy
-        WHERE {{holds_slot}})::int AS gpu_used,
-       (SELECT count(*) FROM tasks WHERE status = 'ready')::int AS waiting,
-       (SELECT count(*) FROM outbox)::int AS outbox_backlog,
+        WHERE {{holds_slot}})::bigint AS gpu_used,
+       (SELECT count(*) FROM tasks WHERE status = 'ready') AS waiting,
+       (SELECT count(*) FROM outbox) AS outbox_backlog,
        ARRAY(SELECT id FROM n WHERE NOT healthy ORDER BY id) AS unhealthy,
+       ARRAY(SELECT id FROM n WHERE healthy AND id = ANY($3::text[]) ORDER BY id) AS back,
+       ARRAY(SELECT d.id FROM unnest($3::text[]) AS d(id)
+             WHERE NOT EXISTS (SELECT FROM nodes x WHERE x.id = d.id AND x.left_at IS NULL)
+             ORDER BY d.id) AS departed,
        now() AS at
 
 -- name: ready_at_least
