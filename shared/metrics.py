@@ -40,12 +40,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
-import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     REGISTRY,
@@ -53,7 +49,6 @@ from prometheus_client import (
     Gauge,
     Histogram,
     disable_created_metrics,
-    make_wsgi_app,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -61,6 +56,7 @@ from prometheus_client.registry import Collector
 from shared import hooks
 from shared.errors import one_line
 from shared.fsm import TRANSITIONS, State
+from shared.metrics_port import serve
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -273,63 +269,6 @@ def install() -> None:
         hooks.install(MetricsHook())
         REGISTRY.register(CLUSTER)
         _installed = True
-
-
-# The metrics port's bounds: a thread per connection, at most MAX_CONNECTIONS of them (past
-# it a connection is closed at once), each given READ_TIMEOUT_S per read or write. Unbounded,
-# anyone who reached the port (containers bind 0.0.0.0) held a thread per idle connection
-# for ever, until the process could start none (asyncio's executor, getaddrinfo).
-MAX_CONNECTIONS = 16
-READ_TIMEOUT_S = 10.0
-
-
-class _Handler(WSGIRequestHandler):
-    timeout = READ_TIMEOUT_S  # StreamRequestHandler sets it on the connection
-
-    def log_message(self, format: str, *args: Any) -> None:
-        """A line per scrape is noise."""
-
-
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True  # a scrape never holds the process's exit
-    request_queue_size = 64  # the listen backlog: 5 made a burst of connections wait 1 s each
-
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        super().__init__(*args, **kw)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)  # full: refused, and no thread started
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # a client that went quiet (timed out) or away: not worth a traceback on stderr
-        log.debug("metrics request from %s failed", client_address, exc_info=True)
-
-
-def serve(host: str, port: int) -> WSGIServer:
-    """Serve the registry on GET /metrics at host:port from a thread of its own, within the
-    bounds above (a scrape is answered even while the event loop is busy)."""
-    family, _, _, _, sockaddr = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    server_class = type("_MetricsServer", (_Server,), {"address_family": family})
-    app = make_wsgi_app(REGISTRY)
-    server: WSGIServer = make_server(str(sockaddr[0]), port, app, server_class, _Handler)
-    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
-    return server
 
 
 def setup(settings: Settings, service: str) -> int | None:

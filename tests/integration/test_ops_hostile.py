@@ -86,8 +86,8 @@ def test_idle_connections_to_the_metrics_port_do_not_each_pin_a_thread(
 ) -> None:
     """The metrics server once took a thread per connection and kept it while the client said
     nothing: anyone who reached the port grew the process's threads without bound. Now at
-    most metrics.MAX_CONNECTIONS are served at once (the rest closed at once), each read
-    bounded by metrics.READ_TIMEOUT_S."""
+    most metrics_port.MAX_CONNECTIONS are served at once (the rest closed at once), each
+    request bounded by metrics_port.READ_TIMEOUT_S."""
     from shared import metrics
 
     s = settings.model_copy(update={"metrics_port": 0, "metrics_host": "127.0.0.1"})
