@@ -311,6 +311,7 @@ class Starter:
             lease_s,
             node=task.node,
             resources=task.spec.resources,
+            incarnation=task.created_at.isoformat(),
         )
         return await node.backend.run(launch)
 

@@ -27,6 +27,7 @@ from shared.models import CommandJob, Resources
 from tests.fakes.kube import (
     JOBS,
     PODS,
+    Fail,
     FakeCluster,
     ImagePullBackOff,
     RunUntilDeleted,
@@ -457,3 +458,27 @@ async def test_a_pod_that_is_not_the_jobs_does_not_decide_the_outcome(
     reported = running.result() if running.done() else None
     running.cancel()
     assert reported is None, f"the real pod still runs, yet it was reported: {reported}"
+
+
+async def test_a_key_reused_after_retention_does_not_adopt_the_old_tasks_job(
+    cluster: FakeCluster, backend: KubernetesBackend
+) -> None:
+    """A keyed task's id is its key's, and once retention deleted the task the key is free
+    (README): a submission with it makes a task of the same id, whose first attempt's Job has
+    the old first attempt's name. With a Job TTL (SKED_K8S_JOB_TTL_S) longer than the
+    retention, the old Job still stands; its record (table launches) went with the old task,
+    so the create met 409 and `_adopt` took the old Job, made from the same spec, for this
+    attempt's: the new task ended with the old run's outcome and never ran.
+
+    Now each Job carries its task's incarnation (the row's created_at), and a Job of an
+    earlier incarnation of the task is deleted, its pods awaited, and this one's created."""
+    task_id = uuid.uuid4()
+    old = Launch(**{**launch(task_id=task_id).__dict__, "incarnation": "2026-12-01 10:00:00+00"})
+    cluster.script = lambda job: Succeed()
+    assert (await run(backend, old)).ok
+    backend.book.uids.clear()  # type: ignore[attr-defined]  # the old launches went with it
+    new = Launch(**{**old.__dict__, "incarnation": "2026-12-06 10:00:00+00"})
+    cluster.script = lambda job: Fail(3)
+    outcome = await run(backend, new)
+    assert not outcome.ok, "the new task ended with the old task's Job's outcome"
+    assert outcome.result == {"exit_code": 3}

@@ -32,6 +32,9 @@ class Launch:
     lease_s: float | None = None
     node: str | None = None  # the node placement chose (a backend serving several needs it)
     resources: Resources | None = None  # what the task asked for (a cluster enforces it)
+    # which task of this id: its row's created_at. A key freed by retention names a new task
+    # of the same id, whose attempt 1 a cluster must not take the old attempt 1's Job for
+    incarnation: str | None = None
 
 
 @dataclass(frozen=True)

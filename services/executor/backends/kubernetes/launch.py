@@ -18,9 +18,16 @@ from typing import Any, Protocol
 from uuid import UUID
 
 from services.executor.backends import Key, Launch, NodeOffer
-from services.executor.backends.kubernetes.kube import Kube, KubeError, Obj, name_of
+from services.executor.backends.kubernetes.kube import (
+    Kube,
+    KubeError,
+    Obj,
+    delete_job_patiently,
+    name_of,
+)
 from services.executor.backends.kubernetes.manifest import (
     DIGEST,
+    INCARNATION,
     TASK_LABEL,
     JobOptions,
     job_manifest,
@@ -101,6 +108,7 @@ class Launcher:
                 env,
                 launch.timeout_s,
                 self.options,
+                launch.incarnation,
             )
         except ValueError as exc:
             raise LaunchFailed(str(exc), permanent=True) from None
@@ -119,7 +127,9 @@ class Launcher:
                 return await self.kube.create_job(body)
             except KubeError as exc:
                 if exc.status == 409:
-                    return await self._adopt(body, task_id, attempt)
+                    if (found := await self._adopt(body, task_id, attempt)) is not None:
+                        return found
+                    continue  # an earlier incarnation's Job, deleted: created anew
                 if exc.status in (400, 403, 422):  # an invalid manifest, a refusal: permanent
                     raise LaunchFailed(f"Job refused: {exc}", permanent=exc.status != 403) from None
                 why = str(exc)
@@ -132,16 +142,30 @@ class Launcher:
             pause = min(pause * 2, 2.0)
         raise AssertionError("unreachable")
 
-    async def _adopt(self, body: Mapping[str, Any], task_id: UUID, attempt: int) -> Obj:
+    async def _adopt(self, body: Mapping[str, Any], task_id: UUID, attempt: int) -> Obj | None:
         """A Job by this attempt's name exists: ours only if its labels say so, it was made
         from this very spec (its digest annotation: labels anyone may copy), and its uid is
-        the recorded one, when one is: a stranger's object is never adopted by name alone."""
+        the recorded one, when one is: a stranger's object is never adopted by name alone.
+
+        One of an earlier task of this id (a key reused after retention: its incarnation
+        annotation differs, and its record went with that task) is deleted, its pods awaited
+        (they carry this attempt's labels), and None returned: the caller creates anew."""
         name = body["metadata"]["name"]
         found = await self.kube.get_job(name)
         if found is None:
             raise LaunchFailed(f"Job {name} answered 409 but is gone")
+        earlier = _annotation(found, INCARNATION)
+        if key_of(found) == (task_id, attempt) and earlier not in (
+            None,
+            _annotation(body, INCARNATION),
+        ):
+            log.info("Job %s is of an earlier task of this id (%s): deleted", name, earlier)
+            await delete_job_patiently(self.kube, name)
+            await self._until_gone(str(task_id), lambda key: key == (task_id, attempt))
+            return None
         recorded = await self.book.recorded(task_id, attempt)
         ours = key_of(found) == (task_id, attempt) and _annotation(found) == _annotation(body)
+        ours = ours and earlier == _annotation(body, INCARNATION)
         if not ours or (recorded and recorded != uid_of(found)):
             raise LaunchFailed(f"a Job named {name} exists and is not this attempt's", True)
         log.info("Job %s existed already (a create whose answer was lost): adopted", name)
@@ -155,17 +179,23 @@ class Launcher:
             key = key_of(old)
             if key is not None and key[1] < attempt:
                 await self.kube.delete_job(name_of(old))
+        await self._until_gone(str(task_id), lambda key: key[1] < attempt)
+
+    async def _until_gone(self, task_id: str, doomed: Callable[[Key], bool]) -> None:
+        """Wait until no pod of the task whose key is `doomed` is left (those nothing owns
+        deleted here), within the start budget."""
+        selector = f"{TASK_LABEL}={task_id}"
         deadline = time.monotonic() + self.start_budget_s
         while True:
             pods, _ = await self.kube.pods(selector)
-            older = [p for p in pods if (k := key_of(p)) is not None and k[1] < attempt]
+            older = [p for p in pods if (k := key_of(p)) is not None and doomed(k)]
             if not older:
                 return
             for orphan in [p for p in older if not _owners(p)]:
                 # its Job deleted with the Orphan policy: nothing collects it, so this does
                 await self.kube.delete_pod(name_of(orphan))
             if time.monotonic() > deadline:
-                raise LaunchFailed(f"pods of an older attempt still present: {name_of(older[0])}")
+                raise LaunchFailed(f"pods of an earlier attempt still present: {name_of(older[0])}")
             self._pods_changed.clear()
             try:  # woken by the pod informer; re-listed at least every second regardless
                 async with asyncio.timeout(1.0):
@@ -188,6 +218,6 @@ def _owners(obj: Mapping[str, Any]) -> list[Any]:
     return list((obj.get("metadata") or {}).get("ownerReferences") or [])
 
 
-def _annotation(obj: Mapping[str, Any]) -> str | None:
-    value = ((obj.get("metadata") or {}).get("annotations") or {}).get(DIGEST)
+def _annotation(obj: Mapping[str, Any], name: str = DIGEST) -> str | None:
+    value = ((obj.get("metadata") or {}).get("annotations") or {}).get(name)
     return None if value is None else str(value)

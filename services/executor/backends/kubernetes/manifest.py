@@ -30,6 +30,7 @@ NODE_LABEL = "sked.io/node"
 SELECTOR = f"{MANAGED_BY}=sked"  # every object sked creates
 CONTAINER = "task"
 DIGEST = "sked.io/spec-sha256"  # the annotation naming the spec a Job was made from
+INCARNATION = "sked.io/task-created"  # and the one naming its task's incarnation (Launch)
 GPU = "nvidia.com/gpu"
 HOSTNAME = "kubernetes.io/hostname"
 
@@ -98,6 +99,7 @@ def job_manifest(
     env: Mapping[str, str],
     timeout_s: float | None,
     options: JobOptions,
+    incarnation: str | None = None,
 ) -> dict[str, Any]:
     """The Job for one attempt of a command task, pinned to the cluster node sked placed it
     on (by its hostname label). `env`: the task's own environment plus sked's (heartbeat)."""
@@ -158,7 +160,8 @@ def job_manifest(
             "labels": marks,
             # what this spec is: a Job met by name (409) is this attempt's only if it says so
             # (its spec holds the attempt's heartbeat token, which no stranger can make)
-            "annotations": {DIGEST: spec_digest(spec)},
+            "annotations": {DIGEST: spec_digest(spec)}
+            | ({INCARNATION: incarnation} if incarnation else {}),
         },
         "spec": spec,
     }
