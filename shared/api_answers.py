@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 import typing
 from collections.abc import Callable, Mapping
 from datetime import datetime
@@ -31,7 +32,9 @@ def from_json(cls: type[Any], data: Mapping[str, Any], **given: Any) -> Any:
     for f in dataclasses.fields(cls):
         if f.name in values or f.name not in data:
             continue
-        value, kinds = data[f.name], typing.get_args(hints[f.name]) or (hints[f.name],)
+        value, hint = data[f.name], hints[f.name]
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        kinds = typing.get_args(hint) if union else (hint,)
         if value is not None:
             if datetime in kinds:
                 value = datetime.fromisoformat(value)
@@ -39,8 +42,21 @@ def from_json(cls: type[Any], data: Mapping[str, Any], **given: Any) -> Any:
                 value = UUID(value)
             elif State in kinds:
                 value = State(value)
+            elif not any(_fits(value, kind) for kind in kinds):
+                # caught here, not where the CLI prints it (a TypeError from a format spec)
+                raise TypeError(f"{f.name} is {type(value).__name__}, not {hint}")
         values[f.name] = value
     return cls(**values)
+
+
+def _fits(value: Any, kind: Any) -> bool:
+    """Whether a JSON value is of a field's type (or one of a union's); a bool is no number."""
+    if kind is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    origin = typing.get_origin(kind) or kind
+    return origin is Any or not isinstance(origin, type) or isinstance(value, origin)
 
 
 def task_of(data: Mapping[str, Any]) -> Task:

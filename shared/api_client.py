@@ -119,14 +119,20 @@ class ApiClient:
                 allow_redirects=False,  # a redirect elsewhere would get the spec (and answer)
             ) as r:
                 status = r.status
-                raw = await r.content.read(MAX_ANSWER_BYTES + 1)  # decoded bytes: bounded
+                # to its end, bounded: read(n) gives what is buffered, which cut every answer
+                # past a socket read (~64 KB: a page of 50 tasks) into "not JSON"
+                raw = bytearray()
+                async for chunk in r.content.iter_chunked(64 * 1024):
+                    raw += chunk
+                    if len(raw) > MAX_ANSWER_BYTES:
+                        break
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise SkedError(f"the API at {masked(self.url)} did not answer: {exc}") from None
         if len(raw) > MAX_ANSWER_BYTES:
             raise SkedError(f"the API answered {path} with over {MAX_ANSWER_BYTES} bytes")
         text = raw.decode("utf-8", "replace")
         try:  # intake's strict reader: no NaN, no nesting past what sked stores
-            data = jsonvalue.parse(raw) if raw else None
+            data = jsonvalue.parse(bytes(raw)) if raw else None
         except ValueError:
             if status < 400:
                 raise SkedError(f"the API answered {path} with a body that is not JSON") from None

@@ -12,6 +12,7 @@ import and build, and `sked status` — one read of one task — needs a single 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from shared.lazy import exports
@@ -23,8 +24,18 @@ if TYPE_CHECKING:
 
 PREFIX = "SKED_"
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/sked"
+DATABASE_SCHEMES = ("postgresql", "postgres")
 
-__all__ = ["DEFAULT_DATABASE_URL", "PREFIX", "WEAK_SECRET", "Settings", "parse_labels", "quick"]
+__all__ = [
+    "DATABASE_SCHEMES",
+    "DEFAULT_DATABASE_URL",
+    "PREFIX",
+    "WEAK_SECRET",
+    "Settings",
+    "parse_labels",
+    "quick",
+    "url_problem",
+]
 
 
 def quick(name: str) -> str | None:
@@ -35,6 +46,26 @@ def quick(name: str) -> str | None:
     for key, value in os.environ.items():
         if key.upper() == wanted:
             return value
+    return None
+
+
+def url_problem(value: str, schemes: Sequence[str]) -> str | None:
+    """Why a URL is one no client library can read (never quoting it), or None: a misspelt
+    scheme was retried forever, and a password holding an unencoded # or / was read as a port,
+    the error quoting it into the log. Here, not in the model: `sked status` checks its URL
+    without loading pydantic."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 (raises for a port that is not a number in range)
+        value.encode()  # a byte that is not UTF-8 in the variable: no client takes it
+    except ValueError:
+        return "not a valid URL (percent-encode reserved characters such as # / ? @ in a password)"
+    if parts.scheme.lower() not in schemes:
+        return f"the scheme must be one of {', '.join(schemes)}"
+    if parts.fragment:
+        return "a URL holds no #fragment (percent-encode a # in a password)"
     return None
 
 

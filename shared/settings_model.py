@@ -8,14 +8,13 @@ import os
 import socket
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from shared.backlog import ROUNDS
 from shared.errors import InvalidSettings
-from shared.settings import DEFAULT_DATABASE_URL, PREFIX
+from shared.settings import DATABASE_SCHEMES, DEFAULT_DATABASE_URL, PREFIX, url_problem
 
 
 def _total_memory_mb() -> int:
@@ -63,7 +62,7 @@ MAX_DURATION_S = 1e8  # three years
 # Loops sleep a period between passes against the servers, idle or not: 1e-300 s would spin
 MIN_PERIOD_S = 0.01
 URL_SCHEMES = {
-    "database_url": ("postgresql", "postgres"),
+    "database_url": DATABASE_SCHEMES,
     "redis_url": ("redis", "rediss", "unix"),
     "rabbitmq_url": ("amqp", "amqps"),
     "heartbeat_url": ("http", "https"),
@@ -305,23 +304,9 @@ class Settings(BaseSettings):
     @field_validator(*URL_SCHEMES, mode="after")
     @classmethod
     def _url(cls, value: str | None, info: ValidationInfo) -> str | None:
-        """A URL a client library can read, checked here: a misspelt scheme was retried
-        forever, and a password holding an unencoded # or / was read as a port, the error
-        quoting it into the log. The value is never echoed."""
-        if value is None:
-            return None
-        schemes = URL_SCHEMES[info.field_name or ""]
-        try:
-            parts = urlsplit(value)
-            parts.port  # noqa: B018 (raises for a port that is not a number in range)
-        except ValueError:
-            raise ValueError(
-                "not a valid URL (percent-encode reserved characters such as # / ? @ in a password)"
-            ) from None
-        if parts.scheme.lower() not in schemes:
-            raise ValueError(f"the scheme must be one of {', '.join(schemes)}")
-        if parts.fragment:
-            raise ValueError("a URL holds no #fragment (percent-encode a # in a password)")
+        """A URL a client library can read (shared.settings.url_problem); never echoed."""
+        if value is not None and (why := url_problem(value, URL_SCHEMES[info.field_name or ""])):
+            raise ValueError(why)
         return value
 
     @model_validator(mode="after")

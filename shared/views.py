@@ -42,6 +42,10 @@ class WorkflowSummary:
     counts: dict[str, int]
     open: int  # tasks not ended yet
 
+    def __post_init__(self) -> None:
+        for state in self.counts:  # a state each (an answer of the API is read into this)
+            State(state)
+
     def status(self) -> str:
         return aggregate(self.open > 0, {State(s) for s in self.counts})
 

@@ -252,6 +252,8 @@ def _postgres_said(exc: Exception) -> str | None:
     _not_allowed: only a command that used asyncpg can have raised one. asyncpg's other
     errors are misuse, a bug: their traceback stays."""
     asyncpg = sys.modules.get("asyncpg")
+    if asyncpg is not None and isinstance(exc, asyncpg.ClientConfigurationError):
+        return f"the URL is not one asyncpg takes: {exc}"  # sslmode=bogus: the operator's input
     if asyncpg is None or not isinstance(exc, asyncpg.PostgresError):  # closed ones are too
         return None
     return postgres_refused(str(exc), getattr(exc, "sqlstate", None))
@@ -282,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sked: {printable(masked(str(exc)))}", file=sys.stderr)
         return 1 if _not_allowed(exc) else 2
     except OSError as exc:  # a server not there (refused, unresolvable), a file not readable
-        print(f"sked: {printable(masked(str(exc)))}", file=sys.stderr)
+        # a timeout's text is empty: "sked: " alone told the operator nothing
+        said = str(exc) or ("timed out" if isinstance(exc, TimeoutError) else repr(exc))
+        print(f"sked: {printable(masked(said))}", file=sys.stderr)
         return 2
     except Exception as exc:
         postgres, rabbitmq = _postgres_said(exc), _rabbitmq_said(exc)

@@ -28,8 +28,12 @@ def status(args: argparse.Namespace) -> int:
             # alone: libpq's words, which may quote the URL, are not chained to its error)
             task = None
         if task is None:
+            from shared.errors import InvalidSettings
+            from shared.settings import DATABASE_SCHEMES, url_problem
             from shared.store.db import pinned_dsn  # asyncpg's module: loaded to read anyway
 
+            if why := url_problem(dsn, DATABASE_SCHEMES):  # as a service checks it: one line
+                raise InvalidSettings(f"invalid settings: SKED_DATABASE_URL: {why}")
             task = run(read_task(pinned_dsn(dsn), task_id))
     else:
         task = run(_through_api(task_id))

@@ -12,6 +12,8 @@ loaded, `Unavailable` is raised and the caller reads through asyncpg instead.
 from __future__ import annotations
 
 import ctypes
+import select
+import time
 from collections.abc import Sequence
 
 from shared.errors import SkedError, postgres_refused
@@ -19,6 +21,10 @@ from shared.redact import masked
 
 CONNECTION_OK = 0
 PGRES_TUPLES_OK = 2
+# A server that takes the connection and then says nothing (frozen, a half-open path, a stuck
+# proxy) held `sked status` for ever: libpq waits without bound unless told
+CONNECT_TIMEOUT_S = 10  # libpq's connect_timeout, unless the URL sets its own
+QUERY_TIMEOUT_S = 30.0
 PG_DIAG_SQLSTATE = ord("C")  # PQresultErrorField's codes (postgres_ext.h)
 PG_DIAG_MESSAGE_PRIMARY = ord("M")
 SEARCH_PATH = b"-c search_path=public"  # shared.store.db.SCHEMA
@@ -54,7 +60,11 @@ def _load() -> ctypes.CDLL:
         "PQconnectdbParams": (p, [ctypes.POINTER(s), ctypes.POINTER(s), i]),
         "PQstatus": (i, [p]),
         "PQerrorMessage": (s, [p]),
-        "PQexecParams": (p, [p, s, i, p, ctypes.POINTER(s), p, p, i]),
+        "PQsendQueryParams": (i, [p, s, i, p, ctypes.POINTER(s), p, p, i]),
+        "PQsocket": (i, [p]),
+        "PQconsumeInput": (i, [p]),
+        "PQisBusy": (i, [p]),
+        "PQgetResult": (p, [p]),
         "PQresultStatus": (i, [p]),
         "PQresultErrorMessage": (s, [p]),
         "PQresultErrorField": (s, [p, i]),
@@ -83,8 +93,15 @@ def fetch_text(dsn: str, sql: str, params: Sequence[str]) -> str | None:
     lib = _load()
     # options first: a URL's own (dbname, expanded) replace it; else sked's schema is pinned,
     # as on every asyncpg session (shared.store.db.pinned_dsn)
-    keys = (ctypes.c_char_p * 4)(b"options", b"dbname", b"client_encoding", None)
-    values = (ctypes.c_char_p * 4)(SEARCH_PATH, dsn.encode(), b"UTF8", None)
+    try:
+        url = dsn.encode()
+    except UnicodeEncodeError:  # a byte that is not UTF-8 in the variable
+        raise NotConnected("cannot connect to Postgres: the URL is not UTF-8") from None
+    timeout = str(CONNECT_TIMEOUT_S).encode()
+    keys = (ctypes.c_char_p * 5)(
+        b"options", b"connect_timeout", b"dbname", b"client_encoding", None
+    )
+    values = (ctypes.c_char_p * 5)(SEARCH_PATH, timeout, url, b"UTF8", None)
     conn = lib.PQconnectdbParams(keys, values, 1)  # 1: dbname may be a URL, expanded
     if not conn:
         raise NotConnected("cannot connect to Postgres: libpq is out of memory")
@@ -92,16 +109,16 @@ def fetch_text(dsn: str, sql: str, params: Sequence[str]) -> str | None:
         if lib.PQstatus(conn) != CONNECTION_OK:
             why = _message(lib.PQerrorMessage(conn))
             raise NotConnected(f"cannot connect to Postgres: {masked(why)}")  # it quotes URLs
-        args = (ctypes.c_char_p * max(len(params), 1))(*(v.encode() for v in params))
-        result = lib.PQexecParams(conn, sql.encode(), len(params), None, args, None, None, 0)
-        if not result:
-            raise SkedError(f"query failed: {_message(lib.PQerrorMessage(conn))}")
+        result = _answer(lib, conn, sql, params)
         try:
             if lib.PQresultStatus(result) != PGRES_TUPLES_OK:
-                said = _message(lib.PQresultErrorField(result, PG_DIAG_MESSAGE_PRIMARY))
+                said = lib.PQresultErrorField(result, PG_DIAG_MESSAGE_PRIMARY)
+                if said is None:  # libpq's own error (the connection lost), not the server's
+                    why = _message(lib.PQresultErrorMessage(result))
+                    raise SkedError(f"lost the connection to Postgres: {masked(why)}")
                 code = lib.PQresultErrorField(result, PG_DIAG_SQLSTATE)
                 sqlstate = code.decode() if code else None
-                raise SkedError(f"Postgres: {postgres_refused(said, sqlstate)}")
+                raise SkedError(f"Postgres: {postgres_refused(_message(said), sqlstate)}")
             if lib.PQntuples(result) == 0 or lib.PQgetisnull(result, 0, 0):
                 return None
             value: bytes = lib.PQgetvalue(result, 0, 0)
@@ -110,3 +127,23 @@ def fetch_text(dsn: str, sql: str, params: Sequence[str]) -> str | None:
             lib.PQclear(result)
     finally:
         lib.PQfinish(conn)
+
+
+def _answer(lib: ctypes.CDLL, conn: int, sql: str, params: Sequence[str]) -> int:
+    """The query's result, waited for within QUERY_TIMEOUT_S (PQexecParams waits for ever)."""
+    args = (ctypes.c_char_p * max(len(params), 1))(*(v.encode() for v in params))
+    if not lib.PQsendQueryParams(conn, sql.encode(), len(params), None, args, None, None, 0):
+        raise SkedError(f"query failed: {masked(_message(lib.PQerrorMessage(conn)))}")
+    deadline = time.monotonic() + QUERY_TIMEOUT_S
+    while lib.PQisBusy(conn):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise SkedError(f"Postgres did not answer within {QUERY_TIMEOUT_S:g} s")
+        select.select([lib.PQsocket(conn)], [], [], left)
+        if not lib.PQconsumeInput(conn):
+            why = masked(_message(lib.PQerrorMessage(conn)))
+            raise SkedError(f"lost the connection to Postgres: {why}")
+    result: int | None = lib.PQgetResult(conn)
+    if not result:
+        raise SkedError(f"query failed: {masked(_message(lib.PQerrorMessage(conn)))}")
+    return result  # what follows it (the end of the answer) is left to PQfinish

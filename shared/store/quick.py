@@ -19,6 +19,7 @@ from typing import Any
 from uuid import UUID
 
 from shared.errors import missing
+from shared.store.libpq import CONNECT_TIMEOUT_S, QUERY_TIMEOUT_S
 from shared.store.queries import Q
 from shared.task import Task
 
@@ -64,10 +65,12 @@ async def read_task(dsn: str, task_id: UUID) -> Task:
     """The task, as `Store.tasks.get` reads it, through asyncpg; NotFound if there is none."""
     import asyncpg
 
-    conn = await asyncpg.connect(dsn)
+    conn = await asyncpg.connect(dsn, timeout=CONNECT_TIMEOUT_S)
     try:
-        row = await conn.fetchrow(Q.get_task.sql, task_id)
-        at = None if row is not None else await conn.fetchval(Q.purged_when.sql, task_id)
+        row = await conn.fetchrow(Q.get_task.sql, task_id, timeout=QUERY_TIMEOUT_S)
+        at = None
+        if row is None:
+            at = await conn.fetchval(Q.purged_when.sql, task_id, timeout=QUERY_TIMEOUT_S)
     finally:
         await conn.close()
     if row is None:

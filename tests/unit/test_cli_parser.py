@@ -27,3 +27,21 @@ TASK = "8da55d00-60d6-4b20-bac2-b0bf303bfd81"
 )
 def test_every_read_command_takes_json(argv: list[str]) -> None:
     assert build_parser().parse_args([*argv, "--json"]).json is True
+
+
+def test_a_timeout_is_said_not_left_blank(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """asyncpg's connect timeout is a TimeoutError whose text is empty: `sked list` against a
+    Postgres that never answered printed "sked: " and nothing else (found by an adversarial
+    review). The command's error is now worded when its text is empty."""
+    import services.cli.status as status
+
+    def frozen(args: object) -> int:
+        raise TimeoutError
+
+    monkeypatch.setattr(status, "status", frozen)
+    from services.cli import main
+
+    assert main(["status", "00000000-0000-0000-0000-000000000001"]) == 2
+    assert capsys.readouterr().err == "sked: timed out\n"
