@@ -32,7 +32,7 @@ from shared.api_answers import (
     task_of,
 )
 from shared.client import WaitTimeout, deadline_of, ident_of
-from shared.errors import InvalidSpec, NotFound, Purged, SkedError
+from shared.errors import InvalidSpec, NotAllowed, NotFound, Purged, SkedError
 from shared.fsm import State
 from shared.models import Event, Task, TaskSpec
 from shared.redact import masked, printable
@@ -62,17 +62,13 @@ ERRORS: dict[int, type[SkedError]] = {
     401: ApiRefused,
     403: ApiRefused,
     404: NotFound,
+    409: NotAllowed,
     410: Purged,
-    # 409: shared.control.NotAllowed (see error_for)
 }
 
 
 def error_for(status: int) -> type[SkedError]:
     """The error SkedClient would raise for this HTTP status."""
-    if status == 409:  # imported only then: shared.control loads the store
-        from shared.control import NotAllowed
-
-        return NotAllowed
     return ERRORS.get(status, SkedError)
 
 

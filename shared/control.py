@@ -10,12 +10,16 @@ is the executor's part: it hears the NOTIFY of the move and stops the attempt.
 from __future__ import annotations
 
 import getpass
+import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 from uuid import UUID
 
+from redis.exceptions import RedisError
+
 from shared import fsm
-from shared.errors import InvalidSpec, SkedError, StaleWrite
+from shared.errors import InvalidSpec, NotAllowed, StaleWrite, one_line
 from shared.fsm import State
 from shared.jsonvalue import note
 from shared.models import MAX_PRIORITY, MIN_PRIORITY, Task
@@ -23,12 +27,23 @@ from shared.queues import ReadyQueue
 from shared.store import Store
 from shared.store.workflows import OpenTask
 
+log = logging.getLogger(__name__)
+
 ATTEMPTS = 20
 WORKFLOW_BATCH = 1000  # moves a statement of a whole workflow's control makes
 
 
-class NotAllowed(SkedError):
-    """The task's state does not allow the action (terminal, or already so)."""
+async def _tidy(what: str, queue_work: Awaitable[Any]) -> None:
+    """The ready queue's part of a change already committed: best effort. Raising here told
+    the operator (503) that a change had failed which had been made, and kept it out of the
+    API's audit. Nothing is lost without it: a Ready task missing from the queue is queued
+    again by the reconciler, and a stale entry is dropped at dispatch."""
+    try:
+        await queue_work
+    except (RedisError, OSError) as exc:  # Redis away, or one it refused
+        log.warning(
+            "%s: the ready queue not updated (%s); the reconciler will", what, one_line(exc)
+        )
 
 
 def operator() -> str:
@@ -89,7 +104,8 @@ async def cancel(
         except StaleWrite:
             continue
         if queue is not None:  # tidy only: a popped Canceled task is dropped anyway
-            await queue.remove([task_id])  # (in line, or parked: then nothing else would)
+            # (in line, or parked: then nothing else would)
+            await _tidy(f"task {task_id} canceled", queue.remove([task_id]))
         return moved
     raise StaleWrite(f"task {task_id} kept changing; cancel not applied")
 
@@ -160,7 +176,7 @@ async def _whole_workflow(
             some = live[start : start + WORKFLOW_BATCH]
             done += await tx.tasks.transition_many([move(t) for t in some])
     if queue is not None:  # tidy only: a popped task that is not Ready is dropped anyway
-        await queue.remove([t.id for t in live])  # in line or parked
+        await _tidy(f"workflow {workflow_id}", queue.remove([t.id for t in live]))
     return done
 
 
@@ -194,7 +210,7 @@ async def resume_workflow(
             ready += now
             by_id = {t.id: t for t in now}
             resumed += [by_id.get(t.id, t) for t in pending]
-    await queue.push(ready)
+    await _tidy(f"workflow {workflow_id} resumed", queue.push(ready))
     return resumed
 
 
@@ -222,7 +238,7 @@ async def resume(store: Store, queue: ReadyQueue, task_id: UUID, by: str | None 
             ready = await tx.tasks.transition_many(
                 [fsm.plan(pending[0], State.READY, f"{said}: no dependencies")]
             )
-        await queue.push(ready)
+        await _tidy(f"task {task_id} resumed", queue.push(ready))
         return ready[0]
     raise StaleWrite(f"task {task_id} kept changing; resume not applied")
 
@@ -244,6 +260,7 @@ async def set_priority(
     if queue is not None:
         # re-scored in place (ZADD); one popped meanwhile is gone from the queue already and
         # comes back, if at all, only as a stale entry that dispatch drops
-        await queue.push([t for t in changed if t.status is State.READY])
+        ready = [t for t in changed if t.status is State.READY]
+        await _tidy(f"task {task_id} reprioritised", queue.push(ready))
     changed.sort(key=lambda t: t.id != task_id)
     return changed

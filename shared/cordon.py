@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
-from shared.control import NotAllowed
-from shared.errors import NotFound
+from shared.errors import NotAllowed, NotFound
 from shared.jsonvalue import note
 from shared.store import NodeRow, Store
 

@@ -29,6 +29,10 @@ class StaleWrite(SkedError):
     """A compare-and-swap lost: the task moved on since the caller read it."""
 
 
+class NotAllowed(SkedError):
+    """The task's state does not allow the action (terminal, or already so): HTTP 409."""
+
+
 class NotFound(SkedError, LookupError):
     pass
 

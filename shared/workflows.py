@@ -182,6 +182,11 @@ async def resolve(store: Store, candidates: Sequence[UUID]) -> tuple[list[Task],
                 policy = row["on_timeout"]
                 if row["timed_out_at"] is None:
                     timed_out.append((row["task_id"], row["upstream_id"]))
+            elif row["timed_out_at"] is not None and upstream is not State.SUCCESS:
+                # timed out while unfinished, and ended since without success: the decision
+                # stands (otherwise whether the task ran with its default depended on which
+                # of its upstreams ended first); a success hands on its real output instead
+                policy = row["on_timeout"]
             edges[row["task_id"]].append(
                 (Condition(row["condition"]), upstream if finished else State.RUNNING, policy)
             )

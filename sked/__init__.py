@@ -14,9 +14,15 @@ sked's inside and may change.
 from __future__ import annotations
 
 from shared.client import SkedClient, WaitTimeout
-from shared.control import NotAllowed
 from shared.dag import WorkflowSpec
-from shared.errors import IllegalTransition, InvalidSpec, NotFound, SkedError, StaleWrite
+from shared.errors import (
+    IllegalTransition,
+    InvalidSpec,
+    NotAllowed,
+    NotFound,
+    SkedError,
+    StaleWrite,
+)
 from shared.fsm import State
 from shared.models import CommandJob, Event, HandlerJob, Resources, Task, TaskSpec
 from shared.sync_client import SyncSkedClient

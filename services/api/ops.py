@@ -28,10 +28,10 @@ from pydantic import BaseModel, ValidationError
 from shared import jsonvalue
 from shared.auth import Role, bearer, digest
 from shared.client import SkedClient
-from shared.control import NotAllowed
 from shared.errors import (
     IllegalTransition,
     InvalidSpec,
+    NotAllowed,
     NotFound,
     Purged,
     SkedError,

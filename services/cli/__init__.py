@@ -18,7 +18,7 @@ from typing import Any
 
 from services.cli import degrade, nodes, tokens
 from services.cli.output import seconds
-from shared.errors import SkedError, postgres_refused
+from shared.errors import NotAllowed, SkedError, postgres_refused
 from shared.redact import masked, printable
 
 # `sked service NAME`: the module whose run(argv) is that service's main.
@@ -239,11 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _not_allowed(exc: SkedError) -> bool:
-    """A well-formed request the task's state refuses (shared.control.NotAllowed): exit 1, not
-    2. Looked up, not imported: if one was raised, its module is loaded; if not, importing it
-    (the store, Redis) would only slow the error down."""
-    control = sys.modules.get("shared.control")
-    return control is not None and isinstance(exc, control.NotAllowed)
+    """A well-formed request the task's state refuses (shared.errors.NotAllowed): exit 1,
+    not 2."""
+    return isinstance(exc, NotAllowed)
 
 
 def _postgres_said(exc: Exception) -> str | None:

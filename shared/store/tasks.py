@@ -18,7 +18,7 @@ from uuid import UUID, uuid4
 
 from shared import fsm, hooks
 from shared.dag import effective_priorities
-from shared.errors import InvalidSpec, NotFound
+from shared.errors import InvalidSpec, NotAllowed, NotFound
 from shared.fsm import Move, State
 from shared.models import Event, Task, TaskSpec
 from shared.store.db import Db, get_task, task, tasks_of
@@ -363,4 +363,6 @@ class Tasks:
             rows = await db.fetch(
                 Q.set_priorities, list(effective), list(effective.values()), target.id, priority
             )
+            if all(r["id"] != target.id for r in rows):  # it ended since the caller's read
+                raise NotAllowed(f"cannot reprioritise task {target.id}: it has ended")
         return [task(r) for r in rows]

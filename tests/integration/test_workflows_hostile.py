@@ -365,3 +365,69 @@ async def test_a_workflow_cancel_of_over_a_thousand_tasks_releases_no_always_tas
         f"`zz_cleanup` (always after `a`) was released while its workflow was being canceled: "
         f"{path}"
     )
+
+
+async def test_a_dependency_that_timed_out_under_default_stands_when_it_later_fails(
+    store: Store, pool: asyncpg.Pool
+) -> None:
+    """`report` needs `slow` (timeout_s 0.3, on_timeout: default, default {"rows": 0}) and
+    `other` (no timeout). `slow` overruns: the resolver records the timeout
+    (task_deps.timed_out_at, the next event names it) and `report` keeps waiting for `other`
+    only — per the docs it now "goes on with its default". Then `slow` fails for good before
+    `other` ends. shared/workflows.resolve computes the policy only `if not finished`, so the
+    recorded timeout is forgotten and the on_success edge to a Failed upstream skips `report`.
+    Had `other` ended a moment earlier, `report` would have run with the default: the
+    outcome depends on the order two unrelated upstreams end, and a recorded decision
+    ("timed out, go on with the default") is silently revoked — the operator who configured a
+    fallback gets a Skipped report.
+
+    Now a timeout recorded while the upstream ran stands when it ends without success; a
+    success hands on its real output instead."""
+    wf = uuid4()
+    flow = {
+        "name": "fallback",
+        "tasks": [
+            {"name": "slow", "command": ["true"]},
+            {"name": "other", "command": ["true"]},
+            {
+                "name": "report",
+                "command": ["true"],
+                "needs": [
+                    {
+                        "task": "slow",
+                        "timeout_s": 0.3,
+                        "on_timeout": "default",
+                        "default": {"rows": 0},
+                    },
+                    "other",
+                ],
+            },
+        ],
+    }
+    await workflows.admit(store, wf, WorkflowSpec.parse(flow))
+    slow, other, report = (workflows.task_id(wf, n) for n in ("slow", "other", "report"))
+    for t in (slow, other):
+        task = await store.tasks.get(t)
+        task = await fsm.apply(store.tasks, task, State.SCHEDULING, node="n1")
+        await fsm.apply(store.tasks, task, State.RUNNING, lease_owner=str(uuid4()))
+    await asyncio.sleep(0.6)  # `slow` overran its dependency timeout
+    await workflows.resolve(store, [report])
+    assert (await store.tasks.get(report)).status is State.PENDING  # still waits for `other`
+    rows = await pool.fetch(
+        "SELECT timed_out_at FROM task_deps WHERE task_id = $1 AND upstream_id = $2", report, slow
+    )
+    assert rows, "the edge exists"
+    assert rows[0]["timed_out_at"] is not None, "the timeout was recorded"
+    # `slow` fails for good (max_retries 0), then `other` succeeds
+    task = await store.tasks.get(slow)
+    await fsm.apply(store.tasks, task, State.FAILED, error="boom")
+    await workflows.resolve(store, [report])
+    task = await store.tasks.get(other)
+    await fsm.apply(store.tasks, task, State.SUCCESS, result={"exit_code": 0})
+    await workflows.resolve(store, [report])
+    final = await store.tasks.get(report)
+    assert final.status is State.READY, (
+        f"the dependency on `slow` timed out under policy default (recorded), yet `report` "
+        f"ended {final.status.label}: {final.status_reason!r}"
+    )
+    assert final.inputs == {"slow": {"rows": 0}, "other": None}, final.inputs

@@ -174,6 +174,12 @@ string_agg(id::text || ':' || version || ':' || attempt || ':' || retry_count ||
 -- index tasks_schedule_deadline is written over the same list.
 'ready', 'scheduling'
 
+-- fragment: has_ended(p)
+-- The task (its columns prefixed with `p`: a table alias and a dot, or nothing) has ended for
+-- good: fsm.is_terminal in SQL, ended outright or failed with no retry left.
+({{p}}status IN ({{terminal_states}})
+ OR ({{p}}status IN ({{retryable_states}}) AND {{p}}retry_count >= {{p}}max_retries))
+
 -- fragment: terminal_states
 -- The states that end a task outright (fsm.ALWAYS_TERMINAL).
 'success', 'canceled', 'skipped'

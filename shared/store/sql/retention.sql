@@ -6,9 +6,7 @@
 -- fragment: ended_before(cutoff)
 -- The task has ended for good before `cutoff`: terminal (fsm.is_terminal in SQL, as
 -- terminal_among) and finished then. NULL for a task never finished: negate with IS NOT TRUE.
-(t.finished_at < {{cutoff}}
- AND (t.status IN ({{terminal_states}})
-      OR (t.status IN ({{retryable_states}}) AND t.retry_count >= t.max_retries)))
+(t.finished_at < {{cutoff}} AND {{has_ended(t.)}})
 
 -- fragment: remember(rows)
 -- A tombstone for each (id, created_at) deleted (table purged, 0018): a later read or wait

@@ -344,8 +344,7 @@ WHERE t.id = u.id
 -- is_terminal in SQL, so that waiters fetch only finished rows).
 SELECT {{task_columns()}} FROM tasks
 WHERE id = ANY($1::uuid[])
-  AND (status IN ({{terminal_states}})
-       OR (status IN ({{retryable_states}}) AND retry_count >= max_retries))
+  AND {{has_ended()}}
 
 -- name: list_tasks
 -- Tasks of the states $1 (the caller passes every state for "any"), newest first, optionally
@@ -421,6 +420,8 @@ SELECT id, wf_task, priority, (spec ->> 'priority')::int AS own FROM tasks WHERE
 -- name: set_priorities
 -- Priority changes (not a state change: no version bump, no event), rows locked in id order:
 -- the task's own priority ($3, $4) goes into its spec, each effective priority into `priority`.
+-- Only tasks that have not ended, as they stand once locked (a row updated meanwhile is
+-- judged again, newest): the caller's read is older, and one that ended keeps its priority.
 WITH u AS (SELECT * FROM unnest($1::uuid[], $2::int[]) AS u(id, priority)),
 locked AS ({{locked_in_id_order(true)}})
 UPDATE tasks t SET
@@ -428,5 +429,5 @@ UPDATE tasks t SET
     spec = CASE WHEN t.id = $3 THEN jsonb_set(t.spec, '{priority}', to_jsonb($4::int))
                 ELSE t.spec END
 FROM locked u
-WHERE t.id = u.id
+WHERE t.id = u.id AND NOT {{has_ended(t.)}}
 RETURNING {{task_columns(t.)}}

@@ -96,8 +96,7 @@ SELECT id, status, version, attempt, retry_count, max_retries, launch_failures,
        max_launch_failures
 FROM tasks
 WHERE workflow_id = $1
-  AND NOT (status IN ({{terminal_states}})
-           OR (status IN ({{retryable_states}}) AND retry_count >= max_retries))
+  AND NOT {{has_ended()}}
 ORDER BY id
 FOR UPDATE
 
@@ -158,9 +157,7 @@ LEFT JOIN LATERAL (
     SELECT jsonb_object_agg(s.status, s.n) AS counts, sum(s.open) AS open
     FROM (
         SELECT t.status, count(*) AS n,
-               count(*) FILTER (WHERE NOT (t.status IN ({{terminal_states}})
-                   OR (t.status IN ({{retryable_states}}) AND t.retry_count >= t.max_retries)))
-                   AS open
+               count(*) FILTER (WHERE NOT {{has_ended(t.)}}) AS open
         FROM tasks t WHERE t.workflow_id = p.id GROUP BY t.status
     ) s
 ) k ON true
