@@ -7,6 +7,8 @@ docstrings say what happened; each test shows it no longer does."""
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,7 +17,7 @@ import pytest
 
 from services.executor.backends import Launch, Outcome
 from services.executor.backends.kubernetes import KubernetesBackend
-from services.executor.backends.kubernetes.kube import Kube, api_client
+from services.executor.backends.kubernetes.kube import Kube, KubeError, api_client
 from services.executor.backends.kubernetes.launch import MemoryBook
 from services.executor.backends.kubernetes.manifest import (
     JobOptions,
@@ -482,3 +484,102 @@ async def test_a_key_reused_after_retention_does_not_adopt_the_old_tasks_job(
     outcome = await run(backend, new)
     assert not outcome.ok, "the new task ended with the old task's Job's outcome"
     assert outcome.result == {"exit_code": 3}
+
+
+MAX_ARG_STRLEN = 32 * 4096  # Linux: the longest single argv/env string execve() takes
+
+
+def _with_inputs(inputs: object) -> Launch:
+    return Launch(**{**launch(argv=["sh", "-c", "cat"]).__dict__, "inputs": inputs})
+
+
+async def test_inputs_over_the_kernel_s_env_string_limit_fail_the_task_once_saying_why(
+    cluster: FakeCluster, backend: KubernetesBackend
+) -> None:
+    """A workflow task's inputs (up to 8 MiB of JSON: dag.MAX_INPUTS_BYTES) reach a Job as ONE
+    environment variable, SKED_INPUTS_JSON. Linux refuses any single env string longer than
+    MAX_ARG_STRLEN (128 KiB) at execve with E2BIG, so with inputs over ~128 KiB sked created a
+    Job whose container could never start ("exec: argument list too long", exit 128), reported
+    an ordinary exit-code failure and spent every retry on a task that could never run.
+
+    Now manifest.check_exec_size (called by job_manifest) refuses a command or environment
+    string over MAX_ARG_STRLEN, and a command and environment over ARG_MAX less a margin, and
+    the launch fails permanently (a final outcome: the task fails once) with a reason naming
+    the size, the limit and the inputs — no Job is created. Shown first: this very kernel
+    refuses such a string."""
+    cluster.script = lambda job: Succeed()
+    inputs = {"extract": "x" * (200 * 1024)}  # 200 KiB: well within sked's 8 MiB promise
+    value = json.dumps(inputs)
+    with pytest.raises(OSError, match="too long") as refused:
+        subprocess.run(["true"], env={"SKED_INPUTS_JSON": value}, check=False, timeout=10)
+    assert refused.value.errno == 7, refused.value  # E2BIG
+    what = _with_inputs(inputs)
+    outcome = await run(backend, what, timeout=20)
+    assert not [j for j in cluster.created_jobs if j["metadata"]["name"] == _job(what)]
+    assert not outcome.ok, outcome
+    assert outcome.final, outcome
+    why = str(outcome.error)
+    assert "SKED_INPUTS_JSON" in why, why
+    assert str(MAX_ARG_STRLEN - 1) in why, why
+    assert str(len(value)) in why, why
+    # just under the limit still runs
+    small = _with_inputs({"extract": "x" * (100 * 1024)})
+    assert (await run(backend, small, timeout=20)).ok
+
+
+async def test_a_command_and_environment_over_arg_max_fail_the_task_once(
+    cluster: FakeCluster, backend: KubernetesBackend
+) -> None:
+    """Many env strings each under 128 KiB but together over ARG_MAX (2 MiB under the default
+    stack limit) cannot exec either: refused up front too, permanently, naming the sizes."""
+    cluster.script = lambda job: Succeed()
+    many = {f"V{i}": "x" * (100 * 1024) for i in range(24)}  # 2.4 MiB
+    what = launch(env=many)
+    outcome = await run(backend, what, timeout=20)
+    assert cluster.create_attempts[_job(what)] == 0
+    assert not outcome.ok, outcome
+    assert outcome.final, outcome
+    assert "environment are" in str(outcome.error), outcome
+
+
+async def test_a_job_refused_as_too_large_413_fails_at_once_saying_so(
+    cluster: FakeCluster, backend: KubernetesBackend
+) -> None:
+    """Inputs of a few MiB (allowed by sked: 8 MiB) make a Job body the real API server refuses
+    with 413 Request Entity Too Large (over its 3 MiB request limit). Launcher._create treated
+    every status but 400/403/409/422 as transient: it sent the same multi-MiB body
+    CREATE_TRIES (5) times with backoff, then reported a *non-final* launch failure, so the
+    task went back to Ready without spending a retry and the cycle repeated
+    max_launch_failures times before the task failed, with a reason that read like an outage.
+
+    Now a 413 is permanent: one create, a final outcome whose reason names the body's size."""
+    cluster.script = lambda job: Succeed()
+    cluster.fail_next_create(status=413, stored=False, count=10)
+    what = _with_inputs({"extract": "x" * 1024})
+    outcome = await run(backend, what, timeout=30)
+    tries = cluster.create_attempts[_job(what)]
+    assert tries == 1, f"a 413 (too large: permanent) was sent {tries} times; outcome {outcome!r}"
+    assert outcome.final, f"a Job too large to create is not final: {outcome!r}"
+    assert "too large" in str(outcome.error), outcome
+    assert "bytes" in str(outcome.error), outcome
+
+
+async def test_a_job_etcd_refuses_as_too_large_fails_at_once(
+    backend: KubernetesBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The API server passes etcd's refusal of an object over its --max-request-bytes (1.5 MiB
+    by default) on as a 500 "etcdserver: request is too large", which was retried as an
+    outage (see the 413 test). Now it is permanent; another 500 is still retried."""
+    tries = 0
+    message = {"kind": "Status", "code": 500, "message": "etcdserver: request is too large"}
+
+    async def too_large(body: Any) -> Any:
+        nonlocal tries
+        tries += 1
+        raise KubeError(500, json.dumps(message))
+
+    monkeypatch.setattr(backend.kube, "create_job", too_large)
+    outcome = await run(backend, _with_inputs({"extract": "x"}), timeout=30)
+    assert tries == 1, outcome
+    assert outcome.final, outcome
+    assert "too large" in str(outcome.error), outcome

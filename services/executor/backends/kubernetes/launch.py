@@ -39,6 +39,9 @@ from shared.models import CommandJob, Resources
 log = logging.getLogger(__name__)
 
 CREATE_TRIES = 5  # a create answered 5xx or cut off is tried again (and then meets its Job)
+INPUTS_ENV = "SKED_INPUTS_JSON"  # a workflow task's inputs, as JSON
+# what etcd answers (through the API server, as a 500) for an object over --max-request-bytes
+ETCD_TOO_LARGE = "request is too large"
 
 
 class LaunchBook(Protocol):
@@ -96,7 +99,7 @@ class Launcher:
             raise LaunchFailed(f"node {launch.node} is not a node of this cluster (any more)")
         env = {**launch.env}
         if launch.inputs is not None:
-            env["SKED_INPUTS_JSON"] = json.dumps(launch.inputs)
+            env[INPUTS_ENV] = json.dumps(launch.inputs)
         try:
             body = job_manifest(
                 task_id,
@@ -111,7 +114,13 @@ class Launcher:
                 launch.incarnation,
             )
         except ValueError as exc:
-            raise LaunchFailed(str(exc), permanent=True) from None
+            why = str(exc)
+            if INPUTS_ENV in why:
+                why += (
+                    f" (the task's inputs: {len(env[INPUTS_ENV].encode())} bytes of JSON, which"
+                    " a Kubernetes Job passes in this one variable)"
+                )
+            raise LaunchFailed(why, permanent=True) from None
         created = await self._create(body, task_id, attempt, stopped)
         await self.book.record(task_id, attempt, name_of(created), uid_of(created))
 
@@ -132,6 +141,13 @@ class Launcher:
                     continue  # an earlier incarnation's Job, deleted: created anew
                 if exc.status in (400, 403, 422):  # an invalid manifest, a refusal: permanent
                     raise LaunchFailed(f"Job refused: {exc}", permanent=exc.status != 403) from None
+                if exc.status == 413 or (exc.status == 500 and ETCD_TOO_LARGE in exc.body):
+                    # the same body meets the same limit every time: not an outage
+                    raise LaunchFailed(
+                        f"Job refused as too large ({body_size(body)} bytes; the API server "
+                        f"takes at most 3 MiB per request, etcd 1.5 MiB by default): {exc}",
+                        permanent=True,
+                    ) from None
                 why = str(exc)
             except (OSError, TimeoutError) as exc:
                 why = one_line(exc)
@@ -202,6 +218,11 @@ class Launcher:
                     await self._pods_changed.wait()
             except TimeoutError:
                 pass
+
+
+def body_size(body: Mapping[str, Any]) -> int:
+    """The bytes of a request body, as JSON (about what the client sends)."""
+    return len(json.dumps(body, separators=(",", ":")).encode())
 
 
 def uid_of(obj: Mapping[str, Any]) -> str:
