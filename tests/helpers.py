@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -102,3 +103,24 @@ class ServiceProcess:
                 self.proc.wait(timeout=10)
         self._log.close()
         return self.proc.returncode
+
+
+@contextlib.asynccontextmanager
+async def loop_stalls(every: float = 0.05) -> AsyncIterator[list[float]]:
+    """The event loop's longest stall while the block runs: a ticker wakes every `every` s and
+    records each gap between its wakes; yields the list of gaps (`max` of it, after)."""
+    gaps: list[float] = []
+
+    async def tick() -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(every)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    ticker = asyncio.create_task(tick())
+    try:
+        yield gaps
+    finally:
+        ticker.cancel()

@@ -28,6 +28,7 @@ from services.executor.backends import Launch, Outcome
 from services.executor.backends.local import LocalBackend, process
 from services.executor.backends.local.pool import RECENT_JOBS
 from shared.models import CommandJob, HandlerJob
+from tests.helpers import loop_stalls
 
 HERE = "tests.integration.test_executor_hostile"
 
@@ -224,23 +225,12 @@ async def test_a_log_path_made_a_fifo_blocks_the_executor_s_event_loop(
 
     thread = threading.Thread(target=watchdog, daemon=True)
     thread.start()
-    gaps: list[float] = []
-
-    async def ticker() -> None:
-        last = time.monotonic()
-        while True:
-            await asyncio.sleep(0.05)
-            now = time.monotonic()
-            gaps.append(now - last)
-            last = now
-
-    ticking = asyncio.create_task(ticker())
     try:
-        outcome = await run(backend, launch)
+        async with loop_stalls() as gaps:
+            outcome = await run(backend, launch)
     finally:
         done.set()
         thread.join(5)
-        ticking.cancel()
     assert outcome.ok
     assert not rescued.is_set(), "the event loop was blocked opening the FIFO until rescued"
     assert max(gaps, default=0.0) < 1.0, f"the event loop stalled {max(gaps):.1f} s"

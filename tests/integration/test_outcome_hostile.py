@@ -28,6 +28,7 @@ from shared.fsm import State
 from shared.models import HandlerJob, Task
 from shared.outcome import Report
 from tests.fakes import StubMessage
+from tests.helpers import loop_stalls
 from tests.integration.test_executor_hostile import short_jobs_backend
 from tests.integration.test_executor_outcomes import running
 
@@ -213,23 +214,10 @@ async def test_a_large_result_stalls_the_executor_s_event_loop_for_seconds(
         (attempt(over), Outcome(True, [0] * 1_300_000, None, False, False, "")),  # 3.9 MB
         (attempt(under), Outcome(True, [0] * 300_000, None, False, False, "")),  # 0.9 MB
     ]
-    gaps: list[float] = []
-
-    async def tick() -> None:
-        last = time.monotonic()
-        while True:
-            await asyncio.sleep(0.02)
-            now = time.monotonic()
-            gaps.append(now - last)
-            last = now
-
-    ticker = asyncio.create_task(tick())
-    await asyncio.sleep(0.1)
-    try:
+    async with loop_stalls(0.02) as gaps:
+        await asyncio.sleep(0.1)
         async with asyncio.timeout(120):
             await executor.finisher.finish(batch)
-    finally:
-        ticker.cancel()
     assert (await executor.store.tasks.get(over.id)).status is State.FAILED  # over the limit
     stored = await executor.store.tasks.get(under.id)
     assert stored.status is State.SUCCESS

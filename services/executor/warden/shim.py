@@ -356,7 +356,7 @@ def exec_leader(
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(req["log"])
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-            log = os.open(req["log"], flags, 0o644)
+            log = os.open(req["log"], flags, 0o600)
             os.dup2(log, 1)
             os.dup2(log, 2)
         os.closerange(3, err)

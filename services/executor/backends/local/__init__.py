@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import json
 import logging
 import os
 import time
@@ -27,6 +26,7 @@ from services.executor.backends.local.outputs import prune_logs, tail, with_outp
 from services.executor.backends.local.pool import Stopped, WorkerPool
 from services.executor.backends.local.process import Proc, SpawnError, Warden, exit_text
 from services.executor.backends.local.records import Records
+from services.executor.backends.local.statedir import make_private, write_inputs
 from services.executor.backends.local.worker import describe
 from services.executor.backends.local.workers import (
     STOP_GRACE_S,
@@ -107,8 +107,7 @@ class LocalBackend(OneNode):
     async def start(self) -> None:
         """Reap what a previous executor left running, then start the warden and the warm
         handler workers."""
-        for path in (self._logs, self._worker_out, self._io, self._records.root):
-            path.mkdir(parents=True, exist_ok=True)
+        make_private(self.state_dir, (self._logs, self._worker_out, self._io, self._records.root))
         self._lock = self._take_lock()
         self.reaped = self._records.reap()
         for stale in [*self._worker_out.iterdir(), *self._io.iterdir()]:
@@ -119,7 +118,8 @@ class LocalBackend(OneNode):
 
     def _take_lock(self) -> int:
         # Two backends on one state_dir would reap each other's live attempts.
-        fd = os.open(self.state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(self.state_dir / "lock", flags, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -209,7 +209,7 @@ class LocalBackend(OneNode):
         try:
             io_env = {}
             if inputs_path is not None:
-                inputs_path.write_text(json.dumps(launch.inputs))
+                await write_inputs(inputs_path, launch.inputs)  # 0600, never through a FIFO
                 io_env["SKED_INPUTS"] = str(inputs_path)
             if output_path is not None:
                 remove(output_path)

@@ -54,6 +54,25 @@ def remove(path: Path | str) -> None:
         log.warning("cannot remove %s: %s", path, exc)
 
 
+# A file made anew: never opened if anything is at its path (a FIFO, a symlink, a file the
+# task made and keeps open), so that its open cannot block and its data go nowhere else.
+NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def create_new(path: Path | str, mode: int = 0o600) -> BinaryIO:
+    """A regular file made anew at `path`, for writing, after removing whatever the task put
+    there; readable by this user only unless `mode` says otherwise. Raises OSError
+    (FileExistsError if what was there could not be removed, or came back meanwhile)."""
+    remove(path)
+    return os.fdopen(os.open(path, NEW_FILE, mode), "wb")
+
+
+def write_new(path: Path | str, data: bytes) -> None:
+    """`data` as the whole of a file made anew at `path` (create_new). Raises OSError."""
+    with create_new(path) as f:
+        f.write(data)
+
+
 KEPT_BYTES = 16 * 1024 * 1024  # of an output that cannot be moved: its end, where errors are
 
 
@@ -71,8 +90,7 @@ def move_or_tail(src: Path | str, dst: Path | str, limit: int = KEPT_BYTES) -> N
     with open_regular(src) as f:
         end = f.seek(0, os.SEEK_END)
         f.seek(max(0, end - limit))
-        remove(dst)  # whatever the task put there: written anew, never through a symlink
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        with os.fdopen(os.open(dst, flags, 0o644), "wb") as out:
+        # whatever the task put there: written anew, never through a symlink
+        with create_new(dst) as out:
             while chunk := f.read(1 << 20):
                 out.write(chunk)

@@ -126,7 +126,7 @@ class Worker:
 
     def _open_out(self) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC
-        return os.open(self.out_path, flags, 0o644)
+        return os.open(self.out_path, flags, 0o600)
 
     def serve(self) -> None:
         signal.signal(NUDGE, self._on_nudge)
