@@ -19,9 +19,11 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from shared.errors import InvalidSpec
+from shared.execlimits import check_exec_size
 from shared.fsm import State
 from shared.redact import printable
 from shared.task import Task as Task  # re-exported: where tasks were always imported from
@@ -55,6 +57,14 @@ class CommandJob(_Input):
     env: dict[str, str] = Field(default_factory=dict)
     cwd: str | None = None
     image: str | None = None  # the container image, for the Kubernetes backend
+
+    @model_validator(mode="after")
+    def _startable(self, info: ValidationInfo) -> CommandJob:
+        # over what execve() takes, every attempt would fail to start (E2BIG), retried as a
+        # launch failure without a reason that names it: refused on input (NEW), saying why
+        if (info.context or {}).get("new"):
+            check_exec_size(self.argv, self.env)
+        return self
 
 
 class HandlerJob(_Input):

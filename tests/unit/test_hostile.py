@@ -232,3 +232,20 @@ def test_the_watchdog_acts_before_postgres_lets_the_lease_go() -> None:
     assert lease.renew_every_s(2.0, [30.0]) == 2.0
     assert lease.renew_every_s(2.0, [30.0, 1.0]) == 0.25
     assert lease.renew_every_s(2.0, []) == 2.0
+
+
+@pytest.mark.parametrize(
+    "job",
+    [
+        {"kind": "command", "argv": ["echo", "x" * 200_000]},  # one argument over 128 KiB
+        {"kind": "command", "argv": ["true"], "env": {"BIG": "x" * 200_000}},  # one variable
+        {"kind": "command", "argv": ["true"], "env": {f"V{i}": "x" * 100_000 for i in range(24)}},
+    ],
+)
+def test_a_command_execve_would_refuse_is_refused_at_submission(job: dict[str, Any]) -> None:
+    """Linux refuses an argument or environment string over 128 KiB (MAX_ARG_STRLEN), and all
+    of them over ARG_MAX, with E2BIG at exec: such a command was admitted, then every attempt
+    failed to start and was tried again as a launch failure, with no reason that named it.
+    Now the spec is refused, naming the size and the limit (found by an adversarial review)."""
+    with pytest.raises(InvalidSpec, match="could never start"):
+        TaskSpec.parse({"name": "n", "job": job})

@@ -20,6 +20,7 @@ from typing import Any
 from uuid import UUID
 
 from services.executor.backends import NodeOffer
+from shared.execlimits import check_exec_size
 from shared.models import CommandJob, Resources
 from shared.settings_model import NODE_ID_PATTERN
 
@@ -37,14 +38,6 @@ HOSTNAME = "kubernetes.io/hostname"
 # The backstop deadline allows this much for pulling the image and starting the container
 # beyond the run timeout; sked's own timer (from the container's start) normally acts first.
 BACKSTOP_EXTRA_S = 600
-
-# What execve() takes (Linux): each argv or env string at most MAX_ARG_STRLEN bytes with its
-# NUL, and all of them (strings, NULs and pointers) within ARG_MAX, a quarter of the stack
-# limit (2 MiB under the default 8 MiB). Over either, the container can never start (E2BIG).
-MAX_ARG_STRLEN = 32 * 4096
-ARG_MAX = 2 * 2**20
-_POINTER = 8
-_EXEC_MARGIN = 64 * 2**10  # room for the image's ENV and the kubelet's variables
 
 _INT32 = 2**31 - 1
 _NODE_ID = re.compile(NODE_ID_PATTERN)  # what a sked node id may be
@@ -174,32 +167,6 @@ def job_manifest(
         },
         "spec": spec,
     }
-
-
-def check_exec_size(argv: Sequence[str], env: Mapping[str, str]) -> None:
-    """Raise ValueError, naming the size and the limit, when the container's command or
-    environment is more than execve() takes: such a Job is created and then fails to start
-    every time ("argument list too long"). Counted as the process gets them (the kubelet
-    reads the $$ of `_literal` as $); the image's own env and the kubelet's few variables come
-    on top, so the total is kept below ARG_MAX by a margin."""
-    total = 0
-    for what, text in [("argument", a) for a in argv] + [
-        (f"environment variable {k}", f"{k}={v}") for k, v in env.items()
-    ]:
-        size = len(text.encode("utf-8", "surrogatepass")) + 1
-        if size > MAX_ARG_STRLEN:
-            raise ValueError(
-                f"{what} is {size - 1} bytes: over the {MAX_ARG_STRLEN - 1} a single argument "
-                "or environment string may have (Linux MAX_ARG_STRLEN), so the container "
-                "could never start"
-            )
-        total += size + _POINTER
-    if total > ARG_MAX - _EXEC_MARGIN:
-        raise ValueError(
-            f"the command and environment are {total} bytes: over the {ARG_MAX - _EXEC_MARGIN} "
-            f"a container's exec may take here (ARG_MAX {ARG_MAX}, less room for the image's "
-            "environment), so the container could never start"
-        )
 
 
 def spec_digest(spec: Mapping[str, Any]) -> str:
