@@ -317,18 +317,19 @@ async def test_a_flood_of_lost_tasks_is_not_held_up_by_an_unanswering_alertmanag
 async def test_span_attributes_from_an_attempts_error_are_bounded(
     settings: Settings, spans: InMemorySpanExporter, tmp_path: Path
 ) -> None:
-    """A command whose argv[0] is 300,000 characters cannot start; the shim's error names the
+    """A command whose argv[0] is 130,000 characters cannot start; the shim's error names the
     program in full. The error stored with the task is clipped (2,000 characters,
     shared/outcome.storable), but the executor hands the raw error to the tracing hook, which
     sets it as `sked.error` on the attempt's span unclipped (OpenTelemetry has no attribute
-    length limit by default): every such attempt exports a 300 KB span, up to the message
+    length limit by default): every such attempt exports a 130 KB span, up to the message
     size limit (1 MiB) a task spec may fill."""
     from services.executor.backends.local import LocalBackend
     from services.executor.service import Executor
     from shared.client import SkedClient
 
     node_settings = settings.model_copy(update={"node_id": "traced", "slots": 1})
-    program = "/nonexistent/" + "x" * 300_000
+    # under the 128 KiB a submission may give one argument (shared/execlimits.py)
+    program = "/nonexistent/" + "x" * 130_000
     async with backends(settings) as s, backends(node_settings) as e:
         scheduler = Scheduler(settings, s.store, s.bus, s.ready_queue)
         executor = Executor(node_settings, e.store, e.bus, LocalBackend(1, tmp_path), e.ready_queue)
