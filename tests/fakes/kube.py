@@ -28,6 +28,12 @@ Covered
   JSON patch; PUT; status changes only through `/status`; 409 on a duplicate create, a stale
   resourceVersion or a failed delete precondition; 404; delete with propagationPolicy (a Job
   orphans its pods by default, as the real API does); finalizers; `pods/log` as text/plain.
+  Secrets (v1/secrets) through the same write path: `data` values must be base64 (else 400, as
+  from decoding), `stringData` is merged over `data` and dropped, `type` defaults to Opaque,
+  keys must be config keys, the decoded data at most 1 MiB (422 "data: Too long: must have at
+  most 1048576 bytes"); on update the type cannot change, nor an immutable Secret's data or its
+  immutability (422 "data: Forbidden: field is immutable when `immutable` is set"). Several
+  field errors come as the API server aggregates them: `is invalid: [a, b]`.
   Faults: a create stored and then answered 500 (or refused before storing), 410 Gone ERROR
   events for the next watches or for watches from before `compact()`, open watches ended cleanly
   or by closing their connections.
@@ -36,7 +42,17 @@ Covered
   while it does not fit; pod and Job status walked through a scripted `Scenario`;
   activeDeadlineSeconds; ttlSecondsAfterFinished; podFailurePolicy FailJob rules decide the
   Failed reason; Complete/Failed only after the pod terminated; a deleted Job's pods are
-  garbage-collected (Background and Foreground); a pod deleted under a running Job fails it.
+  garbage-collected (Background and Foreground), its Secrets too (any object whose
+  ownerReferences name it); a pod deleted under a running Job fails it.
+  Kubelet: a container whose pod mounts a `secret` volume stays waiting, ContainerCreating (pod
+  Pending), until that Secret exists in the pod's namespace (and the keys its `items` name),
+  woken by the Secret's event; `optional: true` mounts nothing instead. On start it records the
+  files it sees, {f"{mountPath}/{path}": text} (`items`, `subPath` honoured): `files(pod)`. The
+  terminated state's `message` follows the kubelet: the END of what the container wrote to its
+  terminationMessagePath (`Succeed`/`Fail(message=...)`, a text or a function of those files),
+  at most 4096 bytes; if empty, with FallbackToLogsOnError and a non-zero exit code (Fail,
+  deadline, eviction), the last 80 lines of the log, then of those the last 2048 bytes; else no
+  `message`. A character cut by a byte limit becomes U+FFFD, as Go's JSON encoder sends it.
 
 Not covered
   Authentication, RBAC, admission, quotas, events, full schema validation (use
@@ -45,12 +61,20 @@ Not covered
   vanishes at once), the Job controller's retries (one pod per Job, as with backoffLimit 0;
   Ignore/Count rules are not honoured), parallelism and indexed Jobs, resource accounting across
   pods (a node fits a pod when its allocatable GPUs cover the pod's), tolerations and affinity,
-  following logs, eviction and binding subresources, suspended Jobs.
+  following logs, eviction and binding subresources, suspended Jobs. Secrets: the rules of
+  types other than Opaque (required keys of kubernetes.io/tls, ...), mounted Secrets updated
+  after the start, file modes (defaultMode, items' mode), FailedMount events, a Secret deleted
+  as its pod starts; other volume kinds (configMap, projected, emptyDir) mount nothing and
+  block nothing. A dependent created after its owner went (the real garbage collector deletes
+  it on finding the owner absent) stays. The termination message: the pod-wide 12 KiB budget
+  across containers (one container runs), a read error of the message file.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import bisect
 import contextlib
 import copy
@@ -76,14 +100,31 @@ T = TypeVar("T")
 JOBS = kmock.resource("batch/v1/jobs")
 PODS = kmock.resource("v1/pods")
 NODES = kmock.resource("v1/nodes")
+SECRETS = kmock.resource("v1/secrets")
 _WITH_STATUS = (JOBS, PODS, NODES)  # their status changes only through /status
-_KINDS = {"jobs": "Job", "pods": "Pod", "nodes": "Node", "namespaces": "Namespace"}
+_KINDS = {
+    "jobs": "Job",
+    "pods": "Pod",
+    "nodes": "Node",
+    "namespaces": "Namespace",
+    "secrets": "Secret",
+}
 _JOB_LABELS = ("batch.kubernetes.io/controller-uid", "batch.kubernetes.io/job-name")
 
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 _LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
 _SUFFIX_CHARS = "bcdfghjklmnpqrstvwxz2456789"  # what the API server's name generator uses
+_CONFIG_KEY = re.compile(r"[-._a-zA-Z0-9]+")
+_BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
+MAX_SECRET_BYTES = 1024 * 1024  # core.MaxSecretSize: the decoded data of one Secret
+MAX_REQUEST_BYTES = 3 * 1024 * 1024  # the API server's MaxRequestBodyBytes
+# The kubelet (pkg/kubelet/container/runtime.go, kuberuntime_container.go): the END of the
+# termination message file, at most 4096 bytes; failing that, with FallbackToLogsOnError and a
+# non-zero exit code, the last 80 lines of the log, of which the last 2048 bytes.
+MAX_MESSAGE_BYTES = 4096
+MAX_LOG_MESSAGE_LINES = 80
+MAX_LOG_MESSAGE_BYTES = 2048
 
 
 def _now() -> str:
@@ -258,6 +299,8 @@ def _invalid(obj: Obj, res: kmock.resource) -> list[str]:
                 problems.append(f'{where}: Invalid value: "{key}": name part must be valid')
             if not isinstance(value, str) or len(value) > 63 or not _LABEL_VALUE.fullmatch(value):
                 problems.append(f'{where}: Invalid value: "{value}": must be a valid label value')
+    if res == SECRETS:
+        problems += _secret_problems(obj)
     if res == JOBS:
         pod_spec = template.get("spec") or {}
         policy = pod_spec.get("restartPolicy")
@@ -276,6 +319,114 @@ def _invalid(obj: Obj, res: kmock.resource) -> list[str]:
                 if not container.get(key)
             ]
     return problems
+
+
+def _invalid_error(res: kmock.resource, name: str, problems: list[str]) -> kmock.KubernetesError:
+    """422 Invalid, worded as the API server aggregates field errors (one, or `[a, b]`)."""
+    unique = list(dict.fromkeys(problems))
+    listed = unique[0] if len(unique) == 1 else f"[{', '.join(unique)}]"
+    return _error(422, "Invalid", f'{_kind(res)} "{name}" is invalid: {listed}', res, name)
+
+
+def _base64_error(value: Any) -> str | None:
+    """Why a `data` value does not decode as Go's base64.StdEncoding (which skips CR and LF)."""
+    if not isinstance(value, str):
+        kind = "number" if isinstance(value, int | float) else type(value).__name__
+        return f"json: cannot unmarshal {kind} into Go struct field Secret.data of type []uint8"
+    text = value.replace("\r", "").replace("\n", "")
+    try:
+        base64.b64decode(text, validate=True)
+    except binascii.Error:
+        matched = _BASE64.match(text)
+        end = matched.end() if matched else 0
+        offset = end if end < len(text) else len(text) - len(text) % 4
+        return f"illegal base64 data at input byte {offset}"
+    return None
+
+
+def _decoded(secret: Obj) -> dict[str, bytes]:
+    return {
+        key: base64.b64decode((value or "").replace("\r", "").replace("\n", ""))
+        for key, value in (secret.get("data") or {}).items()
+    }
+
+
+def _admit_secret(secret: Obj) -> None:
+    """What the API server does to a Secret's body before validating it: every `data` value
+    must be base64 (else 400, from decoding), `stringData` is merged over `data` and dropped,
+    `type` defaults to Opaque."""
+    name = _body_name(secret)
+    for key in ("data", "stringData"):
+        if not isinstance(secret.get(key) or {}, dict):
+            message = f'Secret in version "v1" cannot be handled as a Secret: {key} is not a map'
+            raise _error(400, "BadRequest", message, SECRETS, name)
+    for value in (secret.get("data") or {}).values():
+        if why := _base64_error(value):
+            message = f'Secret in version "v1" cannot be handled as a Secret: {why}'
+            raise _error(400, "BadRequest", message, SECRETS, name)
+    data = dict(secret.get("data") or {})
+    for key, text in (secret.pop("stringData", None) or {}).items():
+        data[key] = base64.b64encode(str(text).encode()).decode("ascii")
+    if data or "data" in secret:
+        secret["data"] = data
+    secret.setdefault("type", "Opaque")
+
+
+def _secret_problems(secret: Obj) -> list[str]:
+    """ValidateSecret: keys are config keys, and the decoded data is at most 1 MiB in all."""
+    problems: list[str] = []
+    decoded = _decoded(secret)
+    for key in decoded:
+        if len(key) > 253 or not _CONFIG_KEY.fullmatch(key) or key.startswith(".."):
+            problems.append(
+                f'data[{key}]: Invalid value: "{key}": a valid config key must consist of '
+                "alphanumeric characters, '-', '_' or '.' (e.g. 'key.name',  or 'KEY_NAME',  or "
+                "'key-name', regex used for validation is '[-._a-zA-Z0-9]+')"
+            )
+    if sum(len(value) for value in decoded.values()) > MAX_SECRET_BYTES:
+        problems.append(f"data: Too long: must have at most {MAX_SECRET_BYTES} bytes")
+    return problems
+
+
+def _secret_update_problems(current: Obj, new: Obj) -> list[str]:
+    """ValidateSecretUpdate: the type never changes; an immutable Secret's data (and its
+    immutability) neither."""
+    problems: list[str] = []
+    old_type, new_type = current.get("type", "Opaque"), new.get("type", "Opaque")
+    if new_type != old_type:
+        problems.append(f'type: Invalid value: "{new_type}": field is immutable')
+    if current.get("immutable"):
+        forbidden = "Forbidden: field is immutable when `immutable` is set"
+        if not new.get("immutable"):
+            problems.append(f"immutable: {forbidden}")
+        if _decoded(new) != _decoded(current):
+            problems.append(f"data: {forbidden}")
+    return problems
+
+
+def _message_tail(data: bytes, limit: int) -> str:
+    """The last `limit` bytes, as Go's JSON encoder sends them: bad UTF-8 (a character cut at the
+    start) becomes U+FFFD."""
+    return data[-limit:].decode("utf-8", errors="replace") if data else ""
+
+
+def _termination_message(container: Obj, written: str, log: str, exit_code: int) -> str:
+    """The `message` the kubelet puts in a terminated container's state ("" for none): the end
+    of what the container wrote to its terminationMessagePath, at most 4096 bytes; if that is
+    empty and the policy is FallbackToLogsOnError and the exit code is not 0, the last 80 lines
+    of its log, then of those the last 2048 bytes."""
+    if message := _message_tail(written.encode(), MAX_MESSAGE_BYTES):
+        return message
+    fallback = container.get("terminationMessagePolicy") == "FallbackToLogsOnError"
+    if not (fallback and exit_code != 0):
+        return ""
+    lines = log.split("\n")
+    if lines[-1] == "":  # a newline ends the last line rather than starting another
+        lines.pop()
+        tail = "".join(f"{line}\n" for line in lines[-MAX_LOG_MESSAGE_LINES:])
+    else:
+        tail = "\n".join(lines[-MAX_LOG_MESSAGE_LINES:])
+    return _message_tail(tail.encode(), MAX_LOG_MESSAGE_BYTES)
 
 
 def _default_job(job: Obj) -> None:
@@ -359,11 +510,17 @@ class FakeKubeAPI(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         logs = (self.fallback**1)[kmock.method.GET, kmock.subresource("log")]
         _ = logs << {"Content-Type": "text/plain; charset=utf-8"} << self._serve_log
-        for res, namespaced in ((JOBS, True), (PODS, True), (NODES, False)):
+        for res, namespaced in ((JOBS, True), (PODS, True), (NODES, False), (SECRETS, True)):
             info = self.resources[res]
-            info.kind, info.namespaced, info.subresources = _kind(res), namespaced, {"status"}
+            info.kind, info.namespaced = _kind(res), namespaced
+            info.subresources = {"status"} if res in _WITH_STATUS else set()
             info.verbs = {"create", "delete", "get", "list", "patch", "update", "watch"}
         self.resources[PODS].subresources.add("log")
+
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        # The API server reads request bodies of up to 3 MiB (a 1 MiB Secret is 1.4 MB of
+        # JSON); aiohttp's default limit is 1 MiB.
+        return await super().__call__(raw_request.clone(client_max_size=MAX_REQUEST_BYTES))
 
     # ---- fault injection
     def fail_next_create(
@@ -467,9 +624,10 @@ class FakeKubeAPI(kmock.KubernetesEmulator):
         obj.setdefault("apiVersion", _api_version(res))
         obj.setdefault("kind", _kind(res))
         if from_api:
+            if res == SECRETS:
+                _admit_secret(obj)
             if problems := _invalid(obj, res):
-                message = f'{_kind(res)} "{name}" is invalid: {", ".join(problems)}'
-                raise _error(422, "Invalid", message, res, name)
+                raise _invalid_error(res, name, problems)
             if res == JOBS:
                 obj["status"] = {}
                 _default_job(obj)
@@ -501,7 +659,8 @@ class FakeKubeAPI(kmock.KubernetesEmulator):
         else:
             self._check_version(res, current, body)
             new = _merge(current, body, strategic="strategic" in content_type)
-        return self._update(res, current, self._protect(res, current, new, subresource))
+        new = self._protect(res, current, new, subresource)
+        return self._update(res, current, self._admit(res, current, new))
 
     def replace(
         self,
@@ -517,9 +676,8 @@ class FakeKubeAPI(kmock.KubernetesEmulator):
         if current is None:
             raise _not_found(res, name)
         self._check_version(res, current, body)
-        return self._update(
-            res, current, self._protect(res, current, copy.deepcopy(body), subresource)
-        )
+        new = self._protect(res, current, copy.deepcopy(body), subresource)
+        return self._update(res, current, self._admit(res, current, new))
 
     def mutate(
         self,
@@ -598,6 +756,17 @@ class FakeKubeAPI(kmock.KubernetesEmulator):
             return {**copy.deepcopy(current), "status": new.get("status", {})}
         if res in _WITH_STATUS:
             new["status"] = current.get("status", {})
+        return new
+
+    def _admit(self, res: kmock.resource, current: Obj, new: Obj) -> Obj:
+        """A client's update of a Secret: decoded and validated as on create, plus the update
+        rules (422 for an immutable Secret's data, in the API server's words)."""
+        if res != SECRETS:
+            return new
+        _admit_secret(new)
+        problems = _secret_update_problems(current, new) + _invalid(new, res)
+        if problems:
+            raise _invalid_error(res, current["metadata"]["name"], problems)
         return new
 
     def _update(self, res: kmock.resource, current: Obj, new: Obj) -> Obj:
@@ -827,10 +996,16 @@ class FakeKubeAPI(kmock.KubernetesEmulator):
 
 
 # ---- scenarios: what happens to a Job's pod, chosen per Job by `FakeCluster.script`
+# What a container writes to its terminationMessagePath: a text, or a function of the files it
+# sees in its secret volumes ({path: text}, as `FakeCluster.files` gives them).
+Message = str | Callable[[dict[str, str]], str]
+
+
 @dataclass(frozen=True)
 class Succeed:
     after_s: float = 0.1
     log: str = ""
+    message: Message = ""
 
 
 @dataclass(frozen=True)
@@ -838,6 +1013,7 @@ class Fail:
     exit_code: int = 1
     after_s: float = 0.1
     log: str = ""
+    message: Message = ""
 
 
 @dataclass(frozen=True)
@@ -986,6 +1162,10 @@ class _Run:
     job: Obj
     pod: str
     gone: asyncio.Event = field(default_factory=asyncio.Event)  # the pod was deleted
+    # a Secret of the pod's namespace was written, or the pod was deleted: look at the volumes
+    volumes: asyncio.Event = field(default_factory=asyncio.Event)
+    files: dict[str, str] = field(default_factory=dict)  # {path: text} in its secret volumes
+    written: str = ""  # what the container wrote to its terminationMessagePath
     started_at: str | None = None
     container_id: str = field(default_factory=lambda: f"containerd://{uuid4().hex}{uuid4().hex}")
 
@@ -1037,6 +1217,17 @@ class FakeCluster:
     @property
     def nodes(self) -> dict[str, Obj]:
         return {n["metadata"]["name"]: n for n in self.api.select(NODES)}
+
+    @property
+    def secrets(self) -> dict[str, Obj]:
+        """Current Secrets (all namespaces) by name."""
+        return {s["metadata"]["name"]: s for s in self.api.select(SECRETS)}
+
+    def files(self, pod: str) -> dict[str, str]:
+        """What the pod's container saw in its secret volumes when it started ({} before, or
+        for a pod the driver never ran): {f"{mountPath}/{path}": the decoded text}."""
+        run = next((r for (_, name), r in self._runs.items() if name == pod), None)
+        return dict(run.files) if run is not None else {}
 
     @property
     def created_jobs(self) -> list[Obj]:
@@ -1231,6 +1422,11 @@ class FakeCluster:
             self.api.pod_logs.pop(key, None)
             if run := self._runs.get(key):
                 run.gone.set()
+                run.volumes.set()
+        if event.resource == SECRETS and event.type != "DELETED":
+            for (ns, _), run in self._runs.items():
+                if ns == meta.get("namespace"):
+                    run.volumes.set()
         if event.propagation in ("Background", "Foreground"):
             if event.type == "DELETED" or event.propagation == "Foreground":
                 self._spawn(self._collect(event.resource, event.obj, event.propagation))
@@ -1300,7 +1496,7 @@ class FakeCluster:
             self._pod_lost(run, None)
             return
         node = await self._schedule(run)
-        if node is None or await self._bind(run, node):
+        if node is None or await self._bind(run, node) or await self._mount(run):
             self._pod_lost(run, None)
             return
         if isinstance(scenario, ImagePullBackOff | ImageNotFound):
@@ -1327,6 +1523,8 @@ class FakeCluster:
             await self._evict(run, scenario.reason)
         else:
             code = scenario.exit_code if isinstance(scenario, Fail) else 0
+            output = scenario.message
+            run.written = output(dict(run.files)) if callable(output) else output
             self._terminate(run, code)
             if code == 0:
                 self._complete(run)
@@ -1354,6 +1552,62 @@ class FakeCluster:
                 shown = why
             if await self._hold(run, self.step_s * 5):
                 return None
+
+    async def _mount(self, run: _Run) -> bool:
+        """The kubelet's volume manager: the container stays ContainerCreating until every
+        secret volume can be set up (its Secret exists, or it is optional, and so do the keys
+        its `items` name), woken by the Secrets' events; True if the pod went meanwhile."""
+        while True:
+            run.volumes.clear()
+            if run.gone.is_set():
+                return True
+            files = self._secret_files(run)
+            if files is not None:
+                run.files = files
+                return False
+            await run.volumes.wait()
+
+    def _secret_files(self, run: _Run) -> dict[str, str] | None:
+        """{f"{mountPath}/{path}": text} of the secret volumes as the container sees them; None
+        while one cannot be mounted (the kubelet's "secret ... not found")."""
+        spec = run.job["spec"]["template"]["spec"]
+        payloads: dict[str, dict[str, str]] = {}
+        for volume in spec.get("volumes") or []:
+            source = volume.get("secret")
+            if source is None:
+                continue
+            optional = bool(source.get("optional"))
+            secret = self.api.read(SECRETS, run.ns, source.get("secretName") or "")
+            if secret is None:
+                if not optional:
+                    return None
+                payloads[volume["name"]] = {}
+                continue
+            data = {k: v.decode("utf-8", errors="replace") for k, v in _decoded(secret).items()}
+            if source.get("items"):
+                mapped = {}
+                for item in source["items"]:
+                    if item["key"] in data:
+                        mapped[item["path"]] = data[item["key"]]
+                    elif not optional:
+                        return None  # "references non-existent secret key"
+                payloads[volume["name"]] = mapped
+            else:
+                payloads[volume["name"]] = data
+        files: dict[str, str] = {}
+        for mount in spec["containers"][0].get("volumeMounts") or []:
+            payload = payloads.get(mount["name"])
+            if payload is None:
+                continue
+            root, sub = mount["mountPath"].rstrip("/"), (mount.get("subPath") or "").strip("/")
+            for path, text in payload.items():
+                if not sub:
+                    files[f"{root}/{path}"] = text
+                elif path == sub:
+                    files[root] = text
+                elif path.startswith(f"{sub}/"):
+                    files[f"{root}/{path.removeprefix(sub + '/')}"] = text
+        return files
 
     def _pod(self, run: _Run, change: Callable[[Obj], None]) -> None:
         self.api.mutate(PODS, run.ns, run.pod, change)
@@ -1449,15 +1703,18 @@ class FakeCluster:
                     conditions, kind, False, "PodCompleted" if exit_code == 0 else "PodFailed"
                 )
             if run.started_at is not None:
-                state = {
-                    "terminated": {
-                        "exitCode": exit_code,
-                        "reason": "Completed" if exit_code == 0 else "Error",
-                        "startedAt": run.started_at,
-                        "finishedAt": _now(),
-                        "containerID": run.container_id,
-                    }
+                terminated = {
+                    "exitCode": exit_code,
+                    "reason": "Completed" if exit_code == 0 else "Error",
+                    "startedAt": run.started_at,
+                    "finishedAt": _now(),
+                    "containerID": run.container_id,
                 }
+                log = self.api.pod_logs.get((run.ns, run.pod), "")
+                container = pod["spec"]["containers"][0]
+                if message := _termination_message(container, run.written, log, exit_code):
+                    terminated["message"] = message
+                state = {"terminated": terminated}
                 pod["status"]["containerStatuses"] = [self._container(run, pod, state)]
             if extra is not None:
                 extra(pod)

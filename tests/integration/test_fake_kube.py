@@ -4,6 +4,8 @@ what the client sees is what the Kubernetes backend will see in its tests."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -672,5 +674,363 @@ async def test_every_version_the_fake_writes_is_schema_valid(
     await _scenario(cluster, scenario)
     await asyncio.sleep(0.4)
     assert len(events) > 4
+    for event in events:
+        kubernetes_validate.validate(event.obj, "1.31", strict=True)
+
+
+# ---- Secrets, secret volumes and termination messages
+def b64(text: str | bytes) -> str:
+    data = text.encode() if isinstance(text, str) else text
+    return base64.b64encode(data).decode("ascii")
+
+
+def secret_body(name: str, data: dict[str, bytes] | None = None, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name}}
+    if data is not None:
+        body["data"] = {key: b64(value) for key, value in data.items()}
+    return {**body, **extra}
+
+
+def inputs_job(
+    name: str, secret: str | None = None, *, optional: bool = False, **source: Any
+) -> dict[str, Any]:
+    """A Job as the backend writes one with inputs: a secret volume at /var/run/sked and the
+    container's output in its termination message file, falling back to the log on failure."""
+    body = job_body(name)
+    container = body["spec"]["template"]["spec"]["containers"][0]
+    container["terminationMessagePath"] = "/dev/sked-output"
+    container["terminationMessagePolicy"] = "FallbackToLogsOnError"
+    container["volumeMounts"] = [
+        {"name": "sked-inputs", "mountPath": "/var/run/sked", "readOnly": True}
+    ]
+    volume = {"secretName": secret or name, "defaultMode": 0o444, **source}
+    if optional:
+        volume["optional"] = True
+    body["spec"]["template"]["spec"]["volumes"] = [{"name": "sked-inputs", "secret": volume}]
+    return body
+
+
+def terminated(cluster: FakeCluster, pod: str) -> dict[str, Any]:
+    return dict(cluster.pods[pod]["status"]["containerStatuses"][0]["state"]["terminated"])
+
+
+async def test_secrets_are_stored_listed_watched_and_deleted(
+    cluster: FakeCluster, api: client.ApiClient
+) -> None:
+    core = client.CoreV1Api(api)
+    since = (await core.list_namespaced_secret(NS)).metadata.resource_version
+    async with watch.Watch() as w, asyncio.timeout(5):
+        stream = w.stream(core.list_namespaced_secret, NS, resource_version=since)
+        body = secret_body(
+            "s1",
+            {"a": b"alpha", "b": b"old"},
+            stringData={"b": "bravo", "c": "charlie é"},
+            immutable=True,
+        )
+        body["metadata"]["labels"] = {"app": "sked"}
+        created = await core.create_namespaced_secret(NS, body)
+        await core.create_namespaced_secret(NS, secret_body("s2", {"x": b"y"}))
+        added = await stream.__anext__()
+        assert (added["type"], added["object"].metadata.name) == ("ADDED", "s1")
+        await stream.__anext__()  # s2
+        deleted = await core.delete_namespaced_secret("s1", NS)
+        gone = await stream.__anext__()
+    assert (gone["type"], gone["object"].metadata.name) == ("DELETED", "s1")
+    assert deleted.status == "Success"
+    assert created.metadata.uid
+    assert int(created.metadata.resource_version) > int(since)
+    assert created.type == "Opaque"
+    assert created.immutable is True
+    assert created.string_data is None
+    assert created.data == {"a": b64("alpha"), "b": b64("bravo"), "c": b64("charlie é")}
+    assert list(cluster.secrets) == ["s2"]
+    assert "stringData" not in cluster.secrets["s2"]
+    await core.create_namespaced_secret(NS, secret_body("s3", {"k": b"v"}))
+    listed = await core.list_namespaced_secret(NS, field_selector="metadata.name=s3")
+    assert [s.metadata.name for s in listed.items] == ["s3"]
+    assert listed.kind == "SecretList"
+    read = await core.read_namespaced_secret("s3", NS)
+    assert base64.b64decode(read.data["k"]) == b"v"
+    with pytest.raises(ApiException) as duplicate:
+        await core.create_namespaced_secret(NS, secret_body("s3", {"k": b"v"}))
+    assert duplicate.value.status == 409
+    with pytest.raises(ApiException) as missing:
+        await core.read_namespaced_secret("s1", NS)
+    assert missing.value.status == 404
+    kubernetes_validate.validate(cluster.secrets["s3"], "1.31", strict=True)
+
+
+# kubernetes_asyncio hands aiohttp the JSON of a 1 MiB Secret (1.4 MB of base64) as one string
+@pytest.mark.filterwarnings("ignore:Sending a large body directly:ResourceWarning")
+async def test_invalid_secrets_are_refused(cluster: FakeCluster, api: client.ApiClient) -> None:
+    core = client.CoreV1Api(api)
+    with pytest.raises(ApiException) as bad_name:
+        await core.create_namespaced_secret(NS, secret_body("Not_A_Name", {"k": b"v"}))
+    assert bad_name.value.status == 422
+    body = secret_body("b")
+    body["data"] = {"k": "not base64!"}
+    with pytest.raises(ApiException) as bad_base64:
+        await core.create_namespaced_secret(NS, body)
+    assert bad_base64.value.status == 400
+    assert json.loads(bad_base64.value.body)["message"] == (
+        'Secret in version "v1" cannot be handled as a Secret: illegal base64 data at input byte 3'
+    )
+    with pytest.raises(ApiException) as bad_key:
+        await core.create_namespaced_secret(NS, secret_body("k", {"a/b": b"v"}))
+    assert bad_key.value.status == 422
+    assert "a valid config key" in bad_key.value.body
+
+    # the decoded data counts, across keys (stringData included): 1 MiB is the most
+    half = 512 * 1024
+    exact = secret_body("exact", {"a": b"x" * half}, stringData={"b": "y" * half})
+    await core.create_namespaced_secret(NS, exact)
+    over = secret_body("over", {"a": b"x" * half}, stringData={"b": "y" * (half + 1)})
+    with pytest.raises(ApiException) as too_big:
+        await core.create_namespaced_secret(NS, over)
+    assert too_big.value.status == 422
+    status = json.loads(too_big.value.body)
+    assert status["reason"] == "Invalid"
+    assert status["message"] == (
+        'Secret "over" is invalid: data: Too long: must have at most 1048576 bytes'
+    )
+    two = secret_body("Two", {"a/b": b"x" * (2 * half + 1)})
+    with pytest.raises(ApiException) as both:
+        await core.create_namespaced_secret(NS, two)
+    message = json.loads(both.value.body)["message"]
+    assert message.startswith('Secret "Two" is invalid: [metadata.name: Invalid value: "Two"')
+    assert message.endswith("data: Too long: must have at most 1048576 bytes]")
+    assert list(cluster.secrets) == ["exact"]
+
+
+async def test_an_immutable_secret_keeps_its_data(
+    cluster: FakeCluster, api: client.ApiClient
+) -> None:
+    core = client.CoreV1Api(api)
+    await core.create_namespaced_secret(NS, secret_body("frozen", {"k": b"v"}, immutable=True))
+    forbidden = "Forbidden: field is immutable when `immutable` is set"
+    for patch, wrong in (
+        ({"data": {"k": b64("w")}}, "data"),
+        ({"stringData": {"k": "w"}}, "data"),
+        ({"data": {"other": b64("w")}}, "data"),
+        ({"immutable": False}, "immutable"),
+    ):
+        with pytest.raises(ApiException) as refused:
+            await core.patch_namespaced_secret("frozen", NS, patch)
+        assert refused.value.status == 422
+        assert json.loads(refused.value.body)["message"] == (
+            f'Secret "frozen" is invalid: {wrong}: {forbidden}'
+        )
+    whole = await core.read_namespaced_secret("frozen", NS)
+    whole.data = {"k": b64("w")}
+    with pytest.raises(ApiException) as replaced:
+        await core.replace_namespaced_secret("frozen", NS, whole)
+    assert replaced.value.status == 422
+    # the same data, the labels, and a mutable Secret's data may change
+    same = await core.patch_namespaced_secret(
+        "frozen", NS, {"stringData": {"k": "v"}, "metadata": {"labels": {"a": "b"}}}
+    )
+    assert same.metadata.labels == {"a": "b"}
+    with pytest.raises(ApiException) as retyped:
+        await core.patch_namespaced_secret("frozen", NS, {"type": "kubernetes.io/tls"})
+    assert "type: Invalid value" in retyped.value.body
+    await core.create_namespaced_secret(NS, secret_body("thawed", {"k": b"v"}))
+    patched = await core.patch_namespaced_secret("thawed", NS, {"stringData": {"k": "w"}})
+    assert patched.data == {"k": b64("w")}
+    assert cluster.secrets["frozen"]["data"] == {"k": b64("v")}
+
+
+@pytest.mark.parametrize(("policy", "left"), [("Background", False), (None, True)])
+async def test_a_secret_owned_by_a_job_goes_with_it(
+    cluster: FakeCluster, api: client.ApiClient, policy: str | None, left: bool
+) -> None:
+    cluster.script = lambda job: RunUntilDeleted()
+    batch, core = client.BatchV1Api(api), client.CoreV1Api(api)
+    job = await batch.create_namespaced_job(NS, inputs_job("owner"))
+    owner = {"apiVersion": "batch/v1", "kind": "Job", "name": "owner", "uid": job.metadata.uid}
+    body = secret_body("owner", {"inputs.json": b"{}"}, immutable=True, type="Opaque")
+    body["metadata"]["ownerReferences"] = [owner]
+    await core.create_namespaced_secret(NS, body)
+    await core.create_namespaced_secret(NS, secret_body("bystander", {"k": b"v"}))
+    await cluster.wait_for(lambda: cluster.jobs["owner"]["status"].get("ready") == 1)
+    await batch.delete_namespaced_job("owner", NS, propagation_policy=policy)
+    if left:  # orphaned: it stays, without the owner reference
+        await cluster.wait_for(
+            lambda: "ownerReferences" not in cluster.secrets["owner"]["metadata"]
+        )
+    else:
+        await cluster.wait_for(lambda: "owner" not in cluster.secrets)
+        await cluster.wait_for(lambda: not cluster.pods_of("owner"))
+    assert "bystander" in cluster.secrets
+
+
+async def test_a_pod_waits_in_container_creating_until_its_secret_exists(
+    cluster: FakeCluster, api: client.ApiClient
+) -> None:
+    def output(files: dict[str, str]) -> str:
+        return json.dumps({"doubled": 2 * json.loads(files["/var/run/sked/inputs.json"])["n"]})
+
+    cluster.script = lambda job: Succeed(message=output)
+    await client.BatchV1Api(api).create_namespaced_job(NS, inputs_job("held"))
+    pod = (await cluster.wait_for(lambda: cluster.pods_of("held")))[0]["metadata"]["name"]
+    await cluster.wait_for(lambda: cluster.pods[pod]["spec"].get("nodeName"))
+    await asyncio.sleep(0.3)  # many steps of the driver: it still waits
+    status = cluster.pods[pod]["status"]
+    assert status["phase"] == "Pending"
+    assert _waiting(cluster.pods[pod]) == {"reason": "ContainerCreating"}
+    assert _condition(cluster.pods[pod], "PodReadyToStartContainers")["status"] == "False"
+    assert "conditions" not in cluster.jobs["held"]["status"]
+    assert cluster.files(pod) == {}
+    with pytest.raises(ApiException) as not_started:
+        await client.CoreV1Api(api).read_namespaced_pod_log(pod, NS)
+    assert not_started.value.status == 400
+    await client.CoreV1Api(api).create_namespaced_secret(NS, secret_body("other", {"k": b"v"}))
+    await asyncio.sleep(0.1)
+    assert cluster.pods[pod]["status"]["phase"] == "Pending"
+
+    loop = asyncio.get_running_loop()
+    body = secret_body("held", {"inputs.json": b'{"n": 21}'}, immutable=True)
+    await client.CoreV1Api(api).create_namespaced_secret(NS, body)
+    created_at = loop.time()
+    await cluster.wait_for(lambda: cluster.pods[pod]["status"]["phase"] != "Pending")
+    assert loop.time() - created_at < 0.2  # woken by the event, not by a slow poll
+    await cluster.wait_for(lambda: _with_condition(cluster.jobs["held"], "Complete"))
+    assert cluster.files(pod) == {"/var/run/sked/inputs.json": '{"n": 21}'}
+    assert terminated(cluster, pod)["message"] == '{"doubled": 42}'
+
+
+async def test_a_pod_deleted_while_waiting_for_its_secret_fails_the_job(
+    cluster: FakeCluster, api: client.ApiClient
+) -> None:
+    await client.BatchV1Api(api).create_namespaced_job(NS, inputs_job("never-fed"))
+    pod = (await cluster.wait_for(lambda: cluster.pods_of("never-fed")))[0]["metadata"]["name"]
+    await cluster.wait_for(lambda: _waiting(cluster.pods[pod]).get("reason"))
+    await client.CoreV1Api(api).delete_namespaced_pod(pod, NS)
+    job = await cluster.wait_for(lambda: _with_condition(cluster.jobs["never-fed"], "Failed"))
+    assert _condition(job, "Failed")["reason"] == "BackoffLimitExceeded"
+    assert cluster.files(pod) == {}
+
+
+async def test_secret_volumes_honour_items_and_optional(
+    cluster: FakeCluster, api: client.ApiClient
+) -> None:
+    batch = client.BatchV1Api(api)
+    await client.CoreV1Api(api).create_namespaced_secret(
+        NS, secret_body("many", {"a": b"1", "b": b"2"})
+    )
+    await batch.create_namespaced_job(
+        NS, inputs_job("mapped", "many", items=[{"key": "b", "path": "sub/bee.txt"}])
+    )
+    await batch.create_namespaced_job(NS, inputs_job("whole", "many"))
+    await batch.create_namespaced_job(NS, inputs_job("maybe", "absent", optional=True))
+    await batch.create_namespaced_job(NS, job_body("plain"))
+    names = ("mapped", "whole", "maybe", "plain")
+    await cluster.wait_for(lambda: all(_with_condition(cluster.jobs[n], "Complete") for n in names))
+    files = {n: cluster.files(cluster.pods_of(n)[0]["metadata"]["name"]) for n in names}
+    assert files == {
+        "mapped": {"/var/run/sked/sub/bee.txt": "2"},
+        "whole": {"/var/run/sked/a": "1", "/var/run/sked/b": "2"},
+        "maybe": {},
+        "plain": {},
+    }
+    # a key that `items` names and the Secret lacks holds the pod, as a missing Secret does
+    await batch.create_namespaced_job(
+        NS, inputs_job("lacking", "many", items=[{"key": "c", "path": "c"}])
+    )
+    pod = (await cluster.wait_for(lambda: cluster.pods_of("lacking")))[0]["metadata"]["name"]
+    await cluster.wait_for(lambda: cluster.pods[pod]["spec"].get("nodeName"))
+    await asyncio.sleep(0.3)
+    assert _waiting(cluster.pods[pod]) == {"reason": "ContainerCreating"}
+
+
+async def _run_body(cluster: FakeCluster, scenario: Scenario, body: dict[str, Any]) -> str:
+    """Run the Job `body` through `scenario` to its end; the pod's name."""
+    cluster.script = lambda _: scenario
+    async with client.ApiClient(cluster.configuration()) as api:
+        await client.BatchV1Api(api).create_namespaced_job(NS, body)
+        if body["spec"]["template"]["spec"].get("volumes"):
+            secret = secret_body(body["metadata"]["name"], {"inputs.json": b"{}"})
+            await client.CoreV1Api(api).create_namespaced_secret(NS, secret)
+    name = body["metadata"]["name"]
+    pod = (await cluster.wait_for(lambda: cluster.pods_of(name)))[0]["metadata"]["name"]
+    await cluster.wait_for(
+        lambda: any(_find(cluster.jobs[name], kind) for kind in ("Complete", "Failed"))
+    )
+    return str(pod)
+
+
+async def test_the_termination_message_keeps_the_last_4096_bytes(cluster: FakeCluster) -> None:
+    written = "é" + "x" * 4092 + "end"  # 4097 bytes: the cut falls inside the 2-byte "é"
+    pod = await _run_body(cluster, Succeed(message=written, log="a log\n"), inputs_job("cut"))
+    message = terminated(cluster, pod)["message"]
+    assert message == "\ufffd" + "x" * 4092 + "end"  # as Go's JSON encoder sends a cut rune
+    assert len(message.encode()) == 4096 + 2  # the lone byte left of "é" became 3 bytes
+    exact = "y" * 4096
+    pod = await _run_body(cluster, Succeed(message=exact), inputs_job("exact"))
+    assert terminated(cluster, pod)["message"] == exact
+
+
+LOG = "".join(f"line {n:03}: {'z' * 20}\n" for n in range(100))  # 100 lines of 30 bytes
+
+
+@pytest.mark.parametrize(
+    ("scenario", "policy", "expected"),
+    [
+        # what the container wrote wins, failed or not
+        (Fail(exit_code=2, message="why", log=LOG), "FallbackToLogsOnError", "why"),
+        (Succeed(message="out", log=LOG), "FallbackToLogsOnError", "out"),
+        # nothing written: a failure falls back to its log's last 80 lines, then 2048 bytes
+        (Fail(exit_code=2, log=LOG), "FallbackToLogsOnError", LOG.encode()[-2048:].decode()),
+        (Fail(exit_code=2, log="one\ntwo"), "FallbackToLogsOnError", "one\ntwo"),
+        # no fallback for a success, nor under the File policy, nor with an empty log
+        (Succeed(log=LOG), "FallbackToLogsOnError", None),
+        (Fail(exit_code=2, log=LOG), "File", None),
+        (Fail(exit_code=2), "FallbackToLogsOnError", None),
+    ],
+    ids=[
+        "fail-written",
+        "succeed-written",
+        "fail-log",
+        "fail-short-log",
+        "succeed-log",
+        "fail-file-policy",
+        "fail-no-log",
+    ],
+)
+async def test_the_termination_message_falls_back_to_the_log_only_on_failure(
+    cluster: FakeCluster, scenario: Scenario, policy: str, expected: str | None
+) -> None:
+    body = inputs_job("msg")
+    body["spec"]["template"]["spec"]["containers"][0]["terminationMessagePolicy"] = policy
+    pod = await _run_body(cluster, scenario, body)
+    assert terminated(cluster, pod).get("message") == expected
+
+
+async def test_the_log_fallback_counts_80_lines_before_2048_bytes(cluster: FakeCluster) -> None:
+    short = "".join(f"{n}\n" for n in range(200))  # 80 lines hold far fewer than 2048 bytes
+    pod = await _run_body(cluster, Fail(exit_code=1, log=short), inputs_job("lines"))
+    assert terminated(cluster, pod)["message"] == "".join(f"{n}\n" for n in range(120, 200))
+
+
+async def test_a_killed_container_falls_back_to_its_log_too(cluster: FakeCluster) -> None:
+    scenario = DeadlineExceeded(after_s=0.05, log="last words\n")
+    events: list[Event] = []
+    cluster.api.listeners.append(events.append)
+    pod = await _run_body(cluster, scenario, inputs_job("killed"))
+    killed = [
+        s["state"]["terminated"]
+        for e in events
+        if e.obj["metadata"]["name"] == pod
+        for s in e.obj["status"].get("containerStatuses") or []
+        if "terminated" in s["state"]
+    ]
+    assert killed[-1]["exitCode"] == 143
+    assert killed[-1]["message"] == "last words\n"
+
+
+async def test_secret_flows_write_schema_valid_objects(cluster: FakeCluster) -> None:
+    events: list[Event] = []
+    cluster.api.listeners.append(events.append)
+    await _run_body(cluster, Fail(exit_code=3, log="boom\n"), inputs_job("valid"))
+    assert any(e.obj["kind"] == "Secret" for e in events)
     for event in events:
         kubernetes_validate.validate(event.obj, "1.31", strict=True)
