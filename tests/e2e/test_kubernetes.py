@@ -31,8 +31,12 @@ from tests.helpers import ServiceProcess, eventually
 
 pytestmark = pytest.mark.slow
 
+INPUTS = "/var/run/sked/inputs.json"
 SCENARIOS: dict[str, Scenario] = {
     "ok": Succeed(after_s=0.2, log="done\n"),
+    # a workflow's two ends: one declares an output, the other hands on what its inputs held
+    "extract": Succeed(after_s=0.1, message='{"rows": 41}'),
+    "report": Succeed(after_s=0.1, message=lambda files: files[INPUTS]),
     "slow": Succeed(after_s=4.0, log="slow done\n"),
     "forever": RunUntilDeleted(log="working\n"),
     "pull": ImagePullBackOff(),
@@ -260,3 +264,31 @@ async def test_cancel_and_timeout_delete_the_job_and_its_pods(
     for task_id in (canceled, timed):
         name = job_name(task_id, 1)
         await cluster.wait_for(lambda n=name: n not in cluster.jobs and not cluster.pods_of(n))
+
+
+async def test_a_workflow_hands_a_jobs_declared_output_to_the_next_jobs_inputs(
+    cluster: FakeCluster, deployment: Deployment, client: SkedClient
+) -> None:
+    """What a container wrote to $SKED_OUTPUT (its termination message) is its task's output;
+    the next task finds it in the file named by $SKED_INPUTS (its Secret), as on the local
+    backend."""
+    await services(deployment, cluster)
+    workflow_id = await client.submit_workflow(
+        {
+            "name": "k8s-data",
+            "tasks": [
+                {"name": "extract", "command": ["extract"], "image": "app:1"},
+                {"name": "report", "command": ["report"], "image": "app:1", "needs": ["extract"]},
+            ],
+        }
+    )
+    view = await client.wait_workflow(workflow_id, timeout=60)
+    tasks = {t.wf_task: t for t in view.tasks}
+    assert all(t.status is State.SUCCESS for t in tasks.values()), [
+        (t.wf_task, t.status, t.status_reason) for t in tasks.values()
+    ]
+    assert tasks["extract"].result == {"exit_code": 0, "output": {"rows": 41}}
+    assert tasks["report"].inputs == {"extract": {"rows": 41}}
+    assert tasks["report"].result == {"exit_code": 0, "output": {"extract": {"rows": 41}}}
+    report = job_name(tasks["report"].id, 1)
+    assert report in cluster.secrets  # owned by its Job: it goes with the Job's TTL

@@ -1,14 +1,19 @@
 """The Kubernetes backend against a fake API server over real HTTP (tests/fakes/kube.py) whose
 driver creates each Job's pod and walks it through a scenario: launch, outcomes, launch
-failures, fencing, idempotent creates, stop, timeout, watches that break, the loss ladder."""
+failures, fencing, idempotent creates, stop, timeout, watches that break, the loss ladder, and
+a workflow task's data flow (inputs in a Secret, output in the termination message)."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
+import kmock
 import pytest
 
 from services.executor.backends import Launch, Outcome
@@ -125,7 +130,9 @@ async def test_an_exit_code_fails_the_attempt(
 ) -> None:
     cluster.script = lambda job: Fail(exit_code=3, log="boom\n")
     outcome = await run(backend, launch())
-    assert (outcome.ok, outcome.result, outcome.error) == (False, {"exit_code": 3}, "exit code 3")
+    assert (outcome.ok, outcome.result) == (False, {"exit_code": 3})
+    # the log's end stands in for the termination message a failure did not write
+    assert outcome.error == "exit code 3 (Error: boom)"
     assert (outcome.lost, outcome.unstarted) == (False, False)
 
 
@@ -298,3 +305,145 @@ async def test_a_job_that_vanished_after_launch_is_lost_and_never_recreated(
     again = await run(backend, what)
     assert again.lost
     assert cluster.create_counts[_job(what)] == 1
+
+
+# -- workflow data flow: inputs in a Secret of the attempt's own, output in the termination message
+
+INPUTS = "/var/run/sked/inputs.json"
+SECRETS = kmock.resource("v1/secrets")
+
+
+def with_inputs(inputs: object, **kw: Any) -> Launch:
+    return replace(launch(**kw), inputs=inputs)
+
+
+def env_of(cluster: FakeCluster, what: Launch) -> dict[str, str]:
+    container = by_name(cluster, what)["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e["value"] for e in container["env"]}
+
+
+def echo_inputs(files: dict[str, str]) -> str:
+    """A task that declares as its output what it found in $SKED_INPUTS."""
+    return json.dumps({"got": json.loads(files[INPUTS])})
+
+
+async def test_a_workflow_tasks_inputs_reach_its_pod_in_a_secret_its_job_owns(
+    cluster: FakeCluster, backend: KubernetesBackend
+) -> None:
+    cluster.script = lambda job: Succeed(message=echo_inputs)
+    inputs = {"extract": {"rows": 3}}
+    what = with_inputs(inputs)
+    outcome = await run(backend, what)
+    assert (outcome.ok, outcome.result) == (True, {"exit_code": 0, "output": {"got": inputs}})
+    env = env_of(cluster, what)
+    assert env["SKED_INPUTS"] == INPUTS
+    assert json.loads(env["SKED_INPUTS_JSON"]) == inputs  # small: in the variable too
+    secret, job = cluster.secrets[_job(what)], cluster.jobs[_job(what)]
+    assert [r["uid"] for r in secret["metadata"]["ownerReferences"]] == [job["metadata"]["uid"]]
+    await backend.kube.delete_job(_job(what))  # as its TTL would: the Secret goes with it
+    await cluster.wait_for(lambda: _job(what) not in cluster.secrets, timeout=5)
+
+
+async def test_inputs_too_large_for_a_variable_still_reach_the_task_in_its_file(
+    cluster: FakeCluster, backend: KubernetesBackend
+) -> None:
+    """Over 128 KiB, a variable cannot carry them (execve refuses it): the file does, up to
+    the 1 MiB a Secret holds, and the variable is left out past 64 KiB."""
+    cluster.script = lambda job: Succeed(message=lambda files: str(len(files[INPUTS])))
+    inputs = {"extract": "x" * (200 * 1024)}
+    what = with_inputs(inputs)
+    outcome = await run(backend, what)
+    assert outcome.ok, outcome
+    assert outcome.result["output"] == len(json.dumps(inputs))
+    assert "SKED_INPUTS_JSON" not in env_of(cluster, what)
+
+
+async def test_inputs_over_what_a_secret_holds_fail_the_task_once_before_any_job(
+    cluster: FakeCluster, backend: KubernetesBackend
+) -> None:
+    what = with_inputs({"extract": "x" * (1024 * 1024)})
+    outcome = await run(backend, what)
+    assert (outcome.ok, outcome.final) == (False, True), outcome
+    assert "Secret" in str(outcome.error), outcome
+    assert "1048576" in str(outcome.error), outcome
+    assert cluster.create_attempts[_job(what)] == 0
+
+
+async def test_a_command_without_inputs_gets_no_secret_and_may_declare_an_output(
+    cluster: FakeCluster, backend: KubernetesBackend
+) -> None:
+    cluster.script = lambda job: Succeed(message='{"rows": 41}\n')
+    what = launch()
+    outcome = await run(backend, what)
+    assert outcome.result == {"exit_code": 0, "output": {"rows": 41}}
+    assert "SKED_INPUTS" not in env_of(cluster, what)
+    assert env_of(cluster, what)["SKED_OUTPUT"] == "/dev/sked-output"
+    assert _job(what) not in cluster.secrets
+    cluster.script = lambda job: Succeed()  # wrote nothing: declared nothing
+    assert (await run(backend, launch())).result == {"exit_code": 0}
+
+
+@pytest.mark.parametrize(
+    ("message", "why"),
+    [
+        ("[" + "1," * 3000 + "1]", "4096 bytes"),  # what the kubelet keeps may be cut
+        ("all done", "not JSON"),
+        ('{"x": NaN}', "NaN"),
+    ],
+)
+async def test_a_declared_output_sked_cannot_take_fails_the_attempt_saying_why(
+    cluster: FakeCluster, backend: KubernetesBackend, message: str, why: str
+) -> None:
+    cluster.script = lambda job: Succeed(message=message)
+    outcome = await run(backend, launch())
+    assert not outcome.ok, outcome
+    assert why in str(outcome.error), outcome
+    assert "$SKED_OUTPUT" in str(outcome.error), outcome
+    assert not outcome.final  # a retry may write it right
+
+
+async def test_a_secret_of_the_name_already_there_is_made_anew_for_this_job(
+    cluster: FakeCluster, backend: KubernetesBackend
+) -> None:
+    """One left by an earlier Job of the name (a key reused after retention), or a stranger's:
+    the task must read its own inputs, owned by its own Job."""
+    cluster.script = lambda job: Succeed(message=echo_inputs)
+    what = with_inputs({"fresh": True})
+    stale = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": _job(what), "namespace": NS},
+        "data": {"inputs.json": base64.b64encode(b'{"stale": true}').decode()},
+    }
+    cluster.api.create(SECRETS, NS, stale)
+    outcome = await run(backend, what)
+    assert outcome.result == {"exit_code": 0, "output": {"got": {"fresh": True}}}, outcome
+    owners = cluster.secrets[_job(what)]["metadata"]["ownerReferences"]
+    assert [r["uid"] for r in owners] == [cluster.jobs[_job(what)]["metadata"]["uid"]]
+
+
+@pytest.mark.parametrize(("status", "final"), [(403, False), (422, True)])
+async def test_a_secret_refused_deletes_the_job_and_fails_the_launch(
+    cluster: FakeCluster, backend: KubernetesBackend, status: int, final: bool
+) -> None:
+    """A 403 (the role lacks `secrets: create`) can be mended, so the task goes back to Ready;
+    an invalid Secret cannot. Either way no pod is left waiting for a Secret that never comes."""
+    cluster.script = lambda job: Succeed()
+    cluster.fail_next_create(SECRETS, status=status, stored=False)
+    what = with_inputs({"a": 1})
+    outcome = await run(backend, what)
+    assert (outcome.ok, outcome.final, outcome.unstarted) == (False, final, not final), outcome
+    assert "Secret" in str(outcome.error), outcome
+    await cluster.wait_for(
+        lambda: _job(what) not in cluster.jobs and not cluster.pods_of(_job(what))
+    )
+
+
+async def test_a_secret_create_cut_off_is_tried_again(
+    cluster: FakeCluster, backend: KubernetesBackend
+) -> None:
+    """Stored but answered 500: the next create meets it (409), remakes it, and the task runs."""
+    cluster.script = lambda job: Succeed(message=echo_inputs)
+    cluster.fail_next_create(SECRETS, status=500, stored=True)
+    outcome = await run(backend, with_inputs({"a": 1}))
+    assert outcome.result == {"exit_code": 0, "output": {"got": {"a": 1}}}, outcome

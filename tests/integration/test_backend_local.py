@@ -928,7 +928,7 @@ async def test_declared_output_that_is_not_json_fails_the_attempt(backend: Local
     outcome = await run(backend, command('echo "not json" > "$SKED_OUTPUT"'))
     assert not outcome.ok
     assert outcome.error is not None
-    assert outcome.error.startswith("declared output in $SKED_OUTPUT is not JSON")
+    assert outcome.error.startswith("declared output in $SKED_OUTPUT is not JSON sked takes")
 
 
 async def test_a_failed_command_declares_nothing(backend: LocalBackend) -> None:

@@ -61,6 +61,8 @@ EXECUTOR_GRANTS = frozenset(
     | {("sked-jobs", "batch", "jobs", v) for v in ("create", "get", "list", "watch", "delete")}
     | {("sked-jobs", "", "pods", v) for v in ("get", "list", "watch", "delete")}
     | {("sked-jobs", "", "pods/log", "get")}  # the log subresource serves only get
+    # a workflow task's inputs: made beside its Job, remade on a conflict; never read back
+    | {("sked-jobs", "", "secrets", v) for v in ("create", "delete")}
 )
 Grant = tuple[str | None, str, str, str]
 

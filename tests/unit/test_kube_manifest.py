@@ -3,6 +3,7 @@ how an attempt stands judged from its Job and pods."""
 
 from __future__ import annotations
 
+import base64
 import re
 import uuid
 from typing import Any
@@ -15,13 +16,15 @@ from services.cli.commands import spec_from_args
 from services.executor.backends.kubernetes.manifest import (
     GPU,
     JobOptions,
+    declared_output,
+    inputs_secret,
     job_manifest,
     job_name,
     key_of,
     node_offer,
     quantity,
 )
-from services.executor.backends.kubernetes.status import judge
+from services.executor.backends.kubernetes.status import exited, judge
 from shared.dag import WorkflowTask
 from shared.errors import InvalidSpec, SkedError
 from shared.models import CommandJob, Resources
@@ -64,6 +67,55 @@ def test_the_job_name_is_fixed_by_task_and_attempt_and_fits_kubernetes() -> None
 def test_the_job_validates_against_kubernetes_schemas(version: str) -> None:
     kubernetes_validate.validate(manifest(), version, strict=True)
     kubernetes_validate.validate(manifest(timeout_s=None, options=JobOptions("x")), version, True)
+    job = manifest(inputs=True)
+    kubernetes_validate.validate(job, version, strict=True)
+    created = {**job, "metadata": {**job["metadata"], "uid": str(uuid.uuid4())}}
+    kubernetes_validate.validate(inputs_secret(created, b'{"a": 1}'), version, strict=True)
+
+
+def test_a_workflow_task_reads_its_inputs_from_its_own_secret() -> None:
+    job = manifest(inputs=True)
+    pod = job["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["SKED_INPUTS"] == "/var/run/sked/inputs.json"
+    assert container["volumeMounts"] == [
+        {"name": "sked-inputs", "mountPath": "/var/run/sked", "readOnly": True}
+    ]
+    assert pod["volumes"] == [
+        {"name": "sked-inputs", "secret": {"secretName": job_name(TASK, 3), "defaultMode": 0o444}}
+    ]
+    uid = str(uuid.uuid4())
+    secret = inputs_secret({**job, "metadata": {**job["metadata"], "uid": uid}}, b'{"up": [1]}')
+    assert secret["metadata"]["name"] == job_name(TASK, 3)
+    assert secret["metadata"]["namespace"] == "sked-jobs"
+    assert key_of(secret) == (TASK, 3)  # labelled as its Job
+    assert secret["metadata"]["ownerReferences"] == [
+        {"apiVersion": "batch/v1", "kind": "Job", "name": job_name(TASK, 3), "uid": uid}
+    ]
+    assert secret["immutable"] is True
+    assert base64.b64decode(secret["data"]["inputs.json"]) == b'{"up": [1]}'
+
+
+@pytest.mark.parametrize(
+    ("message", "data", "refused"),
+    [
+        ("", b"", False),
+        ('{"rows": 3}', b'{"rows": 3}', False),
+        ("x" * 4095, b"x" * 4095, False),
+        ("x" * 4096, b"", True),  # perhaps cut by the kubelet: not taken as what was written
+        ("é" * 2048, b"", True),  # bytes, not characters
+    ],
+)
+def test_a_declared_output_is_taken_from_the_termination_message_whole_or_not_at_all(
+    message: str, data: bytes, refused: bool
+) -> None:
+    got, why = declared_output(message)
+    assert got == data
+    assert (why is not None) == refused
+    if why is not None:
+        assert "4096" in why
+        assert "$SKED_OUTPUT" in why
 
 
 def test_kubernetes_never_retries_behind_skeds_back() -> None:
@@ -94,7 +146,11 @@ def test_the_job_is_pinned_labelled_and_given_what_the_task_asked_for() -> None:
     assert {e["name"]: e["value"] for e in container["env"]} == {
         "A": "1",
         "SKED_HEARTBEAT_URL": "http://monitor:8470/heartbeat",
+        "SKED_OUTPUT": "/dev/sked-output",  # its termination message: the declared output
     }
+    assert container["terminationMessagePath"] == "/dev/sked-output"
+    assert "volumes" not in pod  # no inputs: no Secret
+    assert "volumeMounts" not in container
     assert container["resources"] == {
         "requests": {"cpu": "1500m", "memory": "512Mi"},
         "limits": {"cpu": "1500m", "memory": "512Mi", GPU: "2"},
@@ -196,6 +252,44 @@ def test_judging_exits_and_runs() -> None:
     done = judge(JOB, [pod({"terminated": {"exitCode": 3, "reason": "Error"}})], 0, 10)
     assert (done.kind, done.exit_code) == ("exited", 3)
     assert judge(JOB, [], 0, 10).kind == "pending"
+
+
+def test_an_exit_0_hands_on_its_termination_message_as_its_declared_output() -> None:
+    key = (TASK, 1)
+
+    def exit_with(code: int, message: str | None = None) -> Any:
+        ended: dict[str, Any] = {"exitCode": code, "reason": "Completed" if code == 0 else "Error"}
+        if message is not None:
+            ended["message"] = message
+        return exited(judge(JOB, [pod({"terminated": ended})], 0, 10), "log", key)
+
+    declared = exit_with(0, '{"rows": [1, 2]}')
+    assert (declared.ok, declared.result) == (True, {"exit_code": 0, "output": {"rows": [1, 2]}})
+    assert exit_with(0).result == {"exit_code": 0}  # wrote nothing: declared nothing
+    not_json = exit_with(0, "all good\n")
+    assert not not_json.ok
+    assert not_json.error is not None
+    assert "not JSON" in not_json.error
+    assert "termination message" in not_json.error
+    nan = exit_with(0, '{"x": NaN}')
+    assert not nan.ok
+    assert "NaN" in (nan.error or "")
+    cut = exit_with(0, "[" + "1," * 3000 + "1]")
+    assert not cut.ok
+    assert "4096" in (cut.error or "")
+    # a failure's message is the log's end (FallbackToLogsOnError), never an output
+    failed = exit_with(3, '{"rows": 1}')
+    assert (failed.ok, failed.result) == (False, {"exit_code": 3})
+    assert (failed.error or "").startswith("exit code 3")
+    # a Job Complete whose pod is gone: the exit is known, any output is not
+    gone = exited(
+        judge(
+            {**JOB, "status": {"conditions": [{"type": "Complete", "status": "True"}]}}, [], 0, 10
+        ),
+        "",
+        key,
+    )
+    assert (gone.ok, gone.result) == (True, {"exit_code": 0})
 
 
 def test_judging_losses() -> None:

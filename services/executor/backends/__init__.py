@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 from uuid import UUID
 
+from shared import jsonvalue
 from shared.models import CommandJob, HandlerJob, Resources
 
 Key = tuple[UUID, int]  # (task id, attempt)
@@ -66,6 +67,21 @@ class Outcome:
     @classmethod
     def halted(cls, log_tail: str = "") -> Outcome:
         return cls(False, None, "stopped", False, True, log_tail)
+
+
+def with_declared(outcome: Outcome, data: bytes, where: str) -> Outcome:
+    """A command that exited 0 and declared output (`data`, read from `where`: a file, a
+    termination message) gets it in its result, and downstream. Nothing declared (empty)
+    leaves the outcome as it is; what sked would refuse from a producer (not JSON, NaN,
+    nesting past MAX_DEPTH, a NUL) fails the attempt, saying what and where it was read."""
+    if not outcome.ok or not data:
+        return outcome
+    try:
+        output = jsonvalue.parse(data)
+    except jsonvalue.Unsafe as exc:
+        error = f"declared output in {where} is not JSON sked takes: {exc}"
+        return Outcome.failed(error, outcome.log_tail)
+    return replace(outcome, result={**outcome.result, "output": output})
 
 
 @dataclass(frozen=True)

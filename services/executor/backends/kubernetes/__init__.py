@@ -57,7 +57,7 @@ from services.executor.backends.kubernetes.manifest import (
     node_offer,
     node_ready,
 )
-from services.executor.backends.kubernetes.status import Verdict, judge, latest
+from services.executor.backends.kubernetes.status import Verdict, exited, judge, latest
 from shared.errors import one_line
 from shared.models import CommandJob
 
@@ -224,13 +224,7 @@ class KubernetesBackend:
                 if not self._has_pods(key) or not lingering:
                     return Outcome.halted(followed.last_log)
             elif verdict.kind == "exited":
-                code = verdict.exit_code or 0
-                tail = await self._log(key)
-                if code == 0:
-                    return Outcome(True, {"exit_code": 0}, None, False, False, tail)
-                why = f" ({verdict.reason})" if verdict.reason not in ("", "Error") else ""
-                error = f"exit code {code}{why}"  # OOMKilled says what to fix
-                return Outcome(False, {"exit_code": code}, error, False, False, tail)
+                return exited(verdict, await self._log(key), key)
             elif verdict.kind == "deadline":  # it ran: a timeout, not a launch failure
                 return Outcome.failed(verdict.reason, await self._log(key), timed_out=True)
             elif verdict.kind == "lost":

@@ -103,34 +103,47 @@ class Kube:
                 return None
             raise
 
-    async def delete_job(self, name: str) -> bool:
-        """Delete a Job and (Background propagation) its pods; False if it was gone."""
+    async def _delete(self, pending: Awaitable[Any]) -> bool:
+        """A delete's answer: True if it deleted, False if the object was gone (404)."""
         try:
-            await self._read(
-                self.batch.delete_namespaced_job(
-                    name,
-                    self.namespace,
-                    propagation_policy="Background",  # the API's default leaves the pods
-                    _preload_content=False,
-                )
-            )
+            await self._read(pending)
         except KubeError as exc:
             if exc.status == 404:
                 return False
             raise
         return True
 
+    async def delete_job(self, name: str) -> bool:
+        """Delete a Job and (Background propagation) its pods and Secret; False if gone."""
+        return await self._delete(
+            self.batch.delete_namespaced_job(
+                name,
+                self.namespace,
+                propagation_policy="Background",  # the API's default leaves the pods
+                _preload_content=False,
+            )
+        )
+
+    async def create_secret(self, body: Mapping[str, Any]) -> Obj:
+        return await self._json(
+            self.core.create_namespaced_secret(
+                self.namespace,
+                dict(body),  # type: ignore[arg-type]  # a dict is sent as it is
+                _preload_content=False,
+            )
+        )
+
+    async def delete_secret(self, name: str) -> bool:
+        """Delete a Secret; False if it was gone."""
+        return await self._delete(
+            self.core.delete_namespaced_secret(name, self.namespace, _preload_content=False)
+        )
+
     async def delete_pod(self, name: str) -> bool:
         """Delete a pod; False if it was gone."""
-        try:
-            await self._read(
-                self.core.delete_namespaced_pod(name, self.namespace, _preload_content=False)
-            )
-        except KubeError as exc:
-            if exc.status == 404:
-                return False
-            raise
-        return True
+        return await self._delete(
+            self.core.delete_namespaced_pod(name, self.namespace, _preload_content=False)
+        )
 
     async def jobs(self, selector: str) -> tuple[list[Obj], str]:
         got = await self._json(

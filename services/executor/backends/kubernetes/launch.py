@@ -1,10 +1,14 @@
-"""Launching an attempt's Job: fenced, idempotent, recorded.
+"""Launching an attempt's Job: fenced, idempotent, recorded; and its inputs' Secret.
 
 Fenced: every older attempt's Job of the task is deleted and its pods confirmed gone first.
 Idempotent: a create answered 5xx or cut off is tried again and then meets its own Job (409),
 which is adopted only when its labels name this attempt and its uid is the recorded one, if
 any — a stranger's object is never adopted by name alone. Recorded: the uid, so that the Job
 of a launched attempt is never created again.
+
+A workflow task's inputs go in a Secret made after its Job (owned by it: collected with it),
+before the uid is recorded: a recorded launch has its inputs. Its pod waits for the Secret to
+start; a Secret that cannot be made deletes the Job, and the launch fails.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ from services.executor.backends.kubernetes.kube import (
 from services.executor.backends.kubernetes.manifest import (
     DIGEST,
     INCARNATION,
+    MAX_SECRET_BYTES,
     TASK_LABEL,
     JobOptions,
+    inputs_secret,
     job_manifest,
     key_of,
 )
@@ -39,7 +45,10 @@ from shared.models import CommandJob, Resources
 log = logging.getLogger(__name__)
 
 CREATE_TRIES = 5  # a create answered 5xx or cut off is tried again (and then meets its Job)
-INPUTS_ENV = "SKED_INPUTS_JSON"  # a workflow task's inputs, as JSON
+# a workflow task's inputs, as JSON, in a variable as well as in $SKED_INPUTS while they are
+# small (the variable came first; a large one would crowd what execve() takes)
+INPUTS_ENV = "SKED_INPUTS_JSON"
+INPUTS_ENV_BYTES = 64 * 1024
 # what etcd answers (through the API server, as a 500) for an object over --max-request-bytes
 ETCD_TOO_LARGE = "request is too large"
 
@@ -98,8 +107,15 @@ class Launcher:
         if node is None:
             raise LaunchFailed(f"node {launch.node} is not a node of this cluster (any more)")
         env = {**launch.env}
-        if launch.inputs is not None:
-            env[INPUTS_ENV] = json.dumps(launch.inputs)
+        inputs = None if launch.inputs is None else json.dumps(launch.inputs).encode()
+        if inputs is not None and len(inputs) > MAX_SECRET_BYTES:
+            raise LaunchFailed(
+                f"the task's inputs are {len(inputs)} bytes of JSON; a Kubernetes Secret, "
+                f"which carries them to the Job, holds at most {MAX_SECRET_BYTES}",
+                permanent=True,
+            )
+        if inputs is not None and len(inputs) <= INPUTS_ENV_BYTES:
+            env[INPUTS_ENV] = inputs.decode()
         try:
             body = job_manifest(
                 task_id,
@@ -112,6 +128,7 @@ class Launcher:
                 launch.timeout_s,
                 self.options,
                 launch.incarnation,
+                inputs=inputs is not None,
             )
         except ValueError as exc:
             why = str(exc)
@@ -122,6 +139,8 @@ class Launcher:
                 )
             raise LaunchFailed(why, permanent=True) from None
         created = await self._create(body, task_id, attempt, stopped)
+        if inputs is not None:
+            await self._give_inputs(created, inputs)
         await self.book.record(task_id, attempt, name_of(created), uid_of(created))
 
     async def _create(
@@ -139,15 +158,8 @@ class Launcher:
                     if (found := await self._adopt(body, task_id, attempt)) is not None:
                         return found
                     continue  # an earlier incarnation's Job, deleted: created anew
-                if exc.status in (400, 403, 422):  # an invalid manifest, a refusal: permanent
-                    raise LaunchFailed(f"Job refused: {exc}", permanent=exc.status != 403) from None
-                if exc.status == 413 or (exc.status == 500 and ETCD_TOO_LARGE in exc.body):
-                    # the same body meets the same limit every time: not an outage
-                    raise LaunchFailed(
-                        f"Job refused as too large ({body_size(body)} bytes; the API server "
-                        f"takes at most 3 MiB per request, etcd 1.5 MiB by default): {exc}",
-                        permanent=True,
-                    ) from None
+                if (refused := _refusal("Job", body, exc)) is not None:
+                    raise refused from None
                 why = str(exc)
             except (OSError, TimeoutError) as exc:
                 why = one_line(exc)
@@ -157,6 +169,36 @@ class Launcher:
             await asyncio.sleep(pause)
             pause = min(pause * 2, 2.0)
         raise AssertionError("unreachable")
+
+    async def _give_inputs(self, job: Obj, data: bytes) -> None:
+        """Make the Secret of the attempt's inputs, owned by its `job`. One already there (a
+        create whose answer was lost, or left by an earlier Job of this name) is deleted and
+        made anew: its owner and content are then this Job's. A Secret not made deletes the
+        Job (its pod would wait for it until the start budget ran out)."""
+        body = inputs_secret(job, data)
+        name = name_of(job)
+        pause = 0.2
+        for tries in range(1, CREATE_TRIES + 1):
+            try:
+                await self.kube.create_secret(body)
+                return
+            except KubeError as exc:
+                if exc.status == 409:
+                    await self.kube.delete_secret(name)
+                    continue
+                failed = _refusal("Secret", body, exc)
+                why = str(exc)
+            except (OSError, TimeoutError) as exc:
+                failed, why = None, one_line(exc)
+            if failed is None and tries < CREATE_TRIES:
+                log.warning("creating Secret %s failed (%s); trying again", name, why)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 2.0)
+                continue
+            await delete_job_patiently(self.kube, name)
+            raise failed or LaunchFailed(f"Secret of the inputs not created: {why}")
+        await delete_job_patiently(self.kube, name)
+        raise LaunchFailed(f"Secret {name} of the inputs kept meeting one of the same name")
 
     async def _adopt(self, body: Mapping[str, Any], task_id: UUID, attempt: int) -> Obj | None:
         """A Job by this attempt's name exists: ours only if its labels say so, it was made
@@ -218,6 +260,20 @@ class Launcher:
                     await self._pods_changed.wait()
             except TimeoutError:
                 pass
+
+
+def _refusal(kind: str, body: Mapping[str, Any], exc: KubeError) -> LaunchFailed | None:
+    """What an answer the same request meets every time means: an invalid object or a refusal
+    (permanent, but for 403: RBAC can be mended), or an object too large (not an outage)."""
+    if exc.status in (400, 403, 422):
+        return LaunchFailed(f"{kind} refused: {exc}", permanent=exc.status != 403)
+    if exc.status == 413 or (exc.status == 500 and ETCD_TOO_LARGE in exc.body):
+        return LaunchFailed(
+            f"{kind} refused as too large ({body_size(body)} bytes; the API server takes at "
+            f"most 3 MiB per request, etcd 1.5 MiB by default): {exc}",
+            permanent=True,
+        )
+    return None
 
 
 def body_size(body: Mapping[str, Any]) -> int:

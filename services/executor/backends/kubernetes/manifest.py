@@ -6,10 +6,17 @@ The Job is built so that Kubernetes never retries behind sked's back (sked owns 
 first failed or disrupted pod, keeping the cause in the Job's condition. The run timeout is
 sked's, counted from the container's start; `activeDeadlineSeconds` is only a backstop (it
 also counts the image pull).
+
+A workflow task's data flow, as on the local backend: its inputs in the file `$SKED_INPUTS`
+(a Secret of the attempt's own, mounted read-only: inputs may be far larger than a variable
+holds), and its declared output the JSON it writes to `$SKED_OUTPUT`, which is the container's
+termination message file: the kubelet hands at most 4096 bytes of it back in the pod's status,
+the one channel out of a finished container that needs no credentials in it.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import math
@@ -33,6 +40,16 @@ CONTAINER = "task"
 DIGEST = "sked.io/spec-sha256"  # the annotation naming the spec a Job was made from
 INCARNATION = "sked.io/task-created"  # and the one naming its task's incarnation (Launch)
 GPU = "nvidia.com/gpu"
+# A task's declared output: what it writes to this file, its termination message. A path of
+# sked's own, not the default /dev/termination-log: a container that writes a message there for
+# its own reasons declares nothing by it.
+OUTPUT_PATH = "/dev/sked-output"
+MAX_MESSAGE_BYTES = 4096  # the most of a termination message the kubelet keeps (its end)
+INPUTS_VOLUME = "sked-inputs"
+INPUTS_DIR = "/var/run/sked"
+INPUTS_KEY = "inputs.json"
+INPUTS_PATH = f"{INPUTS_DIR}/{INPUTS_KEY}"
+MAX_SECRET_BYTES = 1024 * 1024  # what the API server takes in one Secret's data
 HOSTNAME = "kubernetes.io/hostname"
 
 # The backstop deadline allows this much for pulling the image and starting the container
@@ -101,12 +118,17 @@ def job_manifest(
     timeout_s: float | None,
     options: JobOptions,
     incarnation: str | None = None,
+    inputs: bool = False,
 ) -> dict[str, Any]:
     """The Job for one attempt of a command task, pinned to the cluster node sked placed it
-    on (by its hostname label). `env`: the task's own environment plus sked's (heartbeat)."""
+    on (by its hostname label). `env`: the task's own environment plus sked's (heartbeat).
+    `inputs`: the attempt's Secret (`inputs_secret`) is mounted and named by $SKED_INPUTS."""
     if not job.image:
         raise ValueError("the kubernetes backend needs job.image")
-    check_exec_size(job.argv, {**job.env, **env})
+    env = {**job.env, **env, "SKED_OUTPUT": OUTPUT_PATH}
+    if inputs:
+        env["SKED_INPUTS"] = INPUTS_PATH
+    check_exec_size(job.argv, env)
     marks = labels(task_id, attempt, node)
     requests, limits = _quantities(resources)
     container: dict[str, Any] = {
@@ -114,9 +136,11 @@ def job_manifest(
         "image": job.image,
         # as written: the kubelet expands $(NAME) in both and reads $$ as $
         "command": [_literal(a) for a in job.argv],
-        "env": [{"name": k, "value": _literal(v)} for k, v in {**job.env, **env}.items()],
+        "env": [{"name": k, "value": _literal(v)} for k, v in env.items()],
         "resources": {"requests": requests, "limits": limits},
-        # the end of the log stands in for the termination message when the task wrote none
+        "terminationMessagePath": OUTPUT_PATH,
+        # the end of the log stands in for the termination message when a failed task wrote
+        # none (a success's is its declared output, or nothing)
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": {"allowPrivilegeEscalation": False},
     }
@@ -129,6 +153,14 @@ def job_manifest(
         "nodeSelector": {HOSTNAME: hostname},
         "containers": [container],
     }
+    if inputs:
+        container["volumeMounts"] = [
+            {"name": INPUTS_VOLUME, "mountPath": INPUTS_DIR, "readOnly": True}
+        ]
+        # the kubelet starts the container only once the Secret exists (it is made just
+        # after the Job, owned by it)
+        secret = {"secretName": job_name(task_id, attempt), "defaultMode": 0o444}
+        pod["volumes"] = [{"name": INPUTS_VOLUME, "secret": secret}]
     if options.tolerations:
         pod["tolerations"] = [dict(t) for t in options.tolerations]
     if options.image_pull_secrets:
@@ -167,6 +199,43 @@ def job_manifest(
         },
         "spec": spec,
     }
+
+
+def inputs_secret(job: Mapping[str, Any], data: bytes) -> dict[str, Any]:
+    """The Secret holding an attempt's inputs (`data`, JSON), named as its Job and owned by it:
+    the garbage collector deletes it with the Job. Immutable: the kubelet need not watch it.
+    At most MAX_SECRET_BYTES of `data` (the launcher checks before it makes the Job)."""
+    meta = job["metadata"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "immutable": True,
+        "metadata": {
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "labels": dict(meta.get("labels") or {}),
+            "ownerReferences": [
+                {"apiVersion": "batch/v1", "kind": "Job", "name": meta["name"], "uid": meta["uid"]}
+            ],
+        },
+        "data": {INPUTS_KEY: base64.b64encode(data).decode("ascii")},
+    }
+
+
+def declared_output(message: str | None) -> tuple[bytes, str | None]:
+    """A successful container's declared output, from its termination message: (the bytes,
+    None), or (b"", why it cannot be taken). A message of 4096 bytes or more may have been
+    cut by the kubelet, so it is refused rather than read as what the task wrote. A lone
+    surrogate (not from a kubelet, which sends UTF-8) is kept, for the parse to refuse."""
+    data = (message or "").encode("utf-8", "surrogatepass")
+    if len(data) >= MAX_MESSAGE_BYTES:
+        return b"", (
+            f"declared output of {MAX_MESSAGE_BYTES} bytes or more in $SKED_OUTPUT: on "
+            f"Kubernetes it is the termination message, of which the kubelet keeps at most "
+            f"{MAX_MESSAGE_BYTES} bytes"
+        )
+    return data, None
 
 
 def spec_digest(spec: Mapping[str, Any]) -> str:

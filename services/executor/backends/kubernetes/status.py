@@ -1,4 +1,5 @@
-"""How an attempt's Job stands, judged from its Job and pod objects (pure).
+"""How an attempt's Job stands, judged from its Job and pod objects (pure), and what an exit
+means.
 
 Kinds, in the order they are checked:
   lost           the Job vanished; its pod was evicted, preempted or otherwise disrupted
@@ -14,12 +15,16 @@ Kinds, in the order they are checked:
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from services.executor.backends.kubernetes.manifest import CONTAINER
+from services.executor.backends import Key, Outcome, with_declared
+from services.executor.backends.kubernetes.manifest import CONTAINER, declared_output
+
+log = logging.getLogger(__name__)
 
 Kind = Literal["pending", "running", "exited", "launch_failed", "lost", "deadline"]
 
@@ -43,6 +48,9 @@ class Verdict:
     exit_code: int | None = None
     permanent: bool = False  # launch_failed: fail the task now rather than try again
     started_at: str | None = None  # running / exited: when the container started
+    # exited: the container's termination message (a success's declared output); None when
+    # no pod's status was seen to say (a Job Complete whose pod is gone)
+    message: str | None = None
 
 
 def _condition(obj: Mapping[str, Any], kind: str) -> Mapping[str, Any] | None:
@@ -108,6 +116,7 @@ def judge(
                 _said(ended),
                 exit_code=int(ended["exitCode"]),
                 started_at=ended.get("startedAt"),
+                message=str(ended.get("message") or ""),
             )
         if state.get("running") is not None:
             return Verdict("running", started_at=state["running"].get("startedAt"))
@@ -150,3 +159,21 @@ def _pending_why(pod: Mapping[str, Any] | None) -> str:
         return _said(scheduled) or "unschedulable"
     waiting = _container(pod).get("waiting")
     return _said(waiting) or "pod pending"
+
+
+def exited(verdict: Verdict, tail: str, key: Key) -> Outcome:
+    """The outcome of an attempt whose container exited: a success with its declared output
+    (its termination message), if any; a failure saying the exit code, and why if Kubernetes
+    knows (OOMKilled says what to fix)."""
+    code = verdict.exit_code or 0
+    if code != 0:
+        why = f" ({verdict.reason})" if verdict.reason not in ("", "Error") else ""
+        return Outcome(False, {"exit_code": code}, f"exit code {code}{why}", False, False, tail)
+    outcome = Outcome(True, {"exit_code": 0}, None, False, False, tail)
+    if verdict.message is None:  # its pod went before its status was seen: nothing to read
+        log.warning("%s attempt %d ended with no pod to read its declared output from", *key)
+        return outcome
+    data, refused = declared_output(verdict.message)
+    if refused is not None:
+        return Outcome.failed(refused, tail)
+    return with_declared(outcome, data, "$SKED_OUTPUT (the termination message)")

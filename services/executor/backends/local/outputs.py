@@ -3,16 +3,13 @@ log file deleted once retention says so."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from collections.abc import Set
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
-from services.executor.backends import Key, Outcome
+from services.executor.backends import Key, Outcome, with_declared
 from services.executor.backends.local.files import open_regular, remove
 from services.executor.backends.local.worker import describe
 from shared.jsonvalue import MAX_RESULT_BYTES
@@ -38,10 +35,6 @@ def tail(path: Path | str, size: int) -> str:
     return data.decode("utf-8", errors="replace")
 
 
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
 def with_output(outcome: Outcome, path: Path) -> Outcome:
     """A command that exited 0 and wrote JSON to $SKED_OUTPUT declared that as its output: it
     joins the result (and goes downstream). Output that is not JSON fails the attempt."""
@@ -56,18 +49,11 @@ def with_output(outcome: Outcome, path: Path) -> Outcome:
     except OSError as exc:  # a directory, a FIFO, a symlink in its place
         error = f"declared output in $SKED_OUTPUT cannot be read: {describe(exc)}"
         return Outcome.failed(error, outcome.log_tail)
-    if size == 0:
-        return outcome
     if size > MAX_OUTPUT_BYTES or len(data) > MAX_OUTPUT_BYTES:
         size = max(size, len(data))
         error = f"declared output too large: {size} bytes in $SKED_OUTPUT, over {MAX_OUTPUT_BYTES}"
         return Outcome.failed(error, outcome.log_tail)
-    try:
-        output = json.loads(data, parse_constant=_refuse_constant)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        error = f"declared output in $SKED_OUTPUT is not JSON: {describe(exc)}"
-        return Outcome.failed(error, outcome.log_tail)
-    return replace(outcome, result={**outcome.result, "output": output})
+    return with_declared(outcome, data, "$SKED_OUTPUT")
 
 
 def prune_logs(directory: Path, older_than_s: float, keep: Set[Key]) -> int:
