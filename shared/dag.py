@@ -89,6 +89,13 @@ class WorkflowTask(BaseModel):
             raise InvalidSpec(f"task {self.name!r}: give exactly one of command or handler")
         if self.image is not None and self.command is None:
             raise InvalidSpec(f"task {self.name!r}: image goes with command")
+        if self.needs and isinstance(self.args, dict) and "inputs" in self.args:
+            # the worker would pass `inputs` twice to a handler that takes it, and fail the
+            # same way on every retry: refused here, once, with the reason
+            raise InvalidSpec(
+                f"task {self.name!r}: args cannot name 'inputs': a task with upstreams gets "
+                "their outputs by that name"
+            )
         job: dict[str, Any] = (
             {"kind": "command", "argv": self.command, "image": self.image}
             if self.command is not None

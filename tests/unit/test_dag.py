@@ -91,6 +91,11 @@ def test_cycles_are_named(length: int) -> None:
         (wf(cmd("a"), resources={"r": 0}), "capacity must be at least 1"),
         ({"name": "w", "tasks": []}, "tasks"),
         (wf(cmd("a", {"task": "b", "condition": "sometimes"}), cmd("b")), "condition"),
+        # its handler would get `inputs` twice, and fail alike on every retry
+        (
+            wf(cmd("b"), {"name": "a", "handler": "m:f", "args": {"inputs": 1}, "needs": ["b"]}),
+            "task 'a': args cannot name 'inputs'",
+        ),
     ],
 )
 def test_bad_workflows_are_rejected_whole(spec: dict[str, Any], message: str) -> None:
