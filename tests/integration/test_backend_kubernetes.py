@@ -6,7 +6,6 @@ a workflow task's data flow (inputs in a Secret, output in the termination messa
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -18,9 +17,7 @@ import pytest
 
 from services.executor.backends import Launch, Outcome
 from services.executor.backends.kubernetes import KubernetesBackend
-from services.executor.backends.kubernetes.kube import Kube, api_client
-from services.executor.backends.kubernetes.launch import MemoryBook
-from services.executor.backends.kubernetes.manifest import JobOptions, job_name
+from services.executor.backends.kubernetes.manifest import job_name
 from shared.models import CommandJob, Resources
 from tests.fakes.kube import (
     Evicted,
@@ -33,8 +30,7 @@ from tests.fakes.kube import (
     Unschedulable,
     fake_cluster,
 )
-
-NS = "sked-jobs"
+from tests.fakes.kube_backend import NS, on_cluster
 
 
 @pytest.fixture
@@ -47,18 +43,8 @@ async def cluster() -> AsyncIterator[FakeCluster]:
 
 @pytest.fixture
 async def backend(cluster: FakeCluster) -> AsyncIterator[KubernetesBackend]:
-    api = await api_client(None, host=cluster.url)
-    b = KubernetesBackend(
-        Kube(api, NS),
-        MemoryBook(),
-        JobOptions(NS, ttl_s=60),
-        start_budget_s=1.0,
-        relist_s=30,
-        node_grace_s=0.5,
-    )
-    await b.start()
-    yield b
-    await b.close()
+    async with on_cluster(cluster) as b:
+        yield b
 
 
 def launch(
@@ -354,7 +340,7 @@ async def test_inputs_too_large_for_a_variable_still_reach_the_task_in_its_file(
     what = with_inputs(inputs)
     outcome = await run(backend, what)
     assert outcome.ok, outcome
-    assert outcome.result["output"] == len(json.dumps(inputs))
+    assert outcome.result["output"] == len(json.dumps(inputs, separators=(",", ":")))
     assert "SKED_INPUTS_JSON" not in env_of(cluster, what)
 
 
@@ -400,26 +386,6 @@ async def test_a_declared_output_sked_cannot_take_fails_the_attempt_saying_why(
     assert why in str(outcome.error), outcome
     assert "$SKED_OUTPUT" in str(outcome.error), outcome
     assert not outcome.final  # a retry may write it right
-
-
-async def test_a_secret_of_the_name_already_there_is_made_anew_for_this_job(
-    cluster: FakeCluster, backend: KubernetesBackend
-) -> None:
-    """One left by an earlier Job of the name (a key reused after retention), or a stranger's:
-    the task must read its own inputs, owned by its own Job."""
-    cluster.script = lambda job: Succeed(message=echo_inputs)
-    what = with_inputs({"fresh": True})
-    stale = {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {"name": _job(what), "namespace": NS},
-        "data": {"inputs.json": base64.b64encode(b'{"stale": true}').decode()},
-    }
-    cluster.api.create(SECRETS, NS, stale)
-    outcome = await run(backend, what)
-    assert outcome.result == {"exit_code": 0, "output": {"got": {"fresh": True}}}, outcome
-    owners = cluster.secrets[_job(what)]["metadata"]["ownerReferences"]
-    assert [r["uid"] for r in owners] == [cluster.jobs[_job(what)]["metadata"]["uid"]]
 
 
 @pytest.mark.parametrize(("status", "final"), [(403, False), (422, True)])

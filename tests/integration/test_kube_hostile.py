@@ -17,8 +17,7 @@ import pytest
 
 from services.executor.backends import Launch, Outcome
 from services.executor.backends.kubernetes import KubernetesBackend
-from services.executor.backends.kubernetes.kube import Kube, KubeError, api_client
-from services.executor.backends.kubernetes.launch import MemoryBook
+from services.executor.backends.kubernetes.kube import KubeError
 from services.executor.backends.kubernetes.manifest import (
     JobOptions,
     job_manifest,
@@ -36,8 +35,7 @@ from tests.fakes.kube import (
     Succeed,
     fake_cluster,
 )
-
-NS = "sked-jobs"
+from tests.fakes.kube_backend import NS, on_cluster
 
 
 @pytest.fixture
@@ -49,18 +47,8 @@ async def cluster() -> AsyncIterator[FakeCluster]:
 
 @pytest.fixture
 async def backend(cluster: FakeCluster) -> AsyncIterator[KubernetesBackend]:
-    api = await api_client(None, host=cluster.url)
-    b = KubernetesBackend(
-        Kube(api, NS),
-        MemoryBook(),
-        JobOptions(NS, ttl_s=60),
-        start_budget_s=1.0,
-        relist_s=30,
-        node_grace_s=0.5,
-    )
-    await b.start()
-    yield b
-    await b.close()
+    async with on_cluster(cluster) as b:
+        yield b
 
 
 def launch(

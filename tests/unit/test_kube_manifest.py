@@ -4,6 +4,7 @@ how an attempt stands judged from its Job and pods."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import re
 import uuid
 from typing import Any
@@ -21,6 +22,7 @@ from services.executor.backends.kubernetes.manifest import (
     job_manifest,
     job_name,
     key_of,
+    message_cap,
     node_offer,
     quantity,
 )
@@ -67,14 +69,14 @@ def test_the_job_name_is_fixed_by_task_and_attempt_and_fits_kubernetes() -> None
 def test_the_job_validates_against_kubernetes_schemas(version: str) -> None:
     kubernetes_validate.validate(manifest(), version, strict=True)
     kubernetes_validate.validate(manifest(timeout_s=None, options=JobOptions("x")), version, True)
-    job = manifest(inputs=True)
+    job = manifest(inputs=b'{"a": 1}')
     kubernetes_validate.validate(job, version, strict=True)
     created = {**job, "metadata": {**job["metadata"], "uid": str(uuid.uuid4())}}
     kubernetes_validate.validate(inputs_secret(created, b'{"a": 1}'), version, strict=True)
 
 
 def test_a_workflow_task_reads_its_inputs_from_its_own_secret() -> None:
-    job = manifest(inputs=True)
+    job = manifest(inputs=b'{"up": [1]}')
     pod = job["spec"]["template"]["spec"]
     container = pod["containers"][0]
     env = {e["name"]: e["value"] for e in container["env"]}
@@ -82,8 +84,14 @@ def test_a_workflow_task_reads_its_inputs_from_its_own_secret() -> None:
     assert container["volumeMounts"] == [
         {"name": "sked-inputs", "mountPath": "/var/run/sked", "readOnly": True}
     ]
+    # mounted only from a Secret holding these very inputs: a key named by their hash
+    key = "inputs-" + hashlib.sha256(b'{"up": [1]}').hexdigest() + ".json"
+    items = [{"key": key, "path": "inputs.json"}]
     assert pod["volumes"] == [
-        {"name": "sked-inputs", "secret": {"secretName": job_name(TASK, 3), "defaultMode": 0o444}}
+        {
+            "name": "sked-inputs",
+            "secret": {"secretName": job_name(TASK, 3), "items": items, "defaultMode": 0o444},
+        }
     ]
     uid = str(uuid.uuid4())
     secret = inputs_secret({**job, "metadata": {**job["metadata"], "uid": uid}}, b'{"up": [1]}')
@@ -94,7 +102,8 @@ def test_a_workflow_task_reads_its_inputs_from_its_own_secret() -> None:
         {"apiVersion": "batch/v1", "kind": "Job", "name": job_name(TASK, 3), "uid": uid}
     ]
     assert secret["immutable"] is True
-    assert base64.b64decode(secret["data"]["inputs.json"]) == b'{"up": [1]}'
+    assert base64.b64decode(secret["data"][key]) == b'{"up": [1]}'
+    assert manifest(inputs=b"{}")["spec"] != job["spec"]  # other inputs, another key
 
 
 @pytest.mark.parametrize(
@@ -131,6 +140,22 @@ def test_kubernetes_never_retries_behind_skeds_back() -> None:
     assert spec["activeDeadlineSeconds"] > 60
     assert spec["ttlSecondsAfterFinished"] == 600
     assert "activeDeadlineSeconds" not in manifest(timeout_s=None)["spec"]
+
+
+def test_a_message_is_whole_only_under_the_pods_share_of_the_kubelets_budget() -> None:
+    def pod_of(containers: int, init: int = 0) -> dict[str, Any]:
+        spec = {"containers": [{}] * containers, "initContainers": [{}] * init}
+        return {"spec": spec}
+
+    assert message_cap(pod_of(1)) == 4096
+    assert message_cap(pod_of(3)) == 4096  # 12 KiB / 3
+    assert message_cap(pod_of(3, 1)) == 3072  # a mesh's sidecar and its init, and one more
+    assert message_cap(None) == 4096
+    assert declared_output("7" * 3071, 3072) == (b"7" * 3071, None)
+    data, why = declared_output("7" * 3072, 3072)
+    assert data == b""
+    assert "3072 bytes" in str(why)
+    assert "other containers" in str(why)
 
 
 def test_the_job_is_pinned_labelled_and_given_what_the_task_asked_for() -> None:

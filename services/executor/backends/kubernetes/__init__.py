@@ -224,6 +224,12 @@ class KubernetesBackend:
                 if not self._has_pods(key) or not lingering:
                     return Outcome.halted(followed.last_log)
             elif verdict.kind == "exited":
+                if verdict.exit_code == 0 and verdict.message is None:
+                    # a Complete Job before its pod's status reached the cache (two watches,
+                    # in no order): the API says what the pod's message is, or that it is gone
+                    job = self.jobs.objects.get(followed.name)
+                    fresh = judge(job, await self._fresh_pods(key), 0, self.start_budget_s)
+                    verdict = fresh if fresh.kind == "exited" else verdict
                 return exited(verdict, await self._log(key), key)
             elif verdict.kind == "deadline":  # it ran: a timeout, not a launch failure
                 return Outcome.failed(verdict.reason, await self._log(key), timed_out=True)
@@ -294,11 +300,7 @@ class KubernetesBackend:
         ]
         # the Job's and pod's status, read afresh from the API rather than from the cache
         job = await get_job_patiently(self.kube, followed.name)
-        listed, _ = await patiently(
-            lambda: self.kube.pods(f"{TASK_LABEL}={key[0]}"), f"list pods of task {key[0]}"
-        )
-        pods = [p for p in listed if key_of(p) == key]
-        fresh = judge(job, pods, now - followed.since, self.start_budget_s)
+        fresh = judge(job, await self._fresh_pods(key), now - followed.since, self.start_budget_s)
         if fresh.kind in ("exited", "launch_failed"):
             return None  # it did end, on its own: the cache catches up and it is reported so
         rungs.append(f"Job and pod: {fresh.kind}{f' ({fresh.reason})' if fresh.reason else ''}")
@@ -309,6 +311,15 @@ class KubernetesBackend:
         rungs.append(f"log unchanged for {now - followed.log_at:.0f} s")
         log.warning("%s attempt %d lost: %s", key[0], key[1], "; ".join(rungs))
         return Outcome.gone("; ".join(rungs), tail)
+
+    async def _fresh_pods(self, key: Key) -> list[Obj]:
+        """The attempt's pods as the API lists them now, not as the cache has them (owned by
+        its Job while the Job is known, as in `_pods_of`)."""
+        listed, _ = await patiently(
+            lambda: self.kube.pods(f"{TASK_LABEL}={key[0]}"), f"list pods of task {key[0]}"
+        )
+        job = self.jobs.objects.get(job_name(*key))
+        return [p for p in listed if key_of(p) == key and (not job or owned_by(p, uid_of(job)))]
 
     def verdict(self, key: Key) -> Verdict:
         followed = self.followed.get(key)

@@ -17,7 +17,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 from uuid import UUID
 
@@ -106,18 +106,17 @@ class Launcher:
         node = self.offers().get(launch.node or "")
         if node is None:
             raise LaunchFailed(f"node {launch.node} is not a node of this cluster (any more)")
-        env = {**launch.env}
-        inputs = None if launch.inputs is None else json.dumps(launch.inputs).encode()
+        # measured as sked measures them everywhere (dag.MAX_INPUTS_BYTES): compact UTF-8
+        inputs = None if launch.inputs is None else compact(launch.inputs)
         if inputs is not None and len(inputs) > MAX_SECRET_BYTES:
             raise LaunchFailed(
                 f"the task's inputs are {len(inputs)} bytes of JSON; a Kubernetes Secret, "
                 f"which carries them to the Job, holds at most {MAX_SECRET_BYTES}",
                 permanent=True,
             )
-        if inputs is not None and len(inputs) <= INPUTS_ENV_BYTES:
-            env[INPUTS_ENV] = inputs.decode()
-        try:
-            body = job_manifest(
+
+        def manifest(env: Mapping[str, str]) -> dict[str, Any]:
+            return job_manifest(
                 task_id,
                 attempt,
                 node.id,
@@ -128,77 +127,88 @@ class Launcher:
                 launch.timeout_s,
                 self.options,
                 launch.incarnation,
-                inputs=inputs is not None,
+                inputs,
             )
+
+        small = inputs is not None and len(inputs) <= INPUTS_ENV_BYTES
+        variable = {INPUTS_ENV: inputs.decode()} if inputs is not None and small else {}
+        try:
+            try:
+                body = manifest({**launch.env, **variable})
+            except ValueError:
+                if not variable:
+                    raise
+                # what execve() takes, exceeded with the variable: the file has the inputs
+                body = manifest(launch.env)
         except ValueError as exc:
-            why = str(exc)
-            if INPUTS_ENV in why:
-                why += (
-                    f" (the task's inputs: {len(env[INPUTS_ENV].encode())} bytes of JSON, which"
-                    " a Kubernetes Job passes in this one variable)"
-                )
-            raise LaunchFailed(why, permanent=True) from None
+            raise LaunchFailed(str(exc), permanent=True) from None
         created = await self._create(body, task_id, attempt, stopped)
         if inputs is not None:
-            await self._give_inputs(created, inputs)
+            await self._give_inputs(created, inputs, stopped)
         await self.book.record(task_id, attempt, name_of(created), uid_of(created))
 
     async def _create(
         self, body: Mapping[str, Any], task_id: UUID, attempt: int, stopped: Callable[[], bool]
     ) -> Obj:
+        async def adopt() -> Obj | None:  # None: an earlier incarnation's Job, deleted
+            return await self._adopt(body, task_id, attempt)
+
+        return await self._create_patiently("Job", body, self.kube.create_job, adopt, stopped)
+
+    async def _give_inputs(self, job: Obj, data: bytes, stopped: Callable[[], bool]) -> None:
+        """Make the Secret of the attempt's inputs, owned by its `job`. One of the name already
+        there (a create whose answer was lost, or left by another) is deleted and made anew
+        (the pod mounts only a Secret holding its inputs' hash as a key: job_manifest). A
+        Secret not made, or a stop meanwhile, deletes the Job: its pod would otherwise wait
+        for the Secret until the start budget ran out, or start once it came."""
+        name = name_of(job)
+
+        async def clear() -> None:
+            await self.kube.delete_secret(name)
+
+        body = inputs_secret(job, data)
+        try:
+            await self._create_patiently("Secret", body, self.kube.create_secret, clear, stopped)
+        except Exception:
+            await delete_job_patiently(self.kube, name)
+            raise
+
+    async def _create_patiently(
+        self,
+        kind: str,
+        body: Mapping[str, Any],
+        create: Callable[[Mapping[str, Any]], Awaitable[Obj]],
+        conflict: Callable[[], Awaitable[Obj | None]],
+        stopped: Callable[[], bool],
+    ) -> Obj:
+        """`create(body)`, tried again after an outage (5xx, cut off) and given up on a refusal
+        that would come every time (`_refusal`). On 409 `conflict()` says what was met: the
+        object to take, or None to create again. Not tried once `stopped()`."""
         name = body["metadata"]["name"]
-        pause = 0.2
+        pause, why = 0.2, "it kept meeting one of its name"
         for tries in range(1, CREATE_TRIES + 1):
             if stopped():
-                raise LaunchFailed("stopped before its Job was created")
+                raise LaunchFailed(f"stopped before its {kind} was created")
             try:
-                return await self.kube.create_job(body)
+                try:
+                    return await create(body)
+                except KubeError as exc:
+                    if exc.status != 409:
+                        raise
+                if (found := await conflict()) is not None:
+                    return found
+                continue
             except KubeError as exc:
-                if exc.status == 409:
-                    if (found := await self._adopt(body, task_id, attempt)) is not None:
-                        return found
-                    continue  # an earlier incarnation's Job, deleted: created anew
-                if (refused := _refusal("Job", body, exc)) is not None:
+                if (refused := _refusal(kind, body, exc)) is not None:
                     raise refused from None
                 why = str(exc)
             except (OSError, TimeoutError) as exc:
                 why = one_line(exc)
-            if tries == CREATE_TRIES:
-                raise LaunchFailed(f"Job not created after {tries} tries: {why}")
-            log.warning("creating Job %s failed (%s); trying again", name, why)
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 2.0)
-        raise AssertionError("unreachable")
-
-    async def _give_inputs(self, job: Obj, data: bytes) -> None:
-        """Make the Secret of the attempt's inputs, owned by its `job`. One already there (a
-        create whose answer was lost, or left by an earlier Job of this name) is deleted and
-        made anew: its owner and content are then this Job's. A Secret not made deletes the
-        Job (its pod would wait for it until the start budget ran out)."""
-        body = inputs_secret(job, data)
-        name = name_of(job)
-        pause = 0.2
-        for tries in range(1, CREATE_TRIES + 1):
-            try:
-                await self.kube.create_secret(body)
-                return
-            except KubeError as exc:
-                if exc.status == 409:
-                    await self.kube.delete_secret(name)
-                    continue
-                failed = _refusal("Secret", body, exc)
-                why = str(exc)
-            except (OSError, TimeoutError) as exc:
-                failed, why = None, one_line(exc)
-            if failed is None and tries < CREATE_TRIES:
-                log.warning("creating Secret %s failed (%s); trying again", name, why)
+            if tries < CREATE_TRIES:
+                log.warning("creating %s %s failed (%s); trying again", kind, name, why)
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 2.0)
-                continue
-            await delete_job_patiently(self.kube, name)
-            raise failed or LaunchFailed(f"Secret of the inputs not created: {why}")
-        await delete_job_patiently(self.kube, name)
-        raise LaunchFailed(f"Secret {name} of the inputs kept meeting one of the same name")
+        raise LaunchFailed(f"{kind} not created after {CREATE_TRIES} tries: {why}")
 
     async def _adopt(self, body: Mapping[str, Any], task_id: UUID, attempt: int) -> Obj | None:
         """A Job by this attempt's name exists: ours only if its labels say so, it was made
@@ -274,6 +284,11 @@ def _refusal(kind: str, body: Mapping[str, Any], exc: KubeError) -> LaunchFailed
             permanent=True,
         )
     return None
+
+
+def compact(value: Any) -> bytes:
+    """JSON as sked stores and measures it: UTF-8, no escapes of what UTF-8 carries, no spaces."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def body_size(body: Mapping[str, Any]) -> int:

@@ -45,10 +45,13 @@ GPU = "nvidia.com/gpu"
 # its own reasons declares nothing by it.
 OUTPUT_PATH = "/dev/sked-output"
 MAX_MESSAGE_BYTES = 4096  # the most of a termination message the kubelet keeps (its end)
+# and what all of a pod's containers' messages share: each is cut to its part of this
+# (the kubelet's normalizeStatus), 3072 bytes with four containers, say (a mesh's sidecars)
+POD_MESSAGE_BYTES = 12 * 1024
 INPUTS_VOLUME = "sked-inputs"
 INPUTS_DIR = "/var/run/sked"
-INPUTS_KEY = "inputs.json"
-INPUTS_PATH = f"{INPUTS_DIR}/{INPUTS_KEY}"
+INPUTS_FILE = "inputs.json"
+INPUTS_PATH = f"{INPUTS_DIR}/{INPUTS_FILE}"
 MAX_SECRET_BYTES = 1024 * 1024  # what the API server takes in one Secret's data
 HOSTNAME = "kubernetes.io/hostname"
 
@@ -118,15 +121,16 @@ def job_manifest(
     timeout_s: float | None,
     options: JobOptions,
     incarnation: str | None = None,
-    inputs: bool = False,
+    inputs: bytes | None = None,
 ) -> dict[str, Any]:
     """The Job for one attempt of a command task, pinned to the cluster node sked placed it
     on (by its hostname label). `env`: the task's own environment plus sked's (heartbeat).
-    `inputs`: the attempt's Secret (`inputs_secret`) is mounted and named by $SKED_INPUTS."""
+    `inputs` (a workflow task's, as JSON): the attempt's Secret (`inputs_secret`) is mounted
+    and named by $SKED_INPUTS."""
     if not job.image:
         raise ValueError("the kubernetes backend needs job.image")
     env = {**job.env, **env, "SKED_OUTPUT": OUTPUT_PATH}
-    if inputs:
+    if inputs is not None:
         env["SKED_INPUTS"] = INPUTS_PATH
     check_exec_size(job.argv, env)
     marks = labels(task_id, attempt, node)
@@ -153,13 +157,19 @@ def job_manifest(
         "nodeSelector": {HOSTNAME: hostname},
         "containers": [container],
     }
-    if inputs:
+    if inputs is not None:
         container["volumeMounts"] = [
             {"name": INPUTS_VOLUME, "mountPath": INPUTS_DIR, "readOnly": True}
         ]
-        # the kubelet starts the container only once the Secret exists (it is made just
-        # after the Job, owned by it)
-        secret = {"secretName": job_name(task_id, attempt), "defaultMode": 0o444}
+        # The kubelet starts the container only once the Secret exists (it is made just after
+        # the Job, owned by it) AND holds this key, named by the inputs' hash: a Secret of the
+        # name left by anyone else (a stranger, an earlier task of a reused key) cannot be
+        # mounted in its place, however the creates and deletes interleave.
+        secret = {
+            "secretName": job_name(task_id, attempt),
+            "items": [{"key": inputs_key(inputs), "path": INPUTS_FILE}],
+            "defaultMode": 0o444,
+        }
         pod["volumes"] = [{"name": INPUTS_VOLUME, "secret": secret}]
     if options.tolerations:
         pod["tolerations"] = [dict(t) for t in options.tolerations]
@@ -219,21 +229,36 @@ def inputs_secret(job: Mapping[str, Any], data: bytes) -> dict[str, Any]:
                 {"apiVersion": "batch/v1", "kind": "Job", "name": meta["name"], "uid": meta["uid"]}
             ],
         },
-        "data": {INPUTS_KEY: base64.b64encode(data).decode("ascii")},
+        "data": {inputs_key(data): base64.b64encode(data).decode("ascii")},
     }
 
 
-def declared_output(message: str | None) -> tuple[bytes, str | None]:
+def inputs_key(data: bytes) -> str:
+    return f"inputs-{hashlib.sha256(data).hexdigest()}.json"
+
+
+def message_cap(pod: Mapping[str, Any] | None) -> int:
+    """The most of a termination message that reaches the pod's status whole: 4096 bytes, or
+    less when many containers share the pod's 12 KiB (counted from the pod's spec, sidecars a
+    webhook added included). A message this long or longer may have been cut."""
+    spec = (pod or {}).get("spec") or {}
+    kinds = ("containers", "initContainers", "ephemeralContainers")
+    containers = sum(len(spec.get(kind) or []) for kind in kinds)
+    return min(MAX_MESSAGE_BYTES, POD_MESSAGE_BYTES // max(1, containers))
+
+
+def declared_output(message: str | None, cap: int = MAX_MESSAGE_BYTES) -> tuple[bytes, str | None]:
     """A successful container's declared output, from its termination message: (the bytes,
-    None), or (b"", why it cannot be taken). A message of 4096 bytes or more may have been
-    cut by the kubelet, so it is refused rather than read as what the task wrote. A lone
-    surrogate (not from a kubelet, which sends UTF-8) is kept, for the parse to refuse."""
+    None), or (b"", why it cannot be taken). A message of `cap` bytes or more (`message_cap`)
+    may have been cut by the kubelet, so it is refused rather than read as what the task
+    wrote. A lone surrogate (not from a kubelet, which sends UTF-8) is kept, for the parse to
+    refuse."""
     data = (message or "").encode("utf-8", "surrogatepass")
-    if len(data) >= MAX_MESSAGE_BYTES:
+    if len(data) >= cap:
+        shared = "" if cap == MAX_MESSAGE_BYTES else ", less with its pod's other containers"
         return b"", (
-            f"declared output of {MAX_MESSAGE_BYTES} bytes or more in $SKED_OUTPUT: on "
-            f"Kubernetes it is the termination message, of which the kubelet keeps at most "
-            f"{MAX_MESSAGE_BYTES} bytes"
+            f"declared output of {cap} bytes or more in $SKED_OUTPUT: on Kubernetes it is the "
+            f"termination message, of which the kubelet keeps at most {cap} bytes{shared}"
         )
     return data, None
 

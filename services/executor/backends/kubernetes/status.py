@@ -22,7 +22,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from services.executor.backends import Key, Outcome, with_declared
-from services.executor.backends.kubernetes.manifest import CONTAINER, declared_output
+from services.executor.backends.kubernetes.manifest import (
+    CONTAINER,
+    MAX_MESSAGE_BYTES,
+    declared_output,
+    message_cap,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +54,9 @@ class Verdict:
     permanent: bool = False  # launch_failed: fail the task now rather than try again
     started_at: str | None = None  # running / exited: when the container started
     # exited: the container's termination message (a success's declared output); None when
-    # no pod's status was seen to say (a Job Complete whose pod is gone)
+    # no pod's status was seen to say (a Job Complete whose pod is gone, or not seen yet)
     message: str | None = None
+    message_cap: int = MAX_MESSAGE_BYTES  # the longest message sure to be whole (message_cap)
 
 
 def _condition(obj: Mapping[str, Any], kind: str) -> Mapping[str, Any] | None:
@@ -117,6 +123,7 @@ def judge(
                 exit_code=int(ended["exitCode"]),
                 started_at=ended.get("startedAt"),
                 message=str(ended.get("message") or ""),
+                message_cap=message_cap(pod),
             )
         if state.get("running") is not None:
             return Verdict("running", started_at=state["running"].get("startedAt"))
@@ -170,10 +177,10 @@ def exited(verdict: Verdict, tail: str, key: Key) -> Outcome:
         why = f" ({verdict.reason})" if verdict.reason not in ("", "Error") else ""
         return Outcome(False, {"exit_code": code}, f"exit code {code}{why}", False, False, tail)
     outcome = Outcome(True, {"exit_code": 0}, None, False, False, tail)
-    if verdict.message is None:  # its pod went before its status was seen: nothing to read
+    if verdict.message is None:  # its pod is gone (the API said so): nothing to read
         log.warning("%s attempt %d ended with no pod to read its declared output from", *key)
         return outcome
-    data, refused = declared_output(verdict.message)
+    data, refused = declared_output(verdict.message, verdict.message_cap)
     if refused is not None:
         return Outcome.failed(refused, tail)
     return with_declared(outcome, data, "$SKED_OUTPUT (the termination message)")
