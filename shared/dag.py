@@ -13,11 +13,20 @@ from collections.abc import Iterable, Mapping
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from shared.errors import InvalidSpec
 from shared.fsm import State
-from shared.models import NEW, TaskSpec, describe
+from shared.models import NEW, TaskSpec, describe, json_number
 
 MAX_DEPENDENCY_WAIT_S = 366 * 86_400.0  # a dependency's timeout: a year at most
 MAX_CAPACITY = 1_000_000  # a named resource's holders at once
@@ -42,6 +51,7 @@ class Edge(BaseModel):
     condition: Condition = Condition.ON_SUCCESS
     # bounded, as every duration a task spec takes: Postgres adds it to a timestamp
     timeout_s: float | None = Field(default=None, gt=0, le=MAX_DEPENDENCY_WAIT_S)
+    _numbers = field_validator("timeout_s", mode="before")(json_number)
     on_timeout: Literal["skip", "default", "fail"] = "fail"
     default: JsonValue = None
 
@@ -113,6 +123,15 @@ class WorkflowSpec(BaseModel):
 
     name: str = Field(min_length=1, max_length=200)
     resources: dict[str, Annotated[int, Field(le=MAX_CAPACITY)]] = Field(default_factory=dict)
+
+    @field_validator("resources", mode="before")
+    @classmethod
+    def _capacities(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, dict):
+            for capacity in value.values():
+                json_number(capacity, info)
+        return value
+
     tasks: list[WorkflowTask] = Field(min_length=1, max_length=100_000)
 
     @classmethod

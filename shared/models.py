@@ -6,9 +6,10 @@ named, never a silently ignored setting.
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 from uuid import NAMESPACE_URL, UUID, uuid4, uuid5
 
 from pydantic import (
@@ -45,6 +46,16 @@ class _Input(BaseModel):
     # NaN and Infinity are no JSON numbers: refused here, not sent as the null pydantic
     # writes for them (a handler would run with None where its caller passed NaN)
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def json_number(value: Any, info: ValidationInfo) -> Any:
+    """A field validator (mode "before") for a number from outside: pydantic's lax mode read
+    true as 1 and "2" as 2, so a producer's `"schedule_timeout_s": true` was a task failed for
+    good a second after it was ready. JSON's own types only (an integral 2.0 still reads as an
+    int where one is asked for)."""
+    if isinstance(value, bool | str):
+        raise ValueError(f"must be a JSON number, not {printable(json.dumps(value)[:40])}")
+    return value
 
 
 MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
@@ -88,6 +99,7 @@ class Resources(_Input):
     cpu: float = Field(default=0.0, ge=0, le=1024)
     memory_mb: int = Field(default=0, ge=0, le=16 * 1024 * 1024)
     gpu: int = Field(default=0, ge=0, le=64)
+    _numbers = field_validator("cpu", "memory_mb", "gpu", mode="before")(json_number)
 
 
 class TaskSpec(_Input):
@@ -113,10 +125,22 @@ class TaskSpec(_Input):
         description="the longest the task may wait to start: counted from when it last entered "
         "Ready from a waiting state (released, resumed, or after a retry's backoff) until its "
         "attempt starts (Scheduling -> Running); an attempt that comes back to Ready without "
-        "having run does not restart the clock. Past it the task ends Failed, final (no retry)",
+        "having run does not restart the clock (one that failed to launch gets back the time "
+        "it had left). Past it the task ends Failed, final (no retry)",
     )
     # also the attempt's lease: the node's watchdog freezes an attempt not renewed this long
     heartbeat_timeout_s: float = Field(default=30.0, ge=1.0, le=86_400)
+    _numbers = field_validator(
+        "priority",
+        "max_retries",
+        "max_launch_failures",
+        "backoff_base_s",
+        "backoff_cap_s",
+        "timeout_s",
+        "schedule_timeout_s",
+        "heartbeat_timeout_s",
+        mode="before",
+    )(json_number)
     resources: Resources = Field(default_factory=Resources)
     # required node labels; bounded like affinity for new specs (`_selector_bounded`)
     selector: dict[str, str] = Field(default_factory=dict)

@@ -67,6 +67,7 @@ class Dispatcher(Part):
         while not stopping.is_set():
             hub.dispatch.clear()
             hub.new_work.clear()
+            asked = hub.returns_asked
             if hub.unpark.is_set():
                 hub.unpark.clear()
                 await self.queue.unpark()
@@ -75,6 +76,7 @@ class Dispatcher(Part):
                 aside, hub.waiting_aside = hub.waiting_aside, set()  # set again by re-parks
                 for key in sorted(aside):
                     await self.queue.unpark(key)
+            hub.returns_done = asked  # in line now: intake's size() counts them
             # a full batch went out, or what the pass popped was not all placeable work
             # (tasks paused or canceled while in line, members naming no task): there may be
             # more to place right away
@@ -326,7 +328,7 @@ class Dispatcher(Part):
         if kinds["parked"] and nodes is not None and hub.node_changes != nodes:
             # a node changed since the read: the unpark its notification asked for may have
             # run before this park, and nothing else would bring these back
-            hub.unpark.set()
+            hub.ask_unpark()
         aside = [(RESOURCE_KEY, kinds["resource"]), (FENCED_KEY, fenced or [])]
         for key, some in aside:
             if some:

@@ -104,6 +104,11 @@ class Hub:
         # counts the notifications of nodes or the degrade mode changing (and LISTEN coming
         # back): a view of the nodes read before a change is not planned on (ahead.NodeView)
         self.node_changes = 0
+        # parked tasks asked back into line (a node changed, a task ended while some wait
+        # aside), and the asks the dispatch loop has carried out: while one is outstanding,
+        # intake places nothing ahead (a parked task that fits now may be older or higher)
+        self.returns_asked = 0
+        self.returns_done = 0
 
     def work_arrived(self) -> None:
         """Intake, a retry, a release or a parked task's return queued work: dispatch now."""
@@ -127,6 +132,8 @@ class Hub:
                 self.resolve.set()
         if states & FREES_CAPACITY and not self._own_admission(states, payload, listed):
             self.ends += 1
+            if self.waiting_aside:
+                self.returns_asked += 1
             self.unpark_resources.set()
             self.dispatch.set()
         if State.RETRY_WAIT.value in states:
@@ -176,13 +183,22 @@ class Hub:
     def node_notify(self, *_: object) -> None:
         """A node joined or changed: parked tasks may fit now."""
         self.node_changes += 1
-        self.unpark.set()
+        self.ask_unpark()
         self.dispatch.set()
+
+    def ask_unpark(self) -> None:
+        """Parked tasks go back in line at the dispatch loop's next turn."""
+        self.returns_asked += 1
+        self.unpark.set()
+
+    def returns_pending(self) -> bool:
+        """Whether tasks asked back in line may not be there yet (intake: no placing ahead)."""
+        return self.returns_done != self.returns_asked
 
     def missed(self) -> None:
         """After LISTEN came back: anything may have happened meanwhile — look at all of it."""
         self.node_changes += 1
-        self.unpark.set()
+        self.ask_unpark()
         self.unpark_resources.set()
         self.retry.set()
         self.deadlines.set()

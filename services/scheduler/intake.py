@@ -275,7 +275,8 @@ class Intake(Part):
         by the id each was asked for under (a task found by its idempotency key may have
         another).
 
-        When nothing is queued ahead of them, they are placed by the same statement and skip
+        When nothing is queued ahead of them (nor asked back in line: Hub.returns_pending),
+        they are placed by the same statement and skip
         the Redis queue: no older or higher task waits, so the order is the same, and a
         submission reaches its node in one round trip and one commit. The placement is
         planned here on the nodes as read lately, without their locks (services.scheduler.
@@ -296,7 +297,9 @@ class Intake(Part):
         placing: Placing | None = None
         unplaced: dict[UUID, Choice] = {}
         needs: dict[UUID, Need] = {}
-        if not queued:
+        # nothing in line, nor on its way back to it: a parked task that fits since a node
+        # changed is older or higher, and takes the slot first
+        if not queued and not hub.returns_pending():
             placing, unplaced, needs = view.plan(specs, ids, ADMISSION, self.store.node_ttl_s)
         hub.admitting(dict.fromkeys(ids, fsm.walked_version(ADMISSION)))
         admitted = await self.store.tasks.admit_many(specs, ids, ADMISSION, traceparents, placing)

@@ -239,6 +239,13 @@ WITH u AS (
         schedule_deadline = CASE WHEN u.to_status = 'ready'
                                       AND u.from_status NOT IN ({{slot_states}})
                                  THEN now() + make_interval(secs => t.schedule_timeout_s)
+                                 -- a launch failure (Running -> Ready: it never ran) gets back
+                                 -- the time it had left when it started: the clock stops
+                                 -- while an attempt holds a start, and a platform's slow
+                                 -- failure must not fail the task as never started
+                                 WHEN u.to_status = 'ready' AND u.from_status = 'running'
+                                 THEN now() + greatest(t.schedule_deadline - t.started_at,
+                                                       interval '0')
                                  ELSE t.schedule_deadline END,
         started_at = CASE WHEN u.to_status = 'running' THEN now() ELSE t.started_at END,
         hb_at = CASE WHEN u.to_status = 'running' THEN now() ELSE t.hb_at END,
