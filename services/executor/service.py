@@ -138,7 +138,8 @@ class Executor(Service):
         if not keys:
             return 0
         sent_at = time.monotonic()
-        adopted = await self.store.leases.adopt(node.boot_id, keys)
+        # this node's only: the records lie where its tasks may write one naming any attempt
+        adopted = await self.store.leases.adopt(node.boot_id, keys, node.id)
         for task in adopted:
             log.info("%s attempt %d: its executor died; lost", task.id, task.attempt)
             attempt = Attempt(task, None, sent_at)

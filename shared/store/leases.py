@@ -43,13 +43,16 @@ class Leases:
         renewed = {(r["id"], r["attempt"]) for r in rows if r["renewed"]}
         return renewed, {(r["id"], r["attempt"]) for r in rows if not r["renewed"]}
 
-    async def adopt(self, owner: UUID, attempts: Sequence[tuple[UUID, int]]) -> list[Task]:
+    async def adopt(
+        self, owner: UUID, attempts: Sequence[tuple[UUID, int]], node: str | None = None
+    ) -> list[Task]:
         """Take over the leases of these attempts while they are Running (their objects run on
-        without the executor that started them); returns the tasks adopted."""
+        without the executor that started them), only those placed on `node` if one is
+        named; returns the tasks adopted."""
         if not attempts:
             return []
         rows = await self.db.fetch(
-            Q.adopt_leases, owner, *_columns(attempts), self.db.lease_margin_s
+            Q.adopt_leases, owner, *_columns(attempts), self.db.lease_margin_s, node
         )
         return [task(r) for r in rows]
 

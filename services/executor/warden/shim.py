@@ -23,6 +23,7 @@ from services.executor.warden.proctree import (
     prctl,
     signal_,
     start_time,
+    stat,
 )
 from services.executor.warden.wire import decode, receive
 
@@ -215,18 +216,19 @@ class Shim:
                 os.waitpid(info.si_pid, 0)
 
     def _freeze(self) -> None:
-        """SIGSTOP the whole tree: a process forking meanwhile is caught by the next scan,
-        and a stopped process cannot fork, so this ends."""
+        """SIGSTOP the whole tree, scanning again until every process of it is seen stopped:
+        a process forking meanwhile is caught by the next scan, and one that a process not
+        yet stopped continued (SIGCONT) is stopped again; a stopped process can neither fork
+        nor continue another, so this ends once all are stopped at once."""
         self.frozen_at = _now()
         signal_(self.leader, signal.SIGSTOP, group=True)
-        stopped: set[int] = set()
-        for _ in range(100):
-            fresh = [p for p in descendants(os.getpid()) if p not in stopped]
-            if not fresh:
+        for _ in range(FREEZE_SCANS):
+            running = [p for p in descendants(os.getpid()) if _runs(p)]
+            if not running:
                 break
-            for pid in fresh:
+            for pid in running:
                 signal_(pid, signal.SIGSTOP)
-            stopped.update(fresh)
+            time.sleep(0.001)  # a stop is delivered asynchronously: let it land before a look
         self._say("frozen")
 
     def _thaw(self) -> None:
@@ -252,6 +254,15 @@ class Shim:
                 signal_(pid, signal.SIGKILL)
             time.sleep(0.01)
         return done
+
+
+FREEZE_SCANS = 200  # a tree that keeps continuing itself is stopped again, this many times
+
+
+def _runs(pid: int) -> bool:
+    """Whether `pid` is alive and not stopped (T: stopped, t: stopped by a tracer)."""
+    found = stat(pid)
+    return found is not None and found.state not in ("T", "t", "Z", "X")
 
 
 IDLE = b"i"  # shim -> warden: my attempt is over and its tree is gone; send me the next
@@ -353,8 +364,12 @@ def exec_leader(
             os.dup2(null, 0)
             # made anew: whatever an earlier attempt put at this (findable) path — a FIFO
             # whose open would wait forever, a symlink to another file — is not opened
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.unlink(req["log"])
+            except FileNotFoundError:
+                pass
+            except IsADirectoryError:  # a task may plant one at another attempt's log path
+                shutil.rmtree(req["log"], ignore_errors=True)
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
             log = os.open(req["log"], flags, 0o600)
             os.dup2(log, 1)

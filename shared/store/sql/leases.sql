@@ -106,10 +106,12 @@ SELECT (SELECT extract(epoch FROM min(hb_deadline) - now())::float8
 -- name: adopt_leases
 -- An executor ($1: its incarnation) takes over the leases of attempts still Running whose
 -- object it can follow (a Kubernetes Job runs on without the executor that created it): from
--- now on it renews them and reports their outcomes. Returns the tasks adopted.
+-- now on it renews them and reports their outcomes. Returns the tasks adopted. $5, if not
+-- null: only attempts placed on that node (a local executor's records of a dead predecessor
+-- lie in a directory its tasks may write: they must not name another node's attempts).
 WITH u AS (SELECT * FROM unnest($2::uuid[], $3::int[]) AS u(id, attempt)),
 locked AS (
-    {{locked_in_id_order(t.status = 'running' AND t.attempt = u.attempt)}}
+    {{locked_in_id_order(t.status = 'running' AND t.attempt = u.attempt AND ($5::text IS NULL OR t.node = $5::text))}}
 )
 UPDATE tasks t SET
     lease_owner = $1, lease_attempt = t.attempt,
@@ -118,4 +120,5 @@ UPDATE tasks t SET
                            now() + make_interval(secs => t.heartbeat_timeout_s + $4))
 FROM locked u
 WHERE t.id = u.id AND t.status = 'running' AND t.attempt = u.attempt
+  AND ($5::text IS NULL OR t.node = $5::text)
 RETURNING {{task_columns(t.)}}

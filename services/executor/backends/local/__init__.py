@@ -21,10 +21,11 @@ from pydantic_core import to_json
 
 from services.executor.backends import Key, Launch, OneNode, Outcome
 from services.executor.backends.local.env import task_base_env, task_env
+from services.executor.backends.local.exits import exit_text
 from services.executor.backends.local.files import move_or_tail, remove
 from services.executor.backends.local.outputs import prune_logs, tail, with_output
 from services.executor.backends.local.pool import Stopped, WorkerPool
-from services.executor.backends.local.process import Proc, SpawnError, Warden, exit_text
+from services.executor.backends.local.process import Proc, SpawnError, Warden
 from services.executor.backends.local.records import Records
 from services.executor.backends.local.statedir import make_private, write_inputs
 from services.executor.backends.local.worker import describe

@@ -24,3 +24,9 @@ def task_base_env(
 
 def task_env(launch: Launch) -> dict[str, str]:
     return {"SKED_TASK_ID": str(launch.task_id), "SKED_ATTEMPT": str(launch.attempt)}
+
+
+def without_secrets(env: Mapping[str, str]) -> dict[str, str]:
+    """The warden's environment: the executor's, less sked's own settings (tasks can read
+    /proc/<pid>/environ of processes of their own user)."""
+    return {k: v for k, v in env.items() if not k.upper().startswith("SKED_")}

@@ -15,10 +15,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from services.executor.backends.local.env import without_secrets
+from services.executor.backends.local.exits import Exit, exit_text
 from services.executor.warden import proctree, wire
 from services.executor.warden.shim import KILL_ROUNDS_S
 
@@ -32,30 +33,9 @@ WARDEN_START_TIMEOUT_S = 30.0
 SPAWN_ANSWER_S = 20.0
 
 
-@dataclass(frozen=True)
-class Exit:
-    """How a process tree ended: `code` as asyncio gives it (>= 0 exit code, < 0 the signal
-    that killed it, None if unknown) and `how`: exited, stopped, killed, frozen too long,
-    orphaned, terminated, or lost (the shim vanished without a word)."""
-
-    code: int | None
-    how: str
-
-
 class SpawnError(Exception):
     """The process could not be started: no shim answered (`Proc.error` tells why a program
     that was forked did not start: the program is missing, the directory, ...)."""
-
-
-def exit_text(code: int | None) -> str:
-    if code is None:
-        return "no exit status"
-    if code >= 0:
-        return f"exit code {code}"
-    try:
-        return f"killed by {signal.Signals(-code).name}"
-    except ValueError:
-        return f"killed by signal {-code}"
 
 
 # An idle worker's lease is dropped this long before it would run out (Proc.unlease_soon).
@@ -70,15 +50,17 @@ EXIT_EOF_S = 1.0
 # one silent this much longer was stopped by its own task (SIGSTOP to the leader's parent),
 # and the executor kills the tree's group and the shim itself (Proc._force).
 SHIM_ANSWER_S = KILL_ROUNDS_S + 2.0
+LAPSE_ANSWER_S = 0.5  # a shim silent this long past the lease's end is looked at: _lapsed
 
 
 class Proc:
     """One process tree under its shim."""
 
-    def __init__(self, ctl: int, report: int) -> None:
+    def __init__(self, ctl: int, report: int, vanished: Callable[[], None] = lambda: None) -> None:
         loop = asyncio.get_running_loop()
         self._ctl = ctl
         self._report = report
+        self._vanished = vanished  # its shim died without a word: whoever cleans up, wake it
         self._buffer = b""
         self.pid = 0
         self.start_time = 0
@@ -88,6 +70,7 @@ class Proc:
         self.frozen = False
         self._expiry: float | None = None  # the lease's end as the shim was told (monotonic)
         self._unlease: asyncio.TimerHandle | None = None
+        self._lapse: asyncio.TimerHandle | None = None  # the lease's end, watched (_lapsed)
         self._exit: Exit | None = None  # the exit reported, awaiting the report's end
         self._exit_wait: asyncio.TimerHandle | None = None
         self.started: asyncio.Future[None] = loop.create_future()
@@ -103,7 +86,28 @@ class Proc:
         told what is left of it as it is sent."""
         self._cancel_unlease()
         self._send(f"renew {max(until - time.monotonic(), 0.0):.3f}")
+        self.leased(until)
+
+    def leased(self, until: float) -> None:
+        """The shim was told the lease lasts until `until`: watched (`_lapsed`)."""
         self._expiry = until
+        if self._lapse is not None:
+            self._lapse.cancel()
+        delay = max(until - time.monotonic(), 0.0) + LAPSE_ANSWER_S
+        self._lapse = asyncio.get_running_loop().call_later(delay, self._lapsed)
+
+    def _lapsed(self) -> None:
+        """The lease ran out and the shim has not said it froze the tree. A shim found
+        stopped (by its task: SIGSTOP to its parent) never will, and the tree would run on
+        unleased beside the task's next run: it is killed from the executor. One merely slow
+        is looked at again (a renewal may yet thaw what it freezes)."""
+        if self._expiry is None or time.monotonic() < self._expiry or self.frozen:
+            return
+        shim = proctree.stat(self.shim_pid) if self.shim_pid > 0 else None
+        if shim is not None and shim.state in ("T", "t"):
+            self._force("its lease's end")
+        elif not self.ended.done():
+            self._lapse = asyncio.get_running_loop().call_later(LAPSE_ANSWER_S, self._lapsed)
 
     def lease_job(self, until: float) -> None:
         """A handler worker's next job, whose lease lasts until `until` (time.monotonic()).
@@ -124,6 +128,8 @@ class Proc:
         self._cancel_unlease()
         self._send("unlease")
         self._expiry = None
+        if self._lapse is not None:
+            self._lapse.cancel()
 
     def unlease_soon(self) -> None:
         """An idle handler worker: drop its lease shortly before it would freeze it — unless
@@ -154,7 +160,7 @@ class Proc:
         if self._force_at is None and not self.ended.done():
             self._force_at = asyncio.get_running_loop().call_later(delay, self._force)
 
-    def _force(self) -> None:
+    def _force(self, what: str = "a stop") -> None:
         """The shim did not answer a stop or a kill in time: a task can stop its own shim
         (its parent), which then neither kills the tree nor reports. SIGKILL the leader's
         process group, then the shim (which SIGKILL ends even stopped); the report pipe's end
@@ -163,10 +169,11 @@ class Proc:
         if self.ended.done() or self._exit is not None:
             return
         log.warning(
-            "shim %d of process %d did not answer a stop in time (stopped by its task?): "
+            "shim %d of process %d did not answer %s in time (stopped by its task?): "
             "killing them from the executor",
             self.shim_pid,
             self.pid,
+            what,
         )
         for kill, pid in ((os.killpg, self.pid), (os.kill, self.shim_pid)):
             if pid > 0:
@@ -199,6 +206,8 @@ class Proc:
         except OSError:
             data = b""
         if not data:
+            if self._exit is None:  # killed (by its task?): its warden reaps what it left,
+                self._vanished()  # unless that task stopped the warden first
             self._end(self._exit or Exit(None, "lost"))
             return
         self._buffer += data
@@ -240,7 +249,7 @@ class Proc:
 
     def _end(self, result: Exit) -> None:
         self._cancel_unlease()
-        for timer in (self._exit_wait, self._force_at):
+        for timer in (self._exit_wait, self._force_at, self._lapse):
             if timer is not None:
                 timer.cancel()
         loop = asyncio.get_running_loop()
@@ -253,12 +262,6 @@ class Proc:
             self.started.set_exception(SpawnError(why))
         if not self.ended.done():
             self.ended.set_result(result)
-
-
-def _without_secrets(env: Mapping[str, str]) -> dict[str, str]:
-    """The warden's environment: the executor's, less sked's own settings (tasks can read
-    /proc/<pid>/environ of processes of their own user)."""
-    return {k: v for k, v in env.items() if not k.upper().startswith("SKED_")}
 
 
 class Warden:
@@ -282,7 +285,7 @@ class Warden:
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # a terminal's Ctrl-C or Ctrl-Z never reaches it
-                env=_without_secrets(os.environ),
+                env=without_secrets(os.environ),
             )
         finally:
             theirs.close()
@@ -318,7 +321,9 @@ class Warden:
         }
         passed = [ctl_r, report_w, *(pipes or ())]
         try:
-            proc = Proc(ctl_w, report_r)
+            proc = Proc(ctl_w, report_r, self.continue_stopped)
+            if lease_s is not None:
+                proc.leased(time.monotonic() + lease_s)
             body = json.dumps(request).encode()
             async with self._lock:
                 await self._send(wire.frame(body), passed)

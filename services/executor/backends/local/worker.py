@@ -26,6 +26,7 @@ import select
 import shutil
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -35,7 +36,13 @@ from typing import Any
 
 from pydantic_core import from_json
 
-from services.executor.warden.proctree import PR_SET_DUMPABLE, prctl
+from services.executor.warden.proctree import (
+    PR_SET_CHILD_SUBREAPER,
+    PR_SET_DUMPABLE,
+    descendants,
+    prctl,
+    signal_,
+)
 from shared import jsonvalue
 
 READY = b'{"ready": true}\n'
@@ -232,6 +239,8 @@ class Worker:
             sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
             os.dup2(self.quiet, 1)
             os.dup2(self.stderr, 2)
+        if leftovers := _children():  # before the reply: a retry must not run beside them
+            _end(leftovers)
         ran = time.monotonic() - started if started else 0.0
         logged = self._keep_output(job.get("log"))
         # the job's id first: a line naming another job is not this job's reply
@@ -334,6 +343,34 @@ def _failure(error: str, *, show: bool = True) -> bytes:
     return json.dumps({"ok": False, "error": error, "traceback": shown}).encode() + b"\n"
 
 
+def _children() -> list[int]:
+    """The worker's child processes: what the job that just ended started and left running,
+    or left behind once their parents ended (the worker is their subreaper). One file read
+    while the worker has one thread, as it mostly has."""
+    me = os.getpid()
+    tids = os.listdir(f"/proc/{me}/task") if threading.active_count() > 1 else [str(me)]
+    found: list[int] = []
+    for tid in tids:
+        with contextlib.suppress(OSError, ValueError), open(f"/proc/{me}/task/{tid}/children") as f:
+            found += [int(pid) for pid in f.read().split()]
+    return found
+
+
+def _end(children: list[int]) -> None:
+    """Kill what a job left running, each child's whole tree, and reap them: the processes a
+    handler starts end with its attempt, as a command's do (its retry would run beside
+    them). Again while any is left: one may fork as it is killed."""
+    for _ in range(10):
+        doomed = [*children, *(pid for child in children for pid in descendants(child))]
+        for pid in doomed:
+            signal_(pid, signal.SIGKILL)
+        for child in children:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(child, 0)
+        if not (children := _children()):
+            return
+
+
 def _escaped(text: str) -> str:
     """`text` with each lone surrogate written as the text of its escape (`\\udc80`)."""
     return text.encode("utf-8", "backslashreplace").decode()
@@ -344,6 +381,8 @@ def main() -> None:
     # could else open this worker's pipes through /proc/<pid>/fd and forge the replies of
     # other tasks' jobs, or read and inject jobs. Jobs that share a worker share a process.
     prctl(PR_SET_DUMPABLE, 0)
+    # what a job's processes leave when their parents end comes back here, to be ended too
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
     # Handlers import as they would in the executor: from its working directory.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())

@@ -26,8 +26,9 @@ from uuid import uuid4
 from pydantic_core import from_json
 
 from services.executor.backends.local import worker as worker_main
+from services.executor.backends.local.exits import exit_text
 from services.executor.backends.local.files import remove
-from services.executor.backends.local.process import Proc, Warden, exit_text
+from services.executor.backends.local.process import Proc, Warden
 from services.executor.backends.local.records import Records
 from services.executor.backends.local.replies import Replies
 from services.executor.backends.local.worker import READY
