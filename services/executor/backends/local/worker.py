@@ -351,8 +351,13 @@ def _children() -> list[int]:
     tids = os.listdir(f"/proc/{me}/task") if threading.active_count() > 1 else [str(me)]
     found: list[int] = []
     for tid in tids:
-        with contextlib.suppress(OSError, ValueError), open(f"/proc/{me}/task/{tid}/children") as f:
-            found += [int(pid) for pid in f.read().split()]
+        try:  # os.open and read, not open(): a third of the cost, paid by every job
+            fd = os.open(f"/proc/{me}/task/{tid}/children", os.O_RDONLY)
+        except OSError:
+            continue
+        with contextlib.suppress(OSError, ValueError):
+            found += [int(pid) for pid in os.read(fd, 1 << 16).split()]
+        os.close(fd)
     return found
 
 
