@@ -19,14 +19,13 @@ from pydantic import (
     Field,
     JsonValue,
     ValidationError,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from shared.errors import InvalidSpec
 from shared.fsm import State
-from shared.models import NEW, TaskSpec, describe, json_number
+from shared.models import NEW, TaskSpec, describe, json_integer, json_number
 
 MAX_DEPENDENCY_WAIT_S = 366 * 86_400.0  # a dependency's timeout: a year at most
 MAX_CAPACITY = 1_000_000  # a named resource's holders at once
@@ -126,10 +125,10 @@ class WorkflowSpec(BaseModel):
 
     @field_validator("resources", mode="before")
     @classmethod
-    def _capacities(cls, value: Any, info: ValidationInfo) -> Any:
+    def _capacities(cls, value: Any) -> Any:
         if isinstance(value, dict):
             for capacity in value.values():
-                json_number(capacity, info)
+                json_integer(capacity)
         return value
 
     tasks: list[WorkflowTask] = Field(min_length=1, max_length=100_000)

@@ -48,13 +48,19 @@ class _Input(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-def json_number(value: Any, info: ValidationInfo) -> Any:
+def json_number(value: Any) -> Any:
     """A field validator (mode "before") for a number from outside: pydantic's lax mode read
     true as 1 and "2" as 2, so a producer's `"schedule_timeout_s": true` was a task failed for
-    good a second after it was ready. JSON's own types only (an integral 2.0 still reads as an
-    int where one is asked for)."""
+    good a second after it was ready. JSON's own types only."""
     if isinstance(value, bool | str):
         raise ValueError(f"must be a JSON number, not {printable(json.dumps(value)[:40])}")
+    return value
+
+
+def json_integer(value: Any) -> Any:
+    """`json_number` for an integer field (an integral 2.0 still reads as 2)."""
+    if isinstance(value, bool | str):
+        raise ValueError(f"must be a JSON integer, not {printable(json.dumps(value)[:40])}")
     return value
 
 
@@ -99,7 +105,8 @@ class Resources(_Input):
     cpu: float = Field(default=0.0, ge=0, le=1024)
     memory_mb: int = Field(default=0, ge=0, le=16 * 1024 * 1024)
     gpu: int = Field(default=0, ge=0, le=64)
-    _numbers = field_validator("cpu", "memory_mb", "gpu", mode="before")(json_number)
+    _number = field_validator("cpu", mode="before")(json_number)
+    _integers = field_validator("memory_mb", "gpu", mode="before")(json_integer)
 
 
 class TaskSpec(_Input):
@@ -130,10 +137,10 @@ class TaskSpec(_Input):
     )
     # also the attempt's lease: the node's watchdog freezes an attempt not renewed this long
     heartbeat_timeout_s: float = Field(default=30.0, ge=1.0, le=86_400)
+    _integers = field_validator("priority", "max_retries", "max_launch_failures", mode="before")(
+        json_integer
+    )
     _numbers = field_validator(
-        "priority",
-        "max_retries",
-        "max_launch_failures",
         "backoff_base_s",
         "backoff_cap_s",
         "timeout_s",

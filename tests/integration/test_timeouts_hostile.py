@@ -63,6 +63,20 @@ async def test_a_launch_failure_after_a_timely_start_is_failed_as_never_started(
     assert again.status is State.SCHEDULING
 
 
+async def test_a_launch_failure_of_a_task_without_a_schedule_timeout_keeps_none(
+    store: Store,
+) -> None:
+    """The time handed back is the deadline less the start; a task with no deadline must
+    keep none (Postgres's greatest() passes over a NULL: the first cut of the fix above gave
+    every launch failure a deadline of now, and the sweep failed it at once)."""
+    task = await ready(store, max_launch_failures=3)
+    task = await fsm.apply(store.tasks, task, State.SCHEDULING, node="n1")
+    task = await fsm.apply(store.tasks, task, State.RUNNING, lease_owner=str(uuid4()))
+    task = await fsm.apply(store.tasks, task, State.READY, reason="never started")
+    assert task.schedule_deadline is None
+    assert await store.claims.fail_unstarted(10, not_started) == []
+
+
 async def test_a_new_low_priority_task_takes_the_slot_a_parked_higher_one_waited_for(
     store: Store, settings: Settings, redis_url: str
 ) -> None:

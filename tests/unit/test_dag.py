@@ -93,8 +93,8 @@ def test_cycles_are_named(length: int) -> None:
         (wf(cmd("a", {"task": "b", "condition": "sometimes"}), cmd("b")), "condition"),
         # pydantic's lax mode read true as 1 and "2" as 2: JSON numbers only
         (wf(cmd("a", {"task": "b", "timeout_s": True}), cmd("b")), "timeout_s.*JSON number"),
-        (wf(cmd("a", uses=["r"]), resources={"r": "2"}), "resources.*JSON number"),
-        (wf(cmd("a", priority=True)), "priority.*JSON number"),
+        (wf(cmd("a", uses=["r"]), resources={"r": "2"}), "resources.*JSON integer"),
+        (wf(cmd("a", priority=True)), "priority.*JSON integer"),
         # its handler would get `inputs` twice, and fail alike on every retry
         (
             wf(cmd("b"), {"name": "a", "handler": "m:f", "args": {"inputs": 1}, "needs": ["b"]}),

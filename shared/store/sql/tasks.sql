@@ -243,7 +243,10 @@ WITH u AS (
                                  -- the time it had left when it started: the clock stops
                                  -- while an attempt holds a start, and a platform's slow
                                  -- failure must not fail the task as never started
+                                 -- (greatest() passes over a NULL: a task without a
+                                 -- deadline must keep none)
                                  WHEN u.to_status = 'ready' AND u.from_status = 'running'
+                                      AND t.schedule_deadline IS NOT NULL
                                  THEN now() + greatest(t.schedule_deadline - t.started_at,
                                                        interval '0')
                                  ELSE t.schedule_deadline END,
