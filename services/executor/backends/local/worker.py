@@ -344,14 +344,17 @@ def _failure(error: str, *, show: bool = True) -> bytes:
 
 
 def _children() -> list[int]:
-    """The worker's child processes: what the job that just ended started and left running,
-    or left behind once their parents ended (the worker is their subreaper). One file read
-    while the worker has one thread, as it mostly has."""
+    """The worker's children: what the job that ended left running, or left once their
+    parents ended (the worker is their subreaper). None (most jobs): one system call."""
+    try:
+        os.waitpid(-1, os.WNOHANG)  # reaps one that ended, if any: it was the job's
+    except ChildProcessError:
+        return []
     me = os.getpid()
     tids = os.listdir(f"/proc/{me}/task") if threading.active_count() > 1 else [str(me)]
     found: list[int] = []
     for tid in tids:
-        try:  # os.open and read, not open(): a third of the cost, paid by every job
+        try:  # os.open and read, not open(): a third of the cost
             fd = os.open(f"/proc/{me}/task/{tid}/children", os.O_RDONLY)
         except OSError:
             continue
@@ -362,9 +365,8 @@ def _children() -> list[int]:
 
 
 def _end(children: list[int]) -> None:
-    """Kill what a job left running, each child's whole tree, and reap them: the processes a
-    handler starts end with its attempt, as a command's do (its retry would run beside
-    them). Again while any is left: one may fork as it is killed."""
+    """Kill what a job left, each child's whole tree, and reap them: a handler's processes end
+    with its attempt, as a command's do. Again while any is left: one may fork meanwhile."""
     for _ in range(10):
         doomed = [*children, *(pid for child in children for pid in descendants(child))]
         for pid in doomed:
