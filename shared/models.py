@@ -48,20 +48,18 @@ class _Input(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-def json_number(value: Any) -> Any:
+def json_number(value: Any, kind: str = "number") -> Any:
     """A field validator (mode "before") for a number from outside: pydantic's lax mode read
     true as 1 and "2" as 2, so a producer's `"schedule_timeout_s": true` was a task failed for
     good a second after it was ready. JSON's own types only."""
     if isinstance(value, bool | str):
-        raise ValueError(f"must be a JSON number, not {printable(json.dumps(value)[:40])}")
+        raise ValueError(f"must be a JSON {kind}, not {printable(json.dumps(value)[:40])}")
     return value
 
 
 def json_integer(value: Any) -> Any:
     """`json_number` for an integer field (an integral 2.0 still reads as 2)."""
-    if isinstance(value, bool | str):
-        raise ValueError(f"must be a JSON integer, not {printable(json.dumps(value)[:40])}")
-    return value
+    return json_number(value, "integer")
 
 
 MIN_PRIORITY, MAX_PRIORITY = -1000, 1000

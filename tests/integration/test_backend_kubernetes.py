@@ -15,9 +15,8 @@ from typing import Any
 import kmock
 import pytest
 
-from services.executor.backends import Launch, Outcome
+from services.executor.backends import Launch
 from services.executor.backends.kubernetes import KubernetesBackend
-from services.executor.backends.kubernetes.manifest import job_name
 from shared.models import CommandJob, Resources
 from tests.fakes.kube import (
     Evicted,
@@ -30,7 +29,8 @@ from tests.fakes.kube import (
     Unschedulable,
     fake_cluster,
 )
-from tests.fakes.kube_backend import NS, on_cluster
+from tests.fakes.kube_backend import NS, on_cluster, run
+from tests.fakes.kube_backend import job_of as _job
 
 
 @pytest.fixture
@@ -65,21 +65,12 @@ def launch(
     )
 
 
-async def run(backend: KubernetesBackend, what: Launch, timeout: float = 10) -> Outcome:
-    async with asyncio.timeout(timeout):
-        return await backend.run(what)
-
-
 def by_name(cluster: FakeCluster, what: Launch) -> dict[str, Any]:
     return cluster.created_jobs[[_name(j) for j in cluster.created_jobs].index(_job(what))]
 
 
 def _name(job: dict[str, Any]) -> str:
     return str(job["metadata"]["name"])
-
-
-def _job(what: Launch) -> str:
-    return job_name(what.task_id, what.attempt)
 
 
 async def test_the_cluster_nodes_are_offered_as_they_stand(

@@ -17,13 +17,13 @@ import pytest
 from pydantic_core import to_json
 
 import tests.fakes.kube as fakekube
-from services.executor.backends import Launch, Outcome
+from services.executor.backends import Launch
 from services.executor.backends.kubernetes import KubernetesBackend
 from services.executor.backends.kubernetes.kube import KubeError
-from services.executor.backends.kubernetes.manifest import job_name
 from shared.models import CommandJob, Resources
 from tests.fakes.kube import FakeCluster, RunUntilDeleted, Succeed, fake_cluster
-from tests.fakes.kube_backend import NS, on_cluster
+from tests.fakes.kube_backend import NS, on_cluster, run
+from tests.fakes.kube_backend import job_of as _job
 
 INPUTS = "/var/run/sked/inputs.json"
 SECRETS = kmock.resource("v1/secrets")
@@ -53,15 +53,6 @@ def launch(inputs: object = None, attempt: int = 1) -> Launch:
         node="n1",
         resources=Resources(cpu=0.5, memory_mb=256),
     )
-
-
-async def run(backend: KubernetesBackend, what: Launch, timeout: float = 15) -> Outcome:
-    async with asyncio.timeout(timeout):
-        return await backend.run(what)
-
-
-def _job(what: Launch) -> str:
-    return job_name(what.task_id, what.attempt)
 
 
 def echo_inputs(files: dict[str, str]) -> str:

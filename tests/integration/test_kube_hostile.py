@@ -15,13 +15,12 @@ from typing import Any
 
 import pytest
 
-from services.executor.backends import Launch, Outcome
+from services.executor.backends import Launch
 from services.executor.backends.kubernetes import KubernetesBackend
 from services.executor.backends.kubernetes.kube import KubeError
 from services.executor.backends.kubernetes.manifest import (
     JobOptions,
     job_manifest,
-    job_name,
     labels,
 )
 from shared.models import CommandJob, Resources
@@ -35,7 +34,8 @@ from tests.fakes.kube import (
     Succeed,
     fake_cluster,
 )
-from tests.fakes.kube_backend import NS, on_cluster
+from tests.fakes.kube_backend import NS, on_cluster, run
+from tests.fakes.kube_backend import job_of as _job
 
 
 @pytest.fixture
@@ -69,15 +69,6 @@ def launch(
         node="n1",
         resources=Resources(cpu=0.5, memory_mb=256),
     )
-
-
-async def run(backend: KubernetesBackend, what: Launch, timeout: float = 10) -> Outcome:
-    async with asyncio.timeout(timeout):
-        return await backend.run(what)
-
-
-def _job(what: Launch) -> str:
-    return job_name(what.task_id, what.attempt)
 
 
 def _running(cluster: FakeCluster, what: Launch) -> bool:

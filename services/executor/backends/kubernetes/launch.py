@@ -21,6 +21,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 from uuid import UUID
 
+from pydantic_core import to_json
+
 from services.executor.backends import Key, Launch, NodeOffer
 from services.executor.backends.kubernetes.kube import (
     Kube,
@@ -106,8 +108,8 @@ class Launcher:
         node = self.offers().get(launch.node or "")
         if node is None:
             raise LaunchFailed(f"node {launch.node} is not a node of this cluster (any more)")
-        # measured as sked measures them everywhere (dag.MAX_INPUTS_BYTES): compact UTF-8
-        inputs = None if launch.inputs is None else compact(launch.inputs)
+        # measured as sked measures them everywhere (dag.inputs_too_large): compact UTF-8
+        inputs = None if launch.inputs is None else to_json(launch.inputs)
         if inputs is not None and len(inputs) > MAX_SECRET_BYTES:
             raise LaunchFailed(
                 f"the task's inputs are {len(inputs)} bytes of JSON; a Kubernetes Secret, "
@@ -131,7 +133,7 @@ class Launcher:
             )
 
         small = inputs is not None and len(inputs) <= INPUTS_ENV_BYTES
-        variable = {INPUTS_ENV: inputs.decode()} if inputs is not None and small else {}
+        variable = {INPUTS_ENV: inputs.decode()} if small and inputs is not None else {}
         try:
             try:
                 body = manifest({**launch.env, **variable})
@@ -284,11 +286,6 @@ def _refusal(kind: str, body: Mapping[str, Any], exc: KubeError) -> LaunchFailed
             permanent=True,
         )
     return None
-
-
-def compact(value: Any) -> bytes:
-    """JSON as sked stores and measures it: UTF-8, no escapes of what UTF-8 carries, no spaces."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def body_size(body: Mapping[str, Any]) -> int:
