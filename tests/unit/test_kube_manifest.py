@@ -151,6 +151,7 @@ def test_a_message_is_whole_only_under_the_pods_share_of_the_kubelets_budget() -
     assert message_cap(pod_of(3)) == 4096  # 12 KiB / 3
     assert message_cap(pod_of(3, 1)) == 3072  # a mesh's sidecar and its init, and one more
     assert message_cap(None) == 4096
+    assert message_cap({"spec": {"containers": 3, "initContainers": {"x": 1}}}) == 4096
     assert declared_output("7" * 3071, 3072) == (b"7" * 3071, None)
     data, why = declared_output("7" * 3072, 3072)
     assert data == b""

@@ -243,7 +243,8 @@ def message_cap(pod: Mapping[str, Any] | None) -> int:
     webhook added included). A message this long or longer may have been cut."""
     spec = (pod or {}).get("spec") or {}
     kinds = ("containers", "initContainers", "ephemeralContainers")
-    containers = sum(len(spec.get(kind) or []) for kind in kinds)
+    # an API object is read as hostile: a list where one is expected, else nothing counted
+    containers = sum(len(got) for kind in kinds if isinstance(got := spec.get(kind), list))
     return min(MAX_MESSAGE_BYTES, POD_MESSAGE_BYTES // max(1, containers))
 
 
