@@ -1,15 +1,26 @@
 """Seams where observers plug in — tracing and metrics — so that neither is woven into
 the store, the scheduler or the executor. A hook implements the calls it cares about (the
 base class does nothing); `install` adds one; the code at each seam calls the module functions
-below, which cost one empty-list check when nothing is installed."""
+below, which cost one empty-list check when nothing is installed.
+
+An observer's failure is its own: each call is isolated (`_guarded`), logged (throttled: a
+broken exporter fails on every call) and otherwise ignored. A seam runs after a commit or
+around an attempt, so an exception let through would report a committed move as failed, hide
+it from the other hooks, or leave an attempt that never ends.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar
 from uuid import UUID
+
+from shared.errors import one_line
+from shared.throttle import Throttled
 
 if TYPE_CHECKING:
     from shared.fsm import Move
@@ -76,6 +87,20 @@ class Hook:
 
 installed: list[Hook] = []
 
+log = logging.getLogger(__name__)
+_failing = Throttled(log)
+R = TypeVar("R")
+
+
+def _guarded(instead: R, call: Callable[..., R], *args: Any) -> R:
+    """`call(*args)`, a hook's method; `instead` if it raises (logged, throttled)."""
+    try:
+        return call(*args)
+    except Exception as exc:
+        hook = type(getattr(call, "__self__", call)).__name__
+        _failing.warning("hook %s failed (ignored): %s", hook, one_line(exc))
+        return instead
+
 
 def install(hook: Hook) -> None:
     installed.append(hook)
@@ -95,7 +120,7 @@ def transitions(moved: Sequence[tuple[Task, Move]], start_ns: int, end_ns: int) 
         held.append((moved, start_ns, end_ns))
         return
     for hook in installed:
-        hook.transitions(moved, start_ns, end_ns)
+        _guarded(None, hook.transitions, moved, start_ns, end_ns)
 
 
 @contextlib.contextmanager
@@ -115,10 +140,13 @@ def told_on_commit() -> Iterator[None]:
 def received(
     queue: str, task_ids: Sequence[UUID], parents: Sequence[str | None]
 ) -> tuple[list[str | None], list[Any]]:
-    contexts, handles = list(parents), []
+    contexts: list[str | None] = list(parents)
+    handles: list[Any] = []
     for hook in installed:
-        contexts, more = hook.received(queue, task_ids, contexts)
-        handles.extend(more)
+        theirs = _guarded(None, hook.received, queue, task_ids, contexts)
+        if theirs is not None:
+            contexts, more = theirs
+            handles.extend(more)
     return contexts, handles
 
 
@@ -133,7 +161,10 @@ def dispatching(tasks: Sequence[Task]) -> tuple[list[dict[str, Any]], list[Any]]
     headers: list[dict[str, Any]] = [{} for _ in tasks]
     handles: list[Any] = []
     for hook in _overriding("dispatching"):
-        more_headers, more = hook.dispatching(tasks)
+        given = _guarded(None, hook.dispatching, tasks)
+        if given is None:
+            continue
+        more_headers, more = given
         for mine, theirs in zip(headers, more_headers, strict=True):
             mine.update(theirs)
         handles.extend(more)
@@ -143,7 +174,7 @@ def dispatching(tasks: Sequence[Task]) -> tuple[list[dict[str, Any]], list[Any]]
 def finished(handles: Sequence[Any]) -> None:
     if handles:
         for hook in installed:
-            hook.finished(handles)
+            _guarded(None, hook.finished, handles)
 
 
 class _Attempts(Attempt):
@@ -152,7 +183,36 @@ class _Attempts(Attempt):
 
     def ended(self, ok: bool, error: str | None) -> None:
         for part in self.parts:
-            part.ended(ok, error)
+            _guarded(None, part.ended, ok, error)
+
+
+class _Around(contextlib.AbstractContextManager[Attempt]):
+    """One hook's context around an attempt, isolated: a hook that fails to enter it is left
+    out (its part an Attempt that observes nothing); one that fails on leaving it is logged.
+    Never suppresses what the attempt itself raised."""
+
+    def __init__(self, hook: Hook, task: Task, node: str, headers: Mapping[str, Any] | None):
+        self.hook, self.task, self.node, self.headers = hook, task, node, headers
+        self.inner: contextlib.AbstractContextManager[Attempt] | None = None
+
+    def __enter__(self) -> Attempt:
+        return _guarded(Attempt(), self._enter)
+
+    def _enter(self) -> Attempt:
+        inner = self.hook.attempt(self.task, self.node, self.headers)
+        part = inner.__enter__()
+        self.inner = inner
+        return part
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        inner = self.inner
+        if inner is not None:
+            _guarded(None, inner.__exit__, kind, exc, tb)
 
 
 # What an attempt gets with no hook installed: one shared context that does nothing. Building
@@ -177,27 +237,27 @@ def _attempts(
     around: list[Hook], task: Task, node: str, headers: Mapping[str, Any] | None
 ) -> Iterator[Attempt]:
     with contextlib.ExitStack() as stack:
-        yield _Attempts([stack.enter_context(h.attempt(task, node, headers)) for h in around])
+        yield _Attempts([stack.enter_context(_Around(h, task, node, headers)) for h in around])
 
 
 def dispatch_pass(seconds: float, placed: int) -> None:
     for hook in installed:
-        hook.dispatch_pass(seconds, placed)
+        _guarded(None, hook.dispatch_pass, seconds, placed)
 
 
 def heartbeats(result: str, n: int) -> None:
     if n:
         for hook in installed:
-            hook.heartbeats(result, n)
+            _guarded(None, hook.heartbeats, result, n)
 
 
 def refused(n: int) -> None:
     if n:
         for hook in installed:
-            hook.refused(n)
+            _guarded(None, hook.refused, n)
 
 
 def purged(n: int) -> None:
     if n:
         for hook in installed:
-            hook.purged(n)
+            _guarded(None, hook.purged, n)

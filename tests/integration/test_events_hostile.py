@@ -32,6 +32,7 @@ from shared.settings import Settings
 from shared.store import Store
 from shared.wiring import backends
 from tests import alertmanager
+from tests.integration.pipeline import pipeline
 
 
 @pytest.fixture
@@ -323,33 +324,13 @@ async def test_span_attributes_from_an_attempts_error_are_bounded(
     sets it as `sked.error` on the attempt's span unclipped (OpenTelemetry has no attribute
     length limit by default): every such attempt exports a 130 KB span, up to the message
     size limit (1 MiB) a task spec may fill."""
-    from services.executor.backends.local import LocalBackend
-    from services.executor.service import Executor
-    from shared.client import SkedClient
-
-    node_settings = settings.model_copy(update={"node_id": "traced", "slots": 1})
     # under the 128 KiB a submission may give one argument (shared/execlimits.py)
     program = "/nonexistent/" + "x" * 130_000
-    async with backends(settings) as s, backends(node_settings) as e:
-        scheduler = Scheduler(settings, s.store, s.bus, s.ready_queue)
-        executor = Executor(node_settings, e.store, e.bus, LocalBackend(1, tmp_path), e.ready_queue)
-        running = [asyncio.create_task(scheduler.run()), asyncio.create_task(executor.run())]
-        try:
-            await asyncio.wait_for(scheduler.ready.wait(), 30)
-            await asyncio.wait_for(executor.ready.wait(), 30)
-            async with SkedClient(settings) as client:
-                task_id = await client.submit(
-                    {
-                        "name": "long-argv",
-                        "job": {"kind": "command", "argv": [program]},
-                        "max_retries": 0,
-                    }
-                )
-                task = await client.wait(task_id, timeout=30)
-        finally:
-            scheduler.stop()
-            executor.stop()
-            await asyncio.wait_for(asyncio.gather(*running), 30)
+    async with pipeline(settings, tmp_path, "traced") as (_, client):
+        task_id = await client.submit(
+            {"name": "long-argv", "job": {"kind": "command", "argv": [program]}, "max_retries": 0}
+        )
+        task = await client.wait(task_id, timeout=30)
     assert task.status is State.FAILED
     assert task.error is not None
     assert len(task.error) <= 2000  # the stored error is clipped

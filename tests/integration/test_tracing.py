@@ -6,20 +6,15 @@ executor's worker processes are real) so that one exporter sees every span.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from services.executor.backends.local import LocalBackend
-from services.executor.service import Executor
-from services.scheduler.service import Scheduler
-from shared.client import SkedClient
 from shared.fsm import State
 from shared.settings import Settings
-from shared.wiring import backends
+from tests.integration.pipeline import pipeline
 
 
 def trace_of(task_traceparent: str | None) -> int:
@@ -30,25 +25,13 @@ def trace_of(task_traceparent: str | None) -> int:
 async def test_one_trace_holds_producer_scheduler_and_executor_spans_in_order(
     settings: Settings, spans: InMemorySpanExporter, tmp_path: Path
 ) -> None:
-    node_settings = settings.model_copy(update={"node_id": "traced", "slots": 1})
-    async with backends(settings) as s, backends(node_settings) as e:
-        # the dispatch message waits long enough to be surely needless (follow.py)
-        followed = settings.model_copy(update={"dispatch_follow_s": 5.0})
-        scheduler = Scheduler(followed, s.store, s.bus, s.ready_queue)
-        executor = Executor(node_settings, e.store, e.bus, LocalBackend(1, tmp_path), e.ready_queue)
-        running = [asyncio.create_task(scheduler.run()), asyncio.create_task(executor.run())]
-        try:
-            await asyncio.wait_for(scheduler.ready.wait(), 30)
-            await asyncio.wait_for(executor.ready.wait(), 30)
-            async with SkedClient(settings) as client:
-                task_id = await client.submit(
-                    {"name": "traced", "job": {"kind": "handler", "handler": "tests.e2e.jobs:noop"}}
-                )
-                task = await client.wait(task_id, timeout=30)
-        finally:
-            scheduler.stop()
-            executor.stop()
-            await asyncio.wait_for(asyncio.gather(*running), 30)
+    # the dispatch message waits long enough to be surely needless (follow.py)
+    followed = settings.model_copy(update={"dispatch_follow_s": 5.0})
+    async with pipeline(settings, tmp_path, "traced", followed) as (_, client):
+        task_id = await client.submit(
+            {"name": "traced", "job": {"kind": "handler", "handler": "tests.e2e.jobs:noop"}}
+        )
+        task = await client.wait(task_id, timeout=30)
     assert task.status is State.SUCCESS
 
     trace_id = trace_of(task.traceparent)
