@@ -19,9 +19,14 @@ _EXEC_MARGIN = 64 * 2**10
 
 def check_exec_size(argv: Sequence[str], env: Mapping[str, str]) -> None:
     """Raise ValueError, naming the size and the limit, when a command or its environment is
-    more than execve() takes: it would fail to start every time ("argument list too long").
+    more than execve() takes: it would fail to start every time ("argument list too long");
+    and, naming it, for an environment variable's name no process can get (empty, or with "=").
     Counted in bytes as the process gets them; what the runner adds comes on top, so the total
     is kept below ARG_MAX by a margin."""
+    for name in env:
+        if not name or "=" in name:
+            # execve() splits each string at its first "=": no process can get this name
+            raise ValueError(f"environment variable name {name!r} is not one a process can get")
     total = 0
     for what, text in [("argument", a) for a in argv] + [
         (f"environment variable {k}", f"{k}={v}") for k, v in env.items()

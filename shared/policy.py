@@ -1,6 +1,13 @@
 """Which jobs a deployment runs at all (pure): an optional allowlist of handler modules and
 command programs. Whoever can publish to `sked.tasks` can run code on the executors; these
 lists narrow what that code may be (README, "Trust model"). Empty lists allow everything.
+
+Where the command list narrows what runs, a job's own environment may not name a variable that
+makes an allowed program run code the job chose without any file planted: the dynamic
+loader's (`LD_PRELOAD`), a shell's start-up file and exported functions (`BASH_ENV`,
+`BASH_FUNC_f%%`), interpreters' options and paths, and the `PATH` an allowed script's own
+commands are found by. (A list of names, not a parser of each program's options: an operator
+who allows a program that reads code from some other variable must know it.)
 """
 
 from __future__ import annotations
@@ -10,6 +17,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from shared.models import CommandJob, HandlerJob
+
+CODE_VARS = frozenset(
+    {
+        *("PATH", "IFS", "ENV", "BASH_ENV", "SHELLOPTS", "BASHOPTS", "PS4", "PROMPT_COMMAND"),
+        *("GCONV_PATH", "LOCPATH", "NLSPATH", "HOSTALIASES", "RESOLV_HOST_CONF", "MALLOC_TRACE"),
+        *("JAVA_TOOL_OPTIONS", "_JAVA_OPTIONS", "JDK_JAVA_OPTIONS", "CLASSPATH"),
+        *("NODE_OPTIONS", "NODE_PATH", "RUBYOPT", "RUBYLIB", "PERL5OPT", "PERL5LIB", "PERLLIB"),
+        *("LUA_INIT", "LUA_PATH", "LUA_CPATH", "TCLLIBPATH", "GIT_SSH_COMMAND", "GIT_EXEC_PATH"),
+    }
+)
+CODE_PREFIXES = ("LD_", "BASH_FUNC_", "PYTHON", "DYLD_", "LUA_INIT_", "GIT_CONFIG")
 
 
 @dataclass(frozen=True)
@@ -36,6 +54,12 @@ class JobPolicy:
             )
         if not self.commands:
             return None
+        code = sorted(k for k in job.env if k in CODE_VARS or k.startswith(CODE_PREFIXES))
+        if code:
+            return (
+                f"environment variable {code[0]} is not allowed here: it could make an allowed "
+                "program run other code (SKED_ALLOWED_COMMANDS narrows what runs)"
+            )
         program = job.argv[0]
         # a directory allows the programs below it by their path's prefix, so only a path
         # already normal is judged by it: "/opt/jobs/../../bin/sh" starts with "/opt/jobs/"

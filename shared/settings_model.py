@@ -296,6 +296,18 @@ class Settings(BaseSettings):
         items = value if isinstance(value, list) else str(value or "").split(",")
         return [str(v).strip() for v in items if str(v).strip()]
 
+    @field_validator("allowed_commands")
+    @classmethod
+    def _programs(cls, value: list[str]) -> list[str]:
+        # a bare name would be looked up in whatever PATH the job sets: "rsync" allows any
+        # program named so, anywhere
+        bare = [v for v in value if not v.startswith("/")]
+        if bare:
+            raise ValueError(
+                f"must be absolute paths (a program, or a directory ending in /): {bare[0]!r}"
+            )
+        return value
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _level(cls, value: Any) -> Any:
