@@ -57,6 +57,14 @@ class ApiRefused(SkedError):
     """The API refused the token (401: none, unknown or revoked; 403: its role is too low)."""
 
 
+FIRST_LOOK_S = 1.0  # what a wait with no time left has for its one round of asking
+
+
+class ApiUnavailable(SkedError):
+    """The API did not answer, or answered that it cannot now (502, 503, 504): a wait
+    polls on through it, as SkedClient's does through a brief loss of Postgres."""
+
+
 ERRORS: dict[int, type[SkedError]] = {
     400: InvalidSpec,
     401: ApiRefused,
@@ -64,6 +72,9 @@ ERRORS: dict[int, type[SkedError]] = {
     404: NotFound,
     409: NotAllowed,
     410: Purged,
+    502: ApiUnavailable,
+    503: ApiUnavailable,
+    504: ApiUnavailable,
 }
 
 
@@ -123,7 +134,7 @@ class ApiClient:
                     if len(raw) > MAX_ANSWER_BYTES:
                         break
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            raise SkedError(f"the API at {masked(self.url)} did not answer: {exc}") from None
+            raise ApiUnavailable(f"the API at {masked(self.url)} did not answer: {exc}") from None
         if len(raw) > MAX_ANSWER_BYTES:
             raise SkedError(f"the API answered {path} with over {MAX_ANSWER_BYTES} bytes")
         text = raw.decode("utf-8", "replace")
@@ -166,9 +177,13 @@ class ApiClient:
         return await self._get(task_id)
 
     async def _get(self, task_id: UUID | str, timeout: float | None = None) -> Task:
-        path = f"/v1/tasks/{ident_of(task_id)}"
+        asked = ident_of(task_id)
+        path = f"/v1/tasks/{asked}"
         answer = await self.call("GET", path, timeout=timeout)
-        return read_answer(path, lambda: task_of(answer))
+        task = read_answer(path, lambda: task_of(answer))
+        if task.id != asked:  # a misrouting proxy or cache, or a hostile server
+            raise SkedError(f"the API answered {path} about another task ({task.id})")
+        return task
 
     async def tasks(
         self,
@@ -298,18 +313,25 @@ class ApiClient:
     async def wait_all(
         self, task_ids: Iterable[UUID | str], timeout: float | None = None
     ) -> dict[UUID, Task]:
-        """Poll until every task is terminal. A task not yet admitted counts as pending. Each
-        request is bounded by what is left of the timeout: a slow server ends the wait on
-        time, as WaitTimeout."""
+        """Poll until every task is terminal. A task not yet admitted counts as pending, and an
+        API that cannot answer now (ApiUnavailable) is asked again. Each request is bounded
+        by what is left of the timeout: a slow server ends the wait on time, as WaitTimeout;
+        but with a timeout of 0 or less the first round of asking has FIRST_LOOK_S, so that
+        it still reads a finished task, as SkedClient's does."""
         if isinstance(task_ids, str | bytes | UUID):
             raise InvalidSpec("wait_all takes a collection of task ids, not one id")
         pending = {ident_of(i) for i in task_ids}
         done: dict[UUID, Task] = {}
         deadline = deadline_of(timeout)
         pause = POLL_S[0]
+        first = True
+        # a timeout of 0 (or less) still reads each task once, as SkedClient's wait does
+        look = FIRST_LOOK_S if timeout is not None and timeout <= 0 else 0.0
+        first_until = None if deadline is None else max(deadline, time.monotonic()) + look
         while True:
             for task_id in sorted(pending):
-                left = None if deadline is None else deadline - time.monotonic()
+                until = first_until if first else deadline
+                left = None if until is None else until - time.monotonic()
                 if left is not None and left <= 0:
                     break
                 try:
@@ -318,8 +340,8 @@ class ApiClient:
                     )
                 except Purged:
                     raise
-                except NotFound:
-                    continue  # its submission is still on its way
+                except (NotFound, ApiUnavailable):
+                    continue  # its submission is still on its way; the API is back soon
                 except SkedError:
                     if deadline is not None and time.monotonic() >= deadline:
                         break  # the request ran into the deadline: the wait is over
@@ -327,6 +349,7 @@ class ApiClient:
                 if fsm.is_terminal(task.status, fsm.has_retry_left(task)):
                     done[task_id] = task
                     pending.discard(task_id)
+            first = False
             if not pending:
                 return done
             if deadline is not None and time.monotonic() >= deadline:

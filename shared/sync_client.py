@@ -11,6 +11,7 @@ a private loop.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
@@ -25,12 +26,20 @@ T = TypeVar("T")
 
 
 class SyncSkedClient:
-    """The same calls for code without an event loop: each runs on a private loop."""
+    """The same calls for code without an event loop: each runs on a private loop
+    (asyncio.Runner: Ctrl-C cancels the call, and closing cancels what is left, so that no
+    connection is cut off mid-way). Threads may share one client: its calls take turns, and
+    `close()` from another thread ends a call in progress. A client does not cross a fork:
+    the child shares its connections with the parent, so there it refuses every call, and
+    closing it leaves them to the parent."""
 
     def __init__(self, settings: Settings | None = None) -> None:
-        self._loop = asyncio.new_event_loop()
+        self._runner: asyncio.Runner | None = asyncio.Runner()
         self._client = SkedClient(settings)
         self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._closed = False
+        self._call: asyncio.Task[Any] | None = None  # the call in progress, for close()
 
     def submit(self, spec: TaskSpec | dict[str, Any]) -> UUID:
         return self._run(self._client.submit(spec))
@@ -87,23 +96,59 @@ class SyncSkedClient:
         return self._run(self._client.wait_all(task_ids, timeout))
 
     def close(self) -> None:
-        """Close the client and its loop; closing again does nothing."""
+        """Close the client and its loop, ending a call another thread has in progress (it
+        raises SkedError); closing again does nothing."""
+        self._closed = True
+        if self._pid != os.getpid():
+            return  # a forked child's copy: the connections are the parent's to close
+        call = self._call
+        if call is not None:
+            call.get_loop().call_soon_threadsafe(call.cancel)
         with self._lock:
-            if self._loop.is_closed():
+            runner, self._runner = self._runner, None
+            if runner is None:
                 return
             try:
-                self._loop.run_until_complete(self._client.close())
+                runner.run(self._client.close())
             finally:
-                self._loop.close()
+                runner.close()
 
     def _run(self, call: Coroutine[Any, Any, T]) -> T:
         """One call, to its end, on the private loop: one at a time (two threads sharing the
         client take turns; a loop runs one call at once), never after close."""
+        why = self._unusable()
+        if why is not None:
+            call.close()
+            raise SkedError(why)
         with self._lock:
-            if self._loop.is_closed():
+            runner = self._runner
+            if runner is None or self._closed:
                 call.close()
                 raise SkedError("the client is closed")
-            return self._loop.run_until_complete(call)
+            try:
+                return runner.run(self._tracked(call))
+            except asyncio.CancelledError:
+                if self._closed:
+                    raise SkedError("the client is closed") from None
+                raise
+            finally:
+                self._call = None
+
+    async def _tracked(self, call: Coroutine[Any, Any, T]) -> T:
+        self._call = asyncio.current_task()
+        if self._closed:  # close() came before the call could be seen: it cancels nothing
+            call.close()
+            raise SkedError("the client is closed")
+        return await call
+
+    def _unusable(self) -> str | None:
+        if self._pid != os.getpid():
+            return "this SyncSkedClient was made before a fork: make one in this process"
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return None
+        return "SyncSkedClient is for code without an event loop: in a coroutine, use SkedClient"
 
     def __enter__(self) -> SyncSkedClient:
         return self
