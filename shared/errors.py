@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 
@@ -76,3 +77,34 @@ def one_line(exc: BaseException) -> str:
     """`ValueError: bad`, on one line: for reasons that go into events, logs and headers."""
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+# The servers' refusals, looked up in sys.modules: only code that used a server's client
+# library can have raised its errors, and the CLI imports none it does not need.
+
+
+def postgres_said(exc: BaseException) -> str | None:
+    """What Postgres answered, when `exc` is its refusal through asyncpg (no such database, no
+    such table: not migrated, not allowed) or the connection it closed. asyncpg's other
+    errors are misuse, a bug: their traceback stays."""
+    asyncpg = sys.modules.get("asyncpg")
+    if asyncpg is not None and isinstance(exc, asyncpg.ClientConfigurationError):
+        return f"the URL is not one asyncpg takes: {exc}"  # sslmode=bogus: the operator's input
+    if asyncpg is None or not isinstance(exc, asyncpg.PostgresError):  # closed ones are too
+        return None
+    return postgres_refused(str(exc), getattr(exc, "sqlstate", None))
+
+
+def rabbitmq_said(exc: BaseException) -> str | None:
+    """What RabbitMQ's refusal means, when `exc` is one. A connection it closes as it opens
+    (no such vhost, a user not allowed on it) reaches aiormq as a frame it did not expect,
+    which says nothing of why."""
+    aiormq = sys.modules.get("aiormq")
+    if aiormq is None or not isinstance(exc, aiormq.exceptions.AMQPError):
+        return None
+    if isinstance(exc, aiormq.exceptions.InvalidFrameError) and "Connection.Close" in str(exc):
+        return (
+            "it closed the connection as it opened: is the vhost in SKED_RABBITMQ_URL there, "
+            "and may its user use it?"
+        )
+    return str(exc) or type(exc).__name__

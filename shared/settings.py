@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 from shared.lazy import exports
 
 if TYPE_CHECKING:
+    from pydantic import ValidationError
+
     from shared.settings_model import WEAK_SECRET as WEAK_SECRET
     from shared.settings_model import Settings as Settings
     from shared.settings_model import parse_labels as parse_labels
@@ -34,6 +36,7 @@ __all__ = [
     "Settings",
     "parse_labels",
     "quick",
+    "refusals",
     "url_problem",
 ]
 
@@ -43,10 +46,11 @@ def quick(name: str) -> str | None:
     name matched without regard to case, as `Settings` matches it. Only for a read path that
     must start fast; everything else reads `Settings`."""
     wanted = PREFIX + name.upper()
-    for key, value in os.environ.items():
+    found = None
+    for key, value in os.environ.items():  # the last match, as pydantic-settings keeps it
         if key.upper() == wanted:
-            return value
-    return None
+            found = value
+    return found
 
 
 def url_problem(value: str, schemes: Sequence[str]) -> str | None:
@@ -72,3 +76,14 @@ def url_problem(value: str, schemes: Sequence[str]) -> str | None:
 __getattr__ = exports(
     __name__, dict.fromkeys(("Settings", "WEAK_SECRET", "parse_labels"), "shared.settings_model")
 )
+
+
+def refusals(exc: ValidationError) -> str:
+    """Each refused variable by its name and why, without its value: one line each."""
+    lines = []
+    for error in exc.errors(include_input=False, include_url=False):
+        loc = error.get("loc") or ()
+        where = f"{PREFIX}{str(loc[0]).upper()}: " if loc else ""
+        why = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+        lines.append(f"{where}{why}")
+    return "invalid settings: " + "; ".join(lines)

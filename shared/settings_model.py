@@ -14,7 +14,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from shared.backlog import ROUNDS
 from shared.errors import InvalidSettings
-from shared.settings import DATABASE_SCHEMES, DEFAULT_DATABASE_URL, PREFIX, url_problem
+from shared.settings import DATABASE_SCHEMES, DEFAULT_DATABASE_URL, PREFIX, refusals, url_problem
 
 
 def _total_memory_mb() -> int:
@@ -113,8 +113,8 @@ class Settings(BaseSettings):
     aging_s: float = Field(default=5.0, ge=0, description="waiting this long = +1 priority")
     max_message_bytes: int = Field(default=1024 * 1024, ge=1024)
     # sked.dead's bounds, set when it is first declared: past either the oldest go (shared.bus)
-    dead_max_messages: int = Field(default=100_000, ge=1)
-    dead_max_bytes: int = Field(default=1024**3, ge=1024)
+    dead_max_messages: int = Field(default=100_000, ge=1, le=2**63 - 1)  # an AMQP long
+    dead_max_bytes: int = Field(default=1024**3, ge=1024, le=2**63 - 1)
     submit_batch: int = Field(default=500, ge=1, le=10_000)
     dispatch_batch: int = Field(default=500, ge=1, le=10_000)
     reconcile_s: float = Field(
@@ -250,7 +250,7 @@ class Settings(BaseSettings):
     k8s_node_selector: str = ""
     k8s_tolerations: Annotated[list[dict[str, Any]], NoDecode] = Field(default_factory=list)
     k8s_image_pull_secrets: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    k8s_job_ttl_s: int = Field(default=3600, ge=0)
+    k8s_job_ttl_s: int = Field(default=3600, ge=0, le=2**31 - 1)  # the Job's int32
     # A pod that has not started its container this long after its Job was created (image
     # pull back-off, unschedulable) is a launch failure: the task goes back to Ready.
     k8s_start_budget_s: float = Field(default=300.0, gt=0)
@@ -282,7 +282,10 @@ class Settings(BaseSettings):
         if isinstance(value, list):
             return value
         text = str(value or "").strip()
-        return json.loads(text) if text else []
+        try:
+            return json.loads(text) if text else []
+        except RecursionError:
+            raise ValueError("nested too deeply") from None
 
     @field_validator(
         "task_env_pass",
@@ -295,6 +298,14 @@ class Settings(BaseSettings):
     def _names(cls, value: Any) -> list[str]:
         items = value if isinstance(value, list) else str(value or "").split(",")
         return [str(v).strip() for v in items if str(v).strip()]
+
+    @field_validator("monitor_host", "api_host", "metrics_host", "state_dir", mode="before")
+    @classmethod
+    def _not_blank(cls, value: Any) -> Any:
+        # a blank host is every interface to aiohttp, and a blank directory the current one
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("is set but blank: unset it for its default")
+        return value
 
     @field_validator("allowed_commands")
     @classmethod
@@ -376,20 +387,9 @@ class Settings(BaseSettings):
     def require_heartbeat_secret(self) -> str:
         """The heartbeat secret, or a clear error: a guessable secret would let anyone forge
         heartbeats, so services that sign or check them do not start without a real one."""
-        if len(self.heartbeat_secret) < 16 or self.heartbeat_secret == WEAK_SECRET:
+        if len(self.heartbeat_secret.strip()) < 16 or self.heartbeat_secret == WEAK_SECRET:
             raise ValueError(
                 "SKED_HEARTBEAT_SECRET must be set to a secret of at least 16 characters "
                 "(e.g. `openssl rand -hex 32`); `sked dev` makes one for you"
             )
         return self.heartbeat_secret
-
-
-def refusals(exc: ValidationError) -> str:
-    """Each refused variable by its name and why, without its value: one line each."""
-    lines = []
-    for error in exc.errors(include_input=False, include_url=False):
-        loc = error.get("loc") or ()
-        where = f"{PREFIX}{str(loc[0]).upper()}: " if loc else ""
-        why = str(error.get("msg", "invalid")).removeprefix("Value error, ")
-        lines.append(f"{where}{why}")
-    return "invalid settings: " + "; ".join(lines)

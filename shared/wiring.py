@@ -2,22 +2,60 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import asyncpg
 from redis.asyncio import Redis
+from redis.exceptions import AuthenticationError, RedisError
+from redis.exceptions import ConnectionError as RedisDown
 
 from shared import metrics, queues
 from shared.bus import AmqpBus
-from shared.errors import SkedError
+from shared.errors import SkedError, postgres_said, rabbitmq_said
 from shared.queues import ReadyQueue
 from shared.runtime import Service, serve
 from shared.settings import Settings
 from shared.store import Store
 from shared.store.migrate import require_migrated
+
+CONNECT_S = 10.0  # the longest a service's start waits for a server's first answer
+
+
+def where(url: str) -> str:
+    """host:port of a server's URL, never its password."""
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname or "localhost", parts.port
+    except ValueError:  # (Settings refuses such a URL; a caller may not have read it so)
+        return "(its URL)"
+    return f"{host}:{port}" if port else host
+
+
+@asynccontextmanager
+async def starting(server: str, url: str) -> AsyncIterator[None]:
+    """Around a server's first connect at a service's start: its refusal, or its silence past
+    CONNECT_S, as one line naming it (SkedError; run_main logs it and exits 1 for the
+    supervisor to restart) instead of a traceback through its client library, or a wait
+    without end on a port that accepts and never answers."""
+    try:
+        async with asyncio.timeout(CONNECT_S):
+            yield
+    except SkedError:
+        raise
+    except TimeoutError:
+        raise SkedError(f"{server} at {where(url)} did not answer within {CONNECT_S:g} s") from None
+    except Exception as exc:
+        said = postgres_said(exc) or rabbitmq_said(exc)
+        if said is None and isinstance(exc, OSError):  # refused, unresolvable
+            said = str(exc) or type(exc).__name__
+        if said is None:
+            raise
+        raise SkedError(f"{server} at {where(url)}: {said}") from None
 
 
 @dataclass(frozen=True)
@@ -37,12 +75,13 @@ async def connect_store(settings: Settings, size: int | None = None) -> Store:
     is not there or whose schema is older than this code: it would answer every request with a
     missing table (services start beside `sked migrate`, and their supervisor restarts them)."""
     try:
-        store = await Store.connect(
-            settings.database_url,
-            size or settings.db_pool_size,
-            settings.lease_margin_s,
-            settings.node_ttl_s,
-        )
+        async with starting("Postgres", settings.database_url):
+            store = await Store.connect(
+                settings.database_url,
+                size or settings.db_pool_size,
+                settings.lease_margin_s,
+                settings.node_ttl_s,
+            )
     except asyncpg.InvalidCatalogNameError as exc:
         raise SkedError(f"Postgres: {exc}: run `sked migrate` (it creates it)") from None
     try:
@@ -60,12 +99,29 @@ async def backends(settings: Settings) -> AsyncIterator[Backends]:
     redis = queues.connect(settings.redis_url)
     bus = AmqpBus(settings.rabbitmq_url, settings.dead_max)
     try:
-        await bus.connect()
+        await _refused_by_redis(redis, settings.redis_url)
+        async with starting("RabbitMQ", settings.rabbitmq_url):
+            await bus.connect()
         yield Backends(settings, store, redis, bus)
     finally:
         await bus.close()
         await redis.aclose()
         await store.close()
+
+
+async def _refused_by_redis(redis: Redis, url: str) -> None:
+    """Redis refusing this service (a database index it does not have, a wrong password) is
+    a mistake in its settings; Redis down or silent is an outage the services ride out
+    (shared/degrade.py), so only a refusal stops the start."""
+    try:
+        async with asyncio.timeout(CONNECT_S):
+            await redis.ping()
+    except AuthenticationError as exc:  # (a ConnectionError to redis-py)
+        raise SkedError(f"Redis at {where(url)}: {exc}") from None
+    except (RedisDown, TimeoutError, OSError):
+        return
+    except RedisError as exc:
+        raise SkedError(f"Redis at {where(url)}: {exc}") from None
 
 
 def serving(

@@ -18,7 +18,7 @@ from typing import Any
 
 from services.cli import degrade, nodes, tokens
 from services.cli.output import seconds
-from shared.errors import NotAllowed, SkedError, postgres_refused
+from shared.errors import NotAllowed, SkedError, postgres_said, rabbitmq_said
 from shared.redact import masked, printable
 
 # `sked service NAME`: the module whose run(argv) is that service's main.
@@ -244,34 +244,6 @@ def _not_allowed(exc: SkedError) -> bool:
     return isinstance(exc, NotAllowed)
 
 
-def _postgres_said(exc: Exception) -> str | None:
-    """What Postgres answered, when `exc` is its refusal through asyncpg (no such database, no
-    such table: not migrated, not allowed) or the connection it closed. Looked up like
-    _not_allowed: only a command that used asyncpg can have raised one. asyncpg's other
-    errors are misuse, a bug: their traceback stays."""
-    asyncpg = sys.modules.get("asyncpg")
-    if asyncpg is not None and isinstance(exc, asyncpg.ClientConfigurationError):
-        return f"the URL is not one asyncpg takes: {exc}"  # sslmode=bogus: the operator's input
-    if asyncpg is None or not isinstance(exc, asyncpg.PostgresError):  # closed ones are too
-        return None
-    return postgres_refused(str(exc), getattr(exc, "sqlstate", None))
-
-
-def _rabbitmq_said(exc: Exception) -> str | None:
-    """What RabbitMQ's refusal means, when `exc` is one (looked up like _not_allowed). A
-    connection it closes as it opens (no such vhost, a user not allowed on it) reaches aiormq
-    as a frame it did not expect, which says nothing of why."""
-    aiormq = sys.modules.get("aiormq")
-    if aiormq is None or not isinstance(exc, aiormq.exceptions.AMQPError):
-        return None
-    if isinstance(exc, aiormq.exceptions.InvalidFrameError) and "Connection.Close" in str(exc):
-        return (
-            "it closed the connection as it opened: is the vhost in SKED_RABBITMQ_URL there, "
-            "and may its user use it?"
-        )
-    return str(exc) or type(exc).__name__
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     func: Command = args.func
@@ -287,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sked: {printable(masked(said))}", file=sys.stderr)
         return 2
     except Exception as exc:
-        postgres, rabbitmq = _postgres_said(exc), _rabbitmq_said(exc)
+        postgres, rabbitmq = postgres_said(exc), rabbitmq_said(exc)
         if postgres is None and rabbitmq is None:
             print(masked(traceback.format_exc()), end="", file=sys.stderr)
             return 2

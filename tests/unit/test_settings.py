@@ -66,3 +66,30 @@ def test_a_loop_period_at_the_floor_is_taken(name: str, monkeypatch: pytest.Monk
     if name == "node_heartbeat_s":
         monkeypatch.setenv("SKED_NODE_TTL_S", "1")
     assert getattr(Settings(), name) == 0.01
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("SKED_API_HOST", ""),  # aiohttp would listen on every interface
+        ("SKED_MONITOR_HOST", "  "),
+        ("SKED_METRICS_HOST", ""),
+        ("SKED_STATE_DIR", ""),  # Path("") is the working directory
+        ("SKED_DEAD_MAX_MESSAGES", str(2**63)),  # past what an AMQP table holds
+        ("SKED_DEAD_MAX_BYTES", str(2**63)),
+        ("SKED_K8S_JOB_TTL_S", str(2**31)),  # a Job's ttlSecondsAfterFinished is int32
+        ("SKED_K8S_TOLERATIONS", "[" * 100_000 + "]" * 100_000),  # RecursionError in json
+    ],
+)
+def test_a_setting_that_would_break_a_service_later_is_refused_naming_it(
+    name: str, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(InvalidSettings, match=name):
+        Settings()
+
+
+def test_a_heartbeat_secret_of_blanks_is_not_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SKED_HEARTBEAT_SECRET", " " * 16)
+    with pytest.raises(ValueError, match="SKED_HEARTBEAT_SECRET"):
+        Settings().require_heartbeat_secret()
