@@ -202,6 +202,16 @@ class ReadyQueue:
         return int(await self.redis.zcard(READY_KEY))
 
     @_repairing
+    async def waiting(self) -> int | None:
+        """How many are in line, in one round trip with the built marker; None when Redis
+        lost the line and it is not rebuilt yet: then anything may be waiting."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zcard(READY_KEY)
+            pipe.exists(BUILT_KEY)
+            count, built = await pipe.execute()
+        return int(count) if built else None
+
+    @_repairing
     async def depths(self) -> dict[str, int]:
         """Tasks in line ("ready"), parked because no node can take them ("parked"), waiting
         for a named resource ("resource"), and for an earlier attempt's lease ("fenced")."""

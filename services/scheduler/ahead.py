@@ -46,7 +46,9 @@ class NodeView:
         needs (`placed` counts those the statement applied)."""
         if not self.normal:
             return None, {}, {}
-        needs = {i: need_of_spec(s) for i, s in zip(ids, specs, strict=True)}
+        # in the line's order: higher priority first, then as they came (they share queued_at)
+        line = sorted(zip(ids, specs, strict=True), key=lambda pair: -pair[1].priority)
+        needs = {i: need_of_spec(s) for i, s in line}
         placed, unplaced = place_many(list(needs.items()), list(self.nodes.values()))
         if not placed:
             return None, unplaced, {}

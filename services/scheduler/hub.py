@@ -109,6 +109,8 @@ class Hub:
         # intake places nothing ahead (a parked task that fits now may be older or higher)
         self.returns_asked = 0
         self.returns_done = 0
+        # the line was found lost (Redis lost its data): the reconciler rebuilds it now
+        self.rebuild = asyncio.Event()
 
     def work_arrived(self) -> None:
         """Intake, a retry, a release or a parked task's return queued work: dispatch now."""

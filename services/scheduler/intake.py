@@ -289,17 +289,19 @@ class Intake(Part):
         ends, hub = self.hub.ends, self.hub
         view = self._view
         if view is not None and view.fresh(hub.node_changes):
-            queued = await self.queue.size()
+            queued = await self.queue.waiting()
         else:
             generation = hub.node_changes
-            queued, (rows, mode) = await both(self.queue.size(), self.store.nodes.read())
+            queued, (rows, mode) = await both(self.queue.waiting(), self.store.nodes.read())
             view = self._view = NodeView(rows, mode, generation)
+        if queued is None:  # Redis lost the line: what was in it is back once it is rebuilt
+            hub.rebuild.set()
         placing: Placing | None = None
         unplaced: dict[UUID, Choice] = {}
         needs: dict[UUID, Need] = {}
         # nothing in line, nor on its way back to it: a parked task that fits since a node
         # changed is older or higher, and takes the slot first
-        if not queued and not hub.returns_pending():
+        if queued == 0 and not hub.returns_pending():
             placing, unplaced, needs = view.plan(specs, ids, ADMISSION, self.store.node_ttl_s)
         hub.admitting(dict.fromkeys(ids, fsm.walked_version(ADMISSION)))
         admitted = await self.store.tasks.admit_many(specs, ids, ADMISSION, traceparents, placing)

@@ -42,6 +42,7 @@ class Reconciler(Part):
     async def run(self, stopping: asyncio.Event) -> None:
         while not stopping.is_set():
             jitter = random.uniform(0.8, 1.2)
-            await wait_any(stopping, timeout=self.settings.reconcile_s * jitter)
+            await wait_any(stopping, self.hub.rebuild, timeout=self.settings.reconcile_s * jitter)
+            self.hub.rebuild.clear()
             if not stopping.is_set():
                 await self.reconcile_once()

@@ -88,6 +88,9 @@ class FakeReadyQueue:
     async def size(self) -> int:
         return len(self.sets[READY_KEY])
 
+    async def waiting(self) -> int | None:  # built since start: the fake never loses its data
+        return len(self.sets[READY_KEY])
+
     def parked(self, key: str = PARKED_KEY) -> set[UUID]:
         return set(self.sets.get(key, {}))
 

@@ -41,6 +41,7 @@ async def rig(settings: Settings, wait_s: float) -> AsyncIterator[Rig]:
     followed = settings.model_copy(update={"dispatch_follow_s": wait_s})
     async with backends(followed) as b:
         scheduler = Scheduler(followed, b.store, b.bus, b.ready_queue)
+        await scheduler.reconciler.rebuild()  # as at its start: the line is known whole
         queue = await b.bus.declare_node_queue(await b.bus.consumer_channel(4), "n1")
         got: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
         await queue.consume(got.put)

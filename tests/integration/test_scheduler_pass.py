@@ -155,6 +155,7 @@ async def test_an_admission_placed_at_once_asks_its_scheduler_for_no_pass(
     them itself. (At low rates that pass was a Redis round trip per submission.)"""
     async with backends(settings) as b:
         scheduler = Scheduler(settings, b.store, b.bus, b.ready_queue)
+        await scheduler.reconciler.rebuild()  # as at its start: the line is known whole
         await b.bus.declare_node_queue(await b.bus.consumer_channel(1), "n1")
         await b.store.nodes.register("n1", 4, 0.0, 0, 0, {}, uuid4())
         heard: asyncio.Queue[str] = asyncio.Queue()

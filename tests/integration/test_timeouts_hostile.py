@@ -93,6 +93,7 @@ async def test_a_new_low_priority_task_takes_the_slot_a_parked_higher_one_waited
     redis = Redis.from_url(redis_url)
     try:
         queue, bus, hub = ReadyQueue(redis, aging_s=10.0), StubBus(), Hub()
+        await queue.mark_built()  # as a scheduler's start leaves it
         dispatcher = Dispatcher(settings, store, bus, queue, hub)  # type: ignore[arg-type]
         intake = Intake(settings, store, bus, queue, hub, dispatcher)  # type: ignore[arg-type]
         gpu = {"pool": "gpu"}

@@ -14,8 +14,10 @@ SELECT ins.*, (SELECT count(*) FROM note) AS _notified FROM ins
 -- is its submission's message id, so this is the same submission, already run (a key is
 -- free again once its task is deleted: README). No CAS is needed, as nobody else can hold a
 -- row this statement creates. A task walked into Ready gets its schedule deadline ($19:
--- schedule_timeout_s) as `transition` would give it. $20: max_launch_failures. CTE `ins`
--- holds the rows created; `note` must be read (NOTIFY).
+-- schedule_timeout_s) as `transition` would give it, and a place in line after the ones
+-- before it in the batch: its queued_at is now() plus its position in microseconds (with
+-- one now() for all, the line broke their tie by task id). $20: max_launch_failures.
+-- CTE `ins` holds the rows created; `note` must be read (NOTIFY).
 w AS (
     SELECT * FROM unnest($13::text[], $14::text[], $15::text[]) WITH ORDINALITY
                   AS w(from_status, to_status, reason, version)
@@ -28,7 +30,9 @@ w AS (
                        schedule_timeout_s, schedule_deadline, max_launch_failures)
     SELECT u.id, u.name, u.kind, u.spec::jsonb, last.to_status, last.reason, last.version,
            u.priority, u.max_retries, u.timeout_s, u.hb, u.ikey, u.cpu, u.memory_mb, u.gpu,
-           u.traceparent, CASE WHEN last.to_status = 'ready' THEN now() END, $17::uuid,
+           u.traceparent,
+           CASE WHEN last.to_status = 'ready' THEN now() + (u.n - 1) * interval '1 microsecond' END,
+           $17::uuid,
            CASE WHEN $17::uuid IS NULL THEN NULL ELSE u.name END,
            ARRAY(SELECT jsonb_array_elements_text(u.uses::jsonb)), u.sched,
            CASE WHEN last.to_status = 'ready' THEN now() + make_interval(secs => u.sched) END,
@@ -36,8 +40,9 @@ w AS (
     FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int[], $6::int[],
                 $7::float8[], $8::float8[], $9::text[], $10::float8[], $11::bigint[],
                 $12::int[], $16::text[], $18::text[], $19::float8[], $20::int[])
+         WITH ORDINALITY
          AS u(id, name, kind, spec, priority, max_retries, timeout_s, hb, ikey, cpu, memory_mb,
-              gpu, traceparent, uses, sched, max_launch)
+              gpu, traceparent, uses, sched, max_launch, n)
     CROSS JOIN last
     WHERE u.ikey IS NOT NULL OR NOT EXISTS (SELECT 1 FROM purged p WHERE p.id = u.id)
     ON CONFLICT DO NOTHING
