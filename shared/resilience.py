@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import operator
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -77,6 +78,9 @@ TRANSIENT: tuple[type[BaseException], ...] = (
 )
 
 
+HEALTHY_S = 60.0  # a loop that ran this long without a transient error starts its backoff over
+
+
 def backoff_s(failures: int) -> float:
     """Seconds before try number `failures` + 1: from 0.1-0.2 s, doubling, to 2.5-5 s."""
     return retry_delay(failures - 1, base_s=0.2, cap_s=5.0)
@@ -89,13 +93,18 @@ def is_transient(exc: BaseException) -> bool:
 async def supervise(
     name: str, loop: Callable[[], Awaitable[None]], stopping: asyncio.Event
 ) -> None:
-    """Run `loop` until it returns or `stopping` is set, restarting it after transient errors."""
+    """Run `loop` until it returns or `stopping` is set, restarting it after transient errors.
+    The backoff starts over once the loop has run HEALTHY_S without one: a blip a day after
+    an outage is not waited out as its sixth failure."""
     failures = 0
     while not stopping.is_set():
+        began = time.monotonic()
         try:
             await loop()
             return
         except TRANSIENT as exc:
+            if time.monotonic() - began >= HEALTHY_S:
+                failures = 0
             failures += 1
             delay = backoff_s(failures)
             log.warning(
@@ -143,9 +152,19 @@ async def isolate(
     one item that fails, which `alone` deals with: dead-letters it, refuses it, or writes a
     failure in its place. One poisoned item can never stop the rest, and a clean batch costs
     nothing more. `run` must be safe to repeat for items a failed attempt included (a CAS or
-    an idempotent insert), and `items` must not be empty. Results are merged with `merge`."""
+    an idempotent insert), and `items` must not be empty. Results are merged with `merge`.
+
+    A statement canceled (a statement_timeout, or an operator's cancel) is transient for one
+    item, but a batch is split: a batch too big to finish in the server's time was retried
+    whole, for ever, and held up everything behind it."""
     try:
         return await run(items)
+    except asyncpg.exceptions.QueryCanceledError:
+        if len(items) == 1:
+            raise
+        half = len(items) // 2
+        head: Any = await isolate(items[:half], run, alone, merge)
+        return merge(head, await isolate(items[half:], run, alone, merge))
     except TRANSIENT:
         raise
     except Exception as exc:

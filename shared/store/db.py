@@ -13,7 +13,7 @@ from uuid import UUID
 import asyncpg
 
 from shared import hooks
-from shared.errors import NotFound
+from shared.errors import NotFound, postgres_refused
 from shared.errors import missing as missing_error
 from shared.store.queries import Q, Query
 from shared.task import Task
@@ -79,6 +79,26 @@ async def _lean_reset(conn: asyncpg.Connection) -> None:
         await conn.execute("ROLLBACK")
 
 
+class ConnectRefused(ConnectionError):
+    """Postgres answered a new connection with a refusal — not accepting connections (a
+    database being switched over), starting up, too many connections, a password a promoted
+    standby does not know yet. To a service that is a server away, like a refused socket
+    (an OSError: resilience.TRANSIENT), retried; it is never the fault of the batch whose
+    statement needed the connection (resilience.isolate). The cause is Postgres's error."""
+
+
+async def connect(dsn: str | None = None, **kwargs: Any) -> asyncpg.Connection:
+    """asyncpg.connect, with Postgres's refusal of the connection as ConnectRefused; every
+    connection a service makes goes through it (its pool's too)."""
+    try:
+        return await asyncpg.connect(dsn, **kwargs)
+    except asyncpg.InvalidCatalogNameError:
+        raise  # no such database: a setting to mend, named at start (shared.wiring)
+    except asyncpg.PostgresError as exc:
+        said = postgres_refused(str(exc), getattr(exc, "sqlstate", None))
+        raise ConnectRefused(f"Postgres refused a new connection: {said}") from exc
+
+
 async def create_pool(dsn: str, size: int = 8) -> asyncpg.Pool:
     pool = await asyncpg.create_pool(
         pinned_dsn(dsn),
@@ -87,6 +107,7 @@ async def create_pool(dsn: str, size: int = 8) -> asyncpg.Pool:
         init=init_connection,
         reset=_lean_reset,
         command_timeout=60,
+        connect=connect,
     )
     assert pool is not None
     return pool

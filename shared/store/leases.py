@@ -10,7 +10,7 @@ from uuid import UUID
 import asyncpg
 
 from shared.models import Task
-from shared.store.db import Db, task
+from shared.store.db import Db, connect, task
 from shared.store.queries import Q
 
 
@@ -114,7 +114,7 @@ class LeaseLink:
         try:
             async with asyncio.timeout(timeout):
                 if self._conn is None or self._conn.is_closed():
-                    self._conn = await asyncpg.connect(self.dsn)
+                    self._conn = await connect(self.dsn)
                 db = Db(self._conn, self.lease_margin_s)
                 return await Leases(db).renewal(owner, attempts)
         except BaseException:

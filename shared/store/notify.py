@@ -14,6 +14,8 @@ from uuid import UUID
 
 import asyncpg
 
+from shared.store.db import connect
+
 log = logging.getLogger(__name__)
 
 # One notification per statement that moves tasks (sql/fragments.sql, `notify`): every
@@ -172,7 +174,7 @@ class PgListener:
         while not stopping.is_set():
             dropped = asyncio.Event()
             try:
-                conn: asyncpg.Connection = await asyncpg.connect(self.dsn)
+                conn: asyncpg.Connection = await connect(self.dsn)
             except TRANSIENT as exc:
                 failures += 1
                 delay = backoff_s(failures)
