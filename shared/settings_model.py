@@ -61,6 +61,8 @@ WEAK_SECRET = "sked-dev-heartbeat-secret"  # the old default: never accepted
 MAX_DURATION_S = 1e8  # three years
 # Loops sleep a period between passes against the servers, idle or not: 1e-300 s would spin
 MIN_PERIOD_S = 0.01
+# a batching window longer than this would hold what it batches (outcomes, dispatches, events)
+MAX_LINGER_S = 1.0
 URL_SCHEMES = {
     "database_url": DATABASE_SCHEMES,
     "redis_url": ("redis", "rediss", "unix"),
@@ -102,12 +104,12 @@ class Settings(BaseSettings):
     # The batching window after a wake. Events feed observers only (no service of sked
     # consumes them), so they may wait a little: at 100 tasks/s, 100 ms rather than 20 ms
     # halves the relay's CPU a task and the Postgres and RabbitMQ work its passes cost.
-    relay_linger_s: float = Field(default=0.1, ge=0, description="batching window after a wake")
+    relay_linger_s: float = Field(default=0.1, ge=0, le=MAX_LINGER_S, description="batch window")
     # A relay vacuums the outbox after deleting this many rows (0: never, autovacuum's alone):
     # the deleted rows' key entries are walked by every read until a vacuum (shared.relay).
     relay_vacuum_rows: int = Field(default=10_000, ge=0, description="outbox rows between vacuums")
     # the longest a relay's pass waits for publisher confirms while it holds its outbox shards
-    relay_confirm_timeout_s: float = Field(default=10.0, gt=0)
+    relay_confirm_timeout_s: float = Field(default=10.0, ge=MIN_PERIOD_S)
 
     # Scheduler.
     aging_s: float = Field(default=5.0, ge=0, description="waiting this long = +1 priority")
@@ -143,12 +145,12 @@ class Settings(BaseSettings):
     heartbeat_flush_s: float = Field(
         default=0.1, ge=MIN_PERIOD_S, description="batch window for beats"
     )
-    probe_timeout_s: float = Field(default=2.0, gt=0, description="wait for a backend's answer")
+    probe_timeout_s: float = Field(default=2.0, ge=MIN_PERIOD_S, description="a backend's answer")
     recovery_period_s: float = Field(default=2.0, ge=MIN_PERIOD_S)
     # How long past an attempt's lease its task may be declared Lost or start again: covers
     # the node watchdog's reaction time (docs/architecture.md, "At most one live attempt").
     lease_margin_s: float = Field(default=0.5, ge=0.1, le=60)
-    stuck_scheduling_s: float = Field(default=30.0, gt=0, description="dispatched, not started")
+    stuck_scheduling_s: float = Field(default=30.0, ge=MIN_PERIOD_S, description="not started")
     # Retention (services/recovery): tasks that ended this many days ago or longer are deleted
     # with their history (a workflow's only with the whole workflow), and their idempotency
     # keys are free again. 0: every task is kept forever.
@@ -266,10 +268,10 @@ class Settings(BaseSettings):
     allowed_commands: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # Outcomes wait this long to share one transaction: results land a few ms later, and
     # Postgres does one statement where it would do one per task.
-    finish_linger_s: float = Field(default=0.005, ge=0)
+    finish_linger_s: float = Field(default=0.005, ge=0, le=MAX_LINGER_S)
     # A dispatch pass woken by a freed slot waits this long for more slots to free: under
     # saturation one pass then places many tasks (a newly submitted task never waits for it).
-    dispatch_linger_s: float = Field(default=0.005, ge=0)
+    dispatch_linger_s: float = Field(default=0.005, ge=0, le=MAX_LINGER_S)
 
     @field_validator("node_labels", mode="before")
     @classmethod

@@ -79,6 +79,11 @@ def test_a_loop_period_at_the_floor_is_taken(name: str, monkeypatch: pytest.Monk
         ("SKED_DEAD_MAX_BYTES", str(2**63)),
         ("SKED_K8S_JOB_TTL_S", str(2**31)),  # a Job's ttlSecondsAfterFinished is int32
         ("SKED_K8S_TOLERATIONS", "[" * 100_000 + "]" * 100_000),  # RecursionError in json
+        ("SKED_FINISH_LINGER_S", "1e8"),  # outcomes would wait that long to be written
+        ("SKED_DISPATCH_LINGER_S", "5"),
+        ("SKED_RELAY_LINGER_S", "60"),
+        ("SKED_PROBE_TIMEOUT_S", "1e-9"),  # no executor could ever answer in time
+        ("SKED_STUCK_SCHEDULING_S", "1e-7"),
     ],
 )
 def test_a_setting_that_would_break_a_service_later_is_refused_naming_it(
