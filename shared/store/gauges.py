@@ -39,6 +39,9 @@ class ClusterGauges:
         try:
             got = bool(await conn.fetchval(Q.lead_gauges.sql, timeout=self.timeout_s))
         except BaseException:
+            # the server may have granted the lock before the answer was lost (a timeout): a
+            # connection back in the pool would hold it for good, and no process would lead
+            conn.terminate()
             await self.pool.release(conn)
             raise
         if got:

@@ -101,3 +101,32 @@ async def test_the_cluster_loop_exports_the_gauges_while_it_leads(
     finally:
         with contextlib.suppress(Exception):
             await redis.aclose()
+
+
+async def test_a_lead_whose_answer_is_lost_leaves_no_lock_in_the_pool(
+    store: Store, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server grants the lock, and the answer is lost (the statement's timeout): the
+    connection went back to the pool holding the lock for good, and no process could lead
+    again. Now it is terminated, and the lock with it."""
+    from shared.store.queries import Q
+
+    real = asyncpg.connection.Connection.fetchval
+
+    async def granted_then_lost(self: asyncpg.Connection, query: str, *args: object, **kw: object):  # type: ignore[no-untyped-def]
+        value = await real(self, query, *args, **kw)
+        if query == Q.lead_gauges.sql:
+            raise TimeoutError
+        return value
+
+    other = await Store.connect(dsn, 2)
+    try:
+        monkeypatch.setattr(asyncpg.connection.Connection, "fetchval", granted_then_lost)
+        with pytest.raises(TimeoutError):
+            await store.cluster_gauges().lead()
+        monkeypatch.undo()
+        second = other.cluster_gauges()
+        await eventually(second.lead, timeout=10, what="another process leads")
+        await second.resign()
+    finally:
+        await other.close()
