@@ -164,12 +164,7 @@ class AmqpBus:
         ):
             self._exchanges[name] = await channel.declare_exchange(name, kind, durable=True)
         await self._declare_dead()
-        submit = await channel.declare_queue(
-            SUBMIT_QUEUE, durable=True, arguments={"x-dead-letter-exchange": DLX}
-        )
-        await submit.bind(self._exchanges[TASKS_EXCHANGE], SUBMIT_KEY)
-        await submit.bind(self._exchanges[TASKS_EXCHANGE], WORKFLOW_KEY)
-        await submit.bind(self._exchanges[TASKS_EXCHANGE], BATCH_KEY)
+        await self.declare_submit_queue(channel)
         # a heartbeat is worth nothing after a few seconds: expire rather than pile up
         beats = await channel.declare_queue(
             HEARTBEATS_QUEUE, durable=True, arguments={"x-message-ttl": 10_000}
@@ -226,6 +221,36 @@ class AmqpBus:
         channel = await self._connection.channel()
         await channel.set_qos(prefetch_count=prefetch)
         return channel
+
+    async def declare_submit_queue(self, channel: AbstractChannel) -> AbstractQueue:
+        """sked.submit and its bindings, declared (not looked up) on `channel`: a consumer's
+        channel declares them again when it reopens, so a queue deleted under a running
+        scheduler comes back (a passive lookup would wait for some other process to)."""
+        submit = await channel.declare_queue(
+            SUBMIT_QUEUE, durable=True, arguments={"x-dead-letter-exchange": DLX}
+        )
+        for key in (SUBMIT_KEY, WORKFLOW_KEY, BATCH_KEY):
+            await submit.bind(TASKS_EXCHANGE, key)
+        return submit
+
+    async def node_queue_problem(self, node_id: str) -> str | None:
+        """Declare node `node_id`'s dispatch queue, sked.dispatch and its binding again, on a
+        channel of their own (a refusal closes it); None when they stand as sked declares
+        them, else why not. The broker tells no one of a queue, exchange or binding deleted
+        under a running executor: its node would take no dispatch while its row says ready."""
+        assert self._connection is not None
+        try:
+            async with self._connection.channel() as channel:
+                await channel.declare_exchange(
+                    DISPATCH_EXCHANGE, aio_pika.ExchangeType.DIRECT, durable=True
+                )
+                await self.declare_node_queue(channel, node_id)
+        except aiormq.exceptions.ChannelPreconditionFailed as exc:
+            return (
+                f"queue {node_queue(node_id)} was declared by someone else with other "
+                f"arguments than sked's (x-expires {NODE_QUEUE_EXPIRES_MS}): {exc}"
+            )
+        return None
 
     async def declare_node_queue(self, channel: AbstractChannel, node_id: str) -> AbstractQueue:
         queue = await channel.declare_queue(

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 REAPED = "its executor died; its processes were killed when the node's executor restarted"
 SWEEP_EVERY = 30  # node heartbeats between sweeps for superseded attempts (detached backends)
+REASSERT_EVERY = 5  # node heartbeats between declaring the nodes' queues again (serving.py)
 
 
 class Executor(Service):
@@ -250,6 +251,8 @@ class Executor(Service):
             changed.clear()
             await serving.sync()
             beats += 1
+            if beats % REASSERT_EVERY == 0:
+                await serving.reassert()
             if node.backend.detached and beats % SWEEP_EVERY == 0:
                 # Jobs whose executor was gone when their task moved on: nobody else stops them
                 await self.discard_superseded()

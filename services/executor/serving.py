@@ -24,6 +24,7 @@ from services.executor.node import Node
 from shared.bus import PROBE_EXCHANGE
 from shared.resilience import TRANSIENT
 from shared.settings import Settings
+from shared.throttle import Throttled
 
 # AMQP's basic.qos prefetch_count is a 16-bit field: a larger count (a cluster node with
 # more than 65,535 allocatable pods) is refused by the client library with a TypeError,
@@ -73,6 +74,7 @@ class Serving:
         self.probes = probes
         self.served: dict[str, Served] = {}
         self.probed: set[str] = set()
+        self._refused = Throttled(log)  # a node queue of someone else's: said every sync
 
     def offers(self) -> dict[str, NodeOffer]:
         found = self.node.backend.offers()
@@ -99,7 +101,7 @@ class Serving:
             if node_id not in offers or offers[node_id] != self.served[node_id].offer:
                 await self._leave(node_id, ready=node_id in offers)
         for node_id, offer in offers.items():
-            if node_id in self.served:
+            if node_id in self.served or await self._unusable(node_id):
                 continue
             owner = self.owner(node_id)
             # the queue first: registering wakes the schedulers (NOTIFY sked_node), and a
@@ -121,6 +123,21 @@ class Serving:
             self.served[node_id] = Served(offer, owner, queue, tag)
             node.serves.add(node_id)
             log.info("serving node %s (%d slots)", node_id, offer.slots)
+
+    async def reassert(self) -> None:
+        """Each served node's queue, sked.dispatch and the binding between them, declared
+        again (the nodes loop calls this every few heartbeats): deleted or unbound under a
+        running executor, they come back; a queue someone declared again with other
+        arguments cannot be consumed, and its node is left, not ready, until it is sked's."""
+        for node_id in list(self.served):
+            if await self._unusable(node_id):
+                await self._leave(node_id)
+
+    async def _unusable(self, node_id: str) -> bool:
+        problem = await self.node.bus.node_queue_problem(node_id)
+        if problem is not None:
+            self._refused.warning("node %s not served: %s", node_id, problem)
+        return problem is not None
 
     async def _leave(self, node_id: str, ready: bool = False, stopping: bool = False) -> None:
         served = self.served.pop(node_id)

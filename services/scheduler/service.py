@@ -81,7 +81,7 @@ class Scheduler(Service):
     async def setup(self) -> None:
         await supervise("rebuild the ready queue", self._rebuild, self.stopping)
         self._channel = await self.bus.consumer_channel(prefetch=self.settings.submit_batch * 2)
-        submit = await self._channel.get_queue(SUBMIT_QUEUE)
+        submit = await self.bus.declare_submit_queue(self._channel)
         await submit.consume(self.intake.inbox.put)
 
     async def _rebuild(self) -> None:
