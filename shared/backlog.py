@@ -27,7 +27,9 @@ node's row, which placement reads.
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from collections.abc import Sequence
 
 ROUNDS = 4  # the deepest default backlog: this many times a node's slots
 
@@ -94,3 +96,17 @@ class Backlog:
             return False
         self._runs.clear()
         return self._offer(0)
+
+
+def next_in_line(lines: Sequence[float | None], n: int) -> list[int]:
+    """The positions of the `n` held dispatches to start next, given each one's task's score
+    in the ready line when it was placed (shared.queues.score: priority aged by its wait;
+    lower first): in the line's order, ties in arrival order. One without a score (told by a
+    placement notification: placed when nothing waited in line) goes first, as it came."""
+    first = -math.inf
+
+    def place(k: int) -> tuple[float, int]:
+        line = lines[k]
+        return (first if line is None else line, k)
+
+    return sorted(range(len(lines)), key=place)[:n]

@@ -16,6 +16,7 @@ letter keeps, written only then), and the rest of the message is used.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,22 @@ MAX_HEADER_CHARS = 1024
 MAX_PLACED = 100
 # A full message of MAX_DISPATCHES entries with their trace headers is ~0.5 MB.
 MAX_BODY_BYTES = 4 << 20
+# An entry's header with its task's score in the ready line (shared.queues.score: lower goes
+# first), so that a node's backlog starts its held dispatches in the line's order. A header,
+# not a field of the entry: an executor that predates it takes it for a trace header.
+LINE_HEADER = "x-sked-line"
+
+
+def line_of(headers: Mapping[str, Any]) -> float | None:
+    """The score an entry's LINE_HEADER gives, if it is a finite number; else None."""
+    text = headers.get(LINE_HEADER)
+    if not isinstance(text, str):
+        return None
+    try:
+        score = float(text)
+    except ValueError:
+        return None
+    return score if math.isfinite(score) else None
 
 
 @dataclass(frozen=True)

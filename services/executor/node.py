@@ -19,7 +19,7 @@ from aiormq.exceptions import ChannelInvalidStateError
 from services.executor.backends import Backend, Key, Outcome
 from shared.backlog import Backlog
 from shared.bus import AmqpBus
-from shared.dispatches import Entry, placed, unpack
+from shared.dispatches import Entry, line_of, placed, unpack
 from shared.models import Dispatch, Task
 from shared.outcome import Report
 from shared.policy import JobPolicy
@@ -48,13 +48,16 @@ class Delivery:
 class Item:
     """One dispatch as delivered: an entry of a message (shared.dispatches)."""
 
-    __slots__ = ("delivery", "entry", "received_at", "settled")
+    __slots__ = ("delivery", "entry", "line", "received_at", "settled")
 
     def __init__(self, delivery: Delivery, entry: Entry, received_at: float) -> None:
         self.delivery = delivery
         self.entry = entry
         self.received_at = received_at  # monotonic: how long it has been held
         self.settled = False
+        # its task's score in the ready line when placed (lower first); None: not given (a
+        # placement notification's, placed when nothing waited in line)
+        self.line = line_of(entry.headers)
 
     @property
     def dispatch(self) -> Dispatch | None:

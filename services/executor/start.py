@@ -18,6 +18,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from services.executor.backends import Key, Launch, Outcome
 from services.executor.node import Attempt, Item, Node, items_of
 from shared import fsm, heartbeat, hooks, lease
+from shared.backlog import next_in_line
 from shared.errors import one_line
 from shared.fsm import State
 from shared.models import Dispatch, Task
@@ -86,7 +87,22 @@ class Starter:
                     continue
                 await self._hand_back_held(hold_s)
                 continue
-            await self.start_items([held.popleft() for _ in range(min(free, len(held)))])
+            await self.start_items(self.take_held(free))
+
+    def take_held(self, n: int) -> list[Item]:
+        """The `n` held dispatches to start next, in the ready line's order (backlog.
+        next_in_line): one held here must not keep a higher one placed after it waiting for
+        its slot. The rest stay held in arrival order (the hand-back takes the oldest)."""
+        held = self.held
+        picked = next_in_line([item.line for item in held], n)
+        if picked == list(range(len(picked))):  # the usual case: they came in line order
+            return [held.popleft() for _ in picked]
+        chosen = set(picked)
+        items = [held[k] for k in picked]
+        kept = [item for k, item in enumerate(held) if k not in chosen]
+        held.clear()
+        held.extend(kept)
+        return items
 
     async def _hand_back_held(self, hold_s: float) -> None:
         """Dispatches held `hold_s` or longer go back to Ready, in their place in line, for a
@@ -160,7 +176,7 @@ class Starter:
         take = min(self.free_slots(freeing), len(self.held))
         if take <= 0:
             return []
-        items = [self.held.popleft() for _ in range(take)]
+        items = self.take_held(take)
         ending = set(ending)
         clash = [i for i in items if i.dispatch is not None and i.dispatch.task_id in ending]
         self.held.extendleft(reversed(clash))

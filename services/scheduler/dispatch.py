@@ -16,7 +16,7 @@ from services.scheduler.hub import Hub, Part
 from shared import fsm, hooks
 from shared.bus import DISPATCH_EXCHANGE, AmqpBus, Outgoing
 from shared.degrade import Mode
-from shared.dispatches import MAX_DISPATCHES, entry_of, pack
+from shared.dispatches import LINE_HEADER, MAX_DISPATCHES, entry_of, pack
 from shared.fsm import State
 from shared.models import Task, TaskSpec
 from shared.placement import Choice, Need, NodeState, Units, place_many
@@ -279,6 +279,8 @@ class Dispatcher(Part):
         if not moved:
             return
         headers, handles = hooks.dispatching(moved)
+        for task, h in zip(moved, headers, strict=True):
+            h[LINE_HEADER] = repr(self.queue.score_of(task))
         messages = _dispatches(moved, headers)
         try:
             await self.bus.publish(DISPATCH_EXCHANGE, messages)

@@ -4,13 +4,19 @@ nothing placed ahead of a line Redis lost."""
 
 from __future__ import annotations
 
+import asyncio
 from uuid import uuid4
 
+from services.executor.node import items_of
+from services.executor.service import Executor
 from services.scheduler.service import Scheduler
 from shared import fsm
+from shared.dispatches import LINE_HEADER, entry_of, pack
 from shared.fsm import State
 from shared.settings import Settings
+from shared.task import Task
 from shared.wiring import backends
+from tests.fakes import StubMessage
 from tests.helpers import spec
 
 
@@ -83,3 +89,41 @@ async def test_submissions_admitted_together_keep_their_fifo_order(settings: Set
         ids = sorted((uuid4() for _ in range(5)), reverse=True)  # submitted in this order
         await scheduler.intake.admit([spec(f"t{i}") for i in range(5)], ids)
         assert await scheduler.queue.pop(5) == ids
+
+
+async def _scheduled_on_n1(executor: Executor, name: str, priority: int = 0) -> Task:
+    store = executor.store.tasks
+    task = await store.create(spec(name, priority=priority))
+    for target in (State.PENDING, State.READY):
+        task = await fsm.apply(store, task, target)
+    return await fsm.apply(store, task, State.SCHEDULING, node="n1")
+
+
+def _dispatched(executor: Executor, task: Task) -> StubMessage:
+    """Its dispatch message as a dispatch pass sends it: with its score in the line."""
+    line = {LINE_HEADER: repr(executor.node.queue.score_of(task))}
+    return StubMessage(pack([(entry_of(task), line)]), "n1")
+
+
+async def test_a_freed_slot_goes_to_the_higher_priority_held_dispatch(executor: Executor) -> None:
+    """A node (2 slots) whose slots are both taken holds two dispatches in its backlog: a
+    priority-0 task's, received first, then a priority-100 task's (Ready in the same second:
+    by the line's score it is far ahead). When one slot frees, the higher-priority attempt
+    should be claimed into it. The backlog was a plain FIFO of arrival (the dispatch did not
+    carry the priority), so the priority-0 task took the slot: a priority inversion inside
+    the node. Now a dispatch pass sends each task's score in the line (LINE_HEADER), and a
+    freed slot takes the held dispatch first in line (backlog.next_in_line)."""
+    busy = [await _scheduled_on_n1(executor, f"busy{i}") for i in range(2)]
+    assert await executor.starter.start([_dispatched(executor, t) for t in busy]) == 2  # type: ignore[list-item]
+    await asyncio.wait(executor.node.runs, timeout=30)
+    ended = executor.node.outcomes.get_nowait()
+    assert ended is not None
+    low = await _scheduled_on_n1(executor, "low", priority=0)
+    high = await _scheduled_on_n1(executor, "high", priority=100)
+    for task in (low, high):
+        executor.starter.held.extend(items_of(_dispatched(executor, task)))  # type: ignore[arg-type]
+    await executor.finisher.finish([ended])  # one slot freed: one held dispatch claimed
+    got = {t.id: t.status for t in await executor.store.tasks.get_many([low.id, high.id])}
+    if executor.node.runs:
+        await asyncio.wait(executor.node.runs, timeout=30)
+    assert got == {high.id: State.RUNNING, low.id: State.SCHEDULING}

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.backlog import Backlog
+from shared.backlog import Backlog, next_in_line
 
 
 def test_a_node_starts_without_a_backlog_and_earns_one_by_a_window_of_short_attempts() -> None:
@@ -111,3 +111,11 @@ def test_the_default_backlog_is_four_rounds_of_slots_and_a_number_is_taken_as_it
     assert Settings(slots=16).backlog_limit == 64
     assert Settings(slots=16, prefetch=5).backlog_limit == 5
     assert Settings(slots=16, prefetch=0).backlog_limit == 0
+
+
+def test_held_dispatches_start_in_the_lines_order() -> None:
+    """A lower score goes first (0.0 and negatives are scores too), ties and the unscored
+    (placed when nothing waited) in arrival order, the unscored first."""
+    assert next_in_line([5.0, -1.0, 0.0, None, 0.0], 5) == [3, 1, 2, 4, 0]
+    assert next_in_line([1.0, 2.0, 3.0], 2) == [0, 1]
+    assert next_in_line([], 3) == []
