@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-from services.scheduler.hub import Hub, Part
+from services.scheduler.hub import Hub
+from services.scheduler.sending import Sender
 from shared import fsm, hooks
-from shared.bus import DISPATCH_EXCHANGE, AmqpBus, Outgoing
+from shared.bus import AmqpBus
 from shared.degrade import Mode
-from shared.dispatches import LINE_HEADER, MAX_DISPATCHES, entry_of, pack
 from shared.fsm import State
 from shared.models import Task, TaskSpec
 from shared.placement import Choice, Need, NodeState, Units, place_many
@@ -25,6 +26,8 @@ from shared.resilience import TRANSIENT
 from shared.runtime import wait_any
 from shared.settings import Settings
 from shared.store import Store, Tx
+
+log = logging.getLogger(__name__)
 
 PLACED = "placed"  # the reason of a placement's move
 
@@ -47,7 +50,7 @@ def need_of_spec(spec: TaskSpec) -> Need:
     return Need(r.cpu, r.memory_mb, r.gpu, spec.selector, spec.affinity)
 
 
-class Dispatcher(Part):
+class Dispatcher(Sender):
     def __init__(
         self, settings: Settings, store: Store, bus: AmqpBus, queue: ReadyQueue, hub: Hub
     ) -> None:
@@ -114,7 +117,7 @@ class Dispatcher(Part):
         try:
             async with self.store.transaction() as tx:
                 rows, mode = await tx.nodes.lock_and_read()
-                nodes = [n.state() for n in rows]
+                nodes = [n.state() for n in self.hub.routable(rows)]
                 free = sum(n.room for n in nodes if n.ready)
                 if free <= 0:
                     return 0
@@ -270,35 +273,10 @@ class Dispatcher(Part):
         Dispatches go out only after the commit: an executor whose CAS ran before it would not
         see the Scheduling row (its snapshot predates the commit) and would drop the attempt.
         """
-        await self.send(moved)
-        await self.queue_waiting(tasks, waiting, ends, fenced=fenced)
-
-    async def send(self, moved: list[Task]) -> None:
-        """After COMMIT: one dispatch message per node, returning once RabbitMQ has confirmed
-        them all; if it cannot, the attempts are taken back to Ready and the error raised."""
-        if not moved:
-            return
-        headers, handles = hooks.dispatching(moved)
-        for task, h in zip(moved, headers, strict=True):
-            h[LINE_HEADER] = repr(self.queue.score_of(task))
-        messages = _dispatches(moved, headers)
         try:
-            await self.bus.publish(DISPATCH_EXCHANGE, messages)
-        except TRANSIENT:
-            await self._take_back(moved)
-            raise
-        finally:
-            hooks.finished(handles)
-
-    async def _take_back(self, moved: list[Task]) -> None:
-        """The dispatches may not have gone out (RabbitMQ away): put the attempts back in line
-        rather than leave them to the stuck-in-Scheduling sweep. A dispatch that did arrive
-        then loses its start CAS, so nothing runs twice."""
-        with contextlib.suppress(*TRANSIENT):
-            back = await self.store.tasks.transition_many(
-                [fsm.plan(t, State.READY, "dispatch not confirmed") for t in moved]
-            )
-            await self.queue.push(back)
+            await self.send(moved)
+        finally:  # what waits goes back in line whatever became of the dispatches
+            await self.queue_waiting(tasks, waiting, ends, fenced=fenced)
 
     async def queue_waiting(
         self,
@@ -366,16 +344,3 @@ def _as_placed(before: Task, row: Mapping[str, Any]) -> Task:
     values["attempt"] = row["attempt"]
     values["node"] = row["node"]
     return placed
-
-
-def _dispatches(moved: list[Task], headers: list[dict[str, Any]]) -> list[Outgoing]:
-    """One message per node, carrying the attempts placed there (shared.dispatches)."""
-    by_node: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
-    for task, h in zip(moved, headers, strict=True):
-        body = entry_of(task)
-        by_node.setdefault(body["node"], []).append((body, h))
-    return [
-        Outgoing(node, pack(some[i : i + MAX_DISPATCHES]))
-        for node, some in by_node.items()
-        for i in range(0, len(some), MAX_DISPATCHES)
-    ]

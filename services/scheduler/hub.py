@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol, TypeVar
 from uuid import UUID
 
 from services.scheduler.queued import QueuedTasks
@@ -16,6 +17,14 @@ from shared.queues import ReadyQueue
 from shared.settings import Settings
 from shared.store import Store, parse_notify
 from shared.store.notify import NOTIFY_LIST_MAX, states_of, versions_of
+
+
+class _Node(Protocol):
+    @property
+    def id(self) -> str: ...
+
+
+R = TypeVar("R", bound=_Node)
 
 # A NOTIFY naming one of these states may have freed capacity on a node (or made a task Ready).
 FREES_CAPACITY = {
@@ -111,6 +120,9 @@ class Hub:
         self.returns_done = 0
         # the line was found lost (Redis lost its data): the reconciler rebuilds it now
         self.rebuild = asyncio.Event()
+        # nodes whose dispatches came back (no queue bound), until when (monotonic) they are
+        # passed over by the passes and by intake's placing ahead (dispatch.UNROUTABLE_S)
+        self.unroutable: dict[str, float] = {}
 
     def work_arrived(self) -> None:
         """Intake, a retry, a release or a parked task's return queued work: dispatch now."""
@@ -192,6 +204,17 @@ class Hub:
         """Parked tasks go back in line at the dispatch loop's next turn."""
         self.returns_asked += 1
         self.unpark.set()
+
+    def routable(self, rows: Sequence[R]) -> list[R]:
+        """`rows` of nodes (anything with an `id`), less those whose dispatches came back
+        lately."""
+        if not self.unroutable:
+            return list(rows)
+        now = time.monotonic()
+        for node, until in list(self.unroutable.items()):
+            if until <= now:
+                del self.unroutable[node]
+        return [r for r in rows if r.id not in self.unroutable]
 
     def returns_pending(self) -> bool:
         """Whether tasks asked back in line may not be there yet (intake: no placing ahead)."""

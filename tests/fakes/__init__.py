@@ -109,6 +109,17 @@ class StubBus:
             raise self.fail_publish
         self.published.extend((exchange, m) for m in messages)
 
+    async def publish_each(
+        self, exchange: str, messages: Sequence[Outgoing], timeout: float
+    ) -> list[Exception | None]:
+        """As AmqpBus.publish_each, by way of `publish` (which tests override): its error
+        befalls every message."""
+        try:
+            await self.publish(exchange, messages)
+        except Exception as exc:
+            return [exc for _ in messages]
+        return [None for _ in messages]
+
     async def dead_letter(
         self, body: bytes, reason: str, routing_key: str, headers: dict[str, Any] | None = None
     ) -> None:

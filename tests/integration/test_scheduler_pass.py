@@ -7,7 +7,6 @@ import asyncio
 from typing import Any
 from uuid import uuid4
 
-import aiormq.exceptions
 import asyncpg
 import pytest
 
@@ -15,7 +14,6 @@ from services.scheduler.service import Scheduler
 from shared import fsm
 from shared.dispatches import unpack
 from shared.fsm import State
-from shared.resilience import is_transient
 from shared.settings import Settings
 from shared.store.notify import TASK_CHANNEL
 from shared.wiring import backends
@@ -91,19 +89,20 @@ async def test_a_pass_dispatches_what_the_store_holds(settings: Settings) -> Non
 
 async def test_a_dispatch_no_queue_takes_goes_back_to_ready_at_once(settings: Settings) -> None:
     """A node's row but no queue bound for it (its executor registered and has not declared
-    it yet, or it expired): RabbitMQ returns the dispatch. The pass raises (transient) and the
-    attempt is back in Ready and in line, not left in Scheduling for the stuck sweep."""
+    it yet, or it expired): RabbitMQ returns the dispatch. The attempt is back in Ready and in
+    line, not left in Scheduling for the stuck sweep, and the node is passed over for a while
+    (UNROUTABLE_S): the next pass does not place there again."""
     async with backends(settings) as b:
         scheduler = Scheduler(settings, b.store, b.bus, b.ready_queue)
         await b.store.nodes.register("n1", 2, 0.0, 0, 0, {}, uuid4())
         [task] = await b.store.tasks.create_many([spec("t")], walk=(State.PENDING, State.READY))
         await scheduler.queue.push([task])
-        with pytest.raises(aiormq.exceptions.PublishError) as raised:
-            await scheduler.dispatch.dispatch_once()
-        assert is_transient(raised.value)
+        assert await scheduler.dispatch.dispatch_once() == 1  # placed, and came back
         back = await b.store.tasks.get(task.id)
         assert (back.status, back.status_reason) == (State.READY, "dispatch not confirmed")
         assert await scheduler.queue.absent([task.id]) == []  # in line again
+        assert "n1" in scheduler.hub.unroutable
+        assert await scheduler.dispatch.dispatch_once() == 0  # n1 passed over
 
 
 async def test_a_pass_places_a_task_on_the_node_its_affinity_prefers(settings: Settings) -> None:
