@@ -135,6 +135,7 @@ class Finisher:
             node.unreported.pop((attempt.task.id, attempt.task.attempt), None)
         node.ended_here((a.task.id, a.task.attempt) for a, _ in batch)
         node.slot_freed.set()  # their ends are written: a held dispatch may take a slot
+        # (their dispatches were acknowledged at their claim, Starter.settle: a no-op then)
         await node.acks.ack([attempt.message for attempt, _ in batch])
 
     async def _claims(self, current: Written, superseded: Written) -> list[Received]:

@@ -91,19 +91,6 @@ class Attempt:
     # monotonic time before the statement that last renewed its lease was sent
     renewed_at: float = 0.0
 
-    def another_copy(self, item: Item) -> Item | None:
-        """Another delivery of this attempt's dispatch (a duplicate, a redelivery, the message
-        behind its notification). One message is held to acknowledge with the outcome, the
-        one on a live channel: a second held for good would keep a unit of the consumer's
-        prefetch. Returns the copy to acknowledge now (the new one, or the old one whose
-        channel is gone), if any."""
-        if item is self.message:
-            return None  # the same copy, met again (a claim retried after its settle)
-        if item.delivery.message is None or _live(self.message):
-            return item
-        old, self.message = self.message, item
-        return old
-
 
 class Node:
     def __init__(
@@ -276,14 +263,6 @@ def _channel_of(message: AbstractIncomingMessage) -> object:
         return message.channel
     except ChannelInvalidStateError:
         return None
-
-
-def _live(item: Item | None) -> bool:
-    """A dispatch of a message whose channel is open (acknowledging it means something)."""
-    if item is None or item.delivery.message is None:
-        return False
-    channel = _channel_of(item.delivery.message)
-    return channel is not None and not getattr(channel, "is_closed", False)
 
 
 def report_of(outcome: Outcome) -> Report:

@@ -145,9 +145,8 @@ class Starter:
             key = (dispatch.task_id, dispatch.attempt)
             if key in node.active:
                 # the same attempt again while it runs: redelivered after a reconnect, the
-                # dispatch message behind the notification it was started from, a duplicate.
-                # One copy is held for the outcome to acknowledge; the other goes now
-                await node.acks.ack([node.active[key].another_copy(item)])
+                # dispatch message behind the notification it was started from, a duplicate
+                await node.acks.ack([item])
                 continue
             if key in node.ended:
                 # it ran here and its outcome is written: nothing to claim
@@ -268,19 +267,22 @@ class Starter:
                     dispatch.attempt,
                 )
                 stale.append(item)
-        started = 0
+        started: list[Item | None] = []
         for task in won.values():
             item, running = messages[task.id], node.active.get((task.id, task.attempt))
             if running is None:
                 self._begin(Attempt(task, item, sent_at))
-                started += 1
+                started.append(item)
             else:
                 # another copy of this attempt was claimed and started meanwhile (a retry that
-                # finds the task ours finds that one): never a second start; one copy is held
-                # for the outcome to acknowledge, as _checked does for a copy that comes later
-                stale.append(running.another_copy(item))
-        await node.acks.ack(stale)
-        return started
+                # finds the task ours finds that one): never a second start
+                stale.append(item)
+        # Acknowledged once claimed, not once ended: from the claim on, Postgres (the lease)
+        # holds the attempt, and a redelivered copy loses its CAS; held to the outcome, an
+        # attempt longer than RabbitMQ's consumer_timeout (30 min by default) had the broker
+        # close the node's channel, requeueing every delivery on it, every half hour.
+        await node.acks.ack([*stale, *started])
+        return len(started)
 
     async def _run(self, attempt: Attempt) -> None:
         node, task = self.node, attempt.task
