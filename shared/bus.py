@@ -359,9 +359,16 @@ class AmqpBus:
     async def dead_letter(
         self, body: bytes, reason: str, routing_key: str, headers: dict[str, Any] | None = None
     ) -> None:
-        """Park a message we cannot accept in DEAD_QUEUE, with why, for an operator to see."""
+        """Park a message we cannot accept in DEAD_QUEUE, with why, for an operator to see.
+        Returned (DEAD_QUEUE deleted under us: the broker tells no one), the queue is declared
+        again and the message sent once more; a refusal that is still not parked raises, and
+        intake hands its batch back rather than lose it."""
         note = {**(headers or {}), REASON_HEADER: reason[:2000], "x-sked-routing-key": routing_key}
-        await self.publish(DLX, [Outgoing(routing_key, body, note)])
+        try:
+            await self.publish(DLX, [Outgoing(routing_key, body, note)])
+        except aiormq.exceptions.PublishError:
+            await self._declare_dead()
+            await self.publish(DLX, [Outgoing(routing_key, body, note)])
 
     async def peek_dead(self, limit: int) -> list[DeadLetter]:
         """Up to `limit` messages of DEAD_QUEUE, oldest first, left where they are: each is

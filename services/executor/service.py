@@ -171,6 +171,8 @@ class Executor(Service):
         served = self.serving.served.values()
         if self.node.backend.offers() is not None:
             return f"executor {self.node.id} ready: serving {len(served)} nodes"
+        if not served:  # its queue refused (Serving._unusable said why): served once it mends
+            return f"executor {self.node.id} up, not serving its node yet (see the warning)"
         o = next(iter(served)).offer
         return (
             f"executor {self.node.id} ready: {o.slots} slots, cpu {o.cpu:g}, memory "

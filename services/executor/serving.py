@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass
 from uuid import NAMESPACE_URL, UUID, uuid5
 
+from aio_pika import ExchangeType
 from aio_pika.abc import AbstractChannel, AbstractQueue
 
 from services.executor.backends import NodeOffer
@@ -128,7 +129,12 @@ class Serving:
         """Each served node's queue, sked.dispatch and the binding between them, declared
         again (the nodes loop calls this every few heartbeats): deleted or unbound under a
         running executor, they come back; a queue someone declared again with other
-        arguments cannot be consumed, and its node is left, not ready, until it is sked's."""
+        arguments cannot be consumed, and its node is left, not ready, until it is sked's.
+        Likewise sked.probe and this executor's probe bindings: without them the monitor's
+        loss ladder finds a live node unreachable and skips its grace."""
+        await self.channel.declare_exchange(PROBE_EXCHANGE, ExchangeType.DIRECT, durable=True)
+        for node_id in self.probed:
+            await self.probes.bind(PROBE_EXCHANGE, node_id)
         for node_id in list(self.served):
             if await self._unusable(node_id):
                 await self._leave(node_id)

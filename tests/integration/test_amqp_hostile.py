@@ -9,6 +9,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aio_pika
 import pytest
@@ -21,8 +22,9 @@ from tests.helpers import eventually, spec
 from tests.integration.pipeline import pipeline
 
 
-async def _consumers(url: str, queue: str) -> int | None:
-    """How many consume `queue` (None: it does not exist), asked passively: never declares."""
+async def _declared(url: str, queue: str) -> Any:
+    """What RabbitMQ says of `queue` (None: it does not exist), asked passively: never
+    declares it."""
     conn = await aio_pika.connect(url)
     try:
         ch = await conn.channel()
@@ -30,9 +32,15 @@ async def _consumers(url: str, queue: str) -> int | None:
             q = await ch.declare_queue(queue, passive=True)
         except aio_pika.exceptions.ChannelClosed:
             return None
-        return q.declaration_result.consumer_count
+        return q.declaration_result
     finally:
         await conn.close()
+
+
+async def _consumers(url: str, queue: str) -> int | None:
+    """How many consume `queue` (None: it does not exist)."""
+    found = await _declared(url, queue)
+    return None if found is None else found.consumer_count
 
 
 @contextlib.asynccontextmanager
