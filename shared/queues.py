@@ -46,6 +46,8 @@ EPOCH = datetime(2025, 1, 1, tzinfo=UTC).timestamp()
 
 # KEYS[1] parked set -> KEYS[2] ready set, keeping the lower score of a task in both. In
 # chunks: Lua's unpack has a stack limit of a few thousand values.
+# the line's length and whether it is built (BUILT_KEY), in one command
+_WAITING = "return {redis.call('ZCARD', KEYS[1]), redis.call('EXISTS', KEYS[2])}"
 _UNPARK = """
 local moved = 0
 while true do
@@ -124,6 +126,7 @@ class ReadyQueue:
         self.redis = redis
         self.aging_s = aging_s
         self._unpark = redis.register_script(_UNPARK)
+        self._waiting = redis.register_script(_WAITING)
 
     def score_of(self, task: Queued) -> float:
         queued = task.queued_at or datetime.now(UTC)
@@ -203,12 +206,11 @@ class ReadyQueue:
 
     @_repairing
     async def waiting(self) -> int | None:
-        """How many are in line, in one round trip with the built marker; None when Redis
-        lost the line and it is not rebuilt yet: then anything may be waiting."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.zcard(READY_KEY)
-            pipe.exists(BUILT_KEY)
-            count, built = await pipe.execute()
+        """How many are in line, read with the built marker in one command (a script: a
+        pipeline of the two cost intake ~50 µs more of the client's CPU, on the path of every
+        lone submission); None when Redis lost the line and it is not rebuilt yet: then
+        anything may be waiting."""
+        count, built = await self._waiting(keys=[READY_KEY, BUILT_KEY])
         return int(count) if built else None
 
     @_repairing
