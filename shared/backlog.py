@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
+from typing import Protocol, TypeVar
 
 ROUNDS = 4  # the deepest default backlog: this many times a node's slots
 
@@ -107,3 +108,37 @@ def next_in_line(lines: Sequence[float | None], n: int) -> list[int]:
     keyed = [(first if line is None else line, k) for k, line in enumerate(lines)]
     keyed.sort()  # tuples compared in C: half the time of a key function over 128 held
     return [k for _, k in keyed[:n]]
+
+
+class Held(Protocol):
+    """A held dispatch as the order below reads it (services.executor.node.Item)."""
+
+    line: float | None  # its task's score in the ready line when placed (None: not given)
+    received_at: float  # monotonic
+
+
+H = TypeVar("H", bound=Held)
+
+
+def take(held: deque[H], n: int) -> list[H]:
+    """The `n` held dispatches to start next (`next_in_line`): one held here must not keep a
+    higher one placed after it waiting for its slot. The rest stay held in arrival order
+    (the hand-back takes the oldest)."""
+    picked = next_in_line([item.line for item in held], n)
+    if picked == list(range(len(picked))):  # the usual case: they came in line order
+        return [held.popleft() for _ in picked]
+    chosen = set(picked)
+    items = [held[k] for k in picked]
+    kept = [item for k, item in enumerate(held) if k not in chosen]
+    held.clear()
+    held.extend(kept)
+    return items
+
+
+def hold_again(held: deque[H], items: Sequence[H]) -> None:
+    """Held dispatches taken and not claimed, back among `held` in arrival order: taken in
+    the line's, they may be newer than some left held, and the hand-back reads the oldest
+    first (put back in front, an older one waited out twice its hold)."""
+    merged = sorted([*items, *held], key=lambda item: item.received_at)
+    held.clear()
+    held.extend(merged)

@@ -234,22 +234,24 @@ class AmqpBus:
         return submit
 
     async def node_queue_problem(self, node_id: str) -> str | None:
-        """Declare node `node_id`'s dispatch queue, sked.dispatch and its binding again, on a
-        channel of their own (a refusal closes it); None when they stand as sked declares
-        them, else why not. The broker tells no one of a queue, exchange or binding deleted
-        under a running executor: its node would take no dispatch while its row says ready."""
+        """Declare node `node_id`'s queue, sked.dispatch and the binding again, on a channel
+        of their own (a refusal closes it); why they cannot stand as sked declares them, or
+        None. The broker tells no one of one deleted under a running executor."""
         assert self._connection is not None
+        what = f"exchange {DISPATCH_EXCHANGE} (direct, durable)"
         try:
             async with self._connection.channel() as channel:
                 await channel.declare_exchange(
                     DISPATCH_EXCHANGE, aio_pika.ExchangeType.DIRECT, durable=True
                 )
+                what = f"queue {node_queue(node_id)} (x-expires {NODE_QUEUE_EXPIRES_MS})"
                 await self.declare_node_queue(channel, node_id)
         except aiormq.exceptions.ChannelPreconditionFailed as exc:
-            return (
-                f"queue {node_queue(node_id)} was declared by someone else with other "
-                f"arguments than sked's (x-expires {NODE_QUEUE_EXPIRES_MS}): {exc}"
-            )
+            return f"{what} was declared by someone else otherwise: {exc}"
+        except aiormq.exceptions.ChannelLockedResource as exc:  # another's exclusive queue
+            return f"{what} is held exclusively by another connection: {exc}"
+        except aiormq.exceptions.ChannelAccessRefused as exc:
+            return f"{what} may not be declared by this user: {exc}"
         return None
 
     async def declare_node_queue(self, channel: AbstractChannel, node_id: str) -> AbstractQueue:

@@ -17,7 +17,7 @@ that nodes which could take the task are all full.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
 from uuid import UUID
 
@@ -72,6 +72,10 @@ class NodeState:
     def room(self) -> int:
         """How many more attempts it may take now (slots and backlog; resources aside)."""
         return max(self.capacity - self.used_slots, 0)
+
+    def full(self) -> NodeState:
+        """This node with no room left (its slots and backlog all held)."""
+        return replace(self, used_slots=max(self.used_slots, self.capacity))
 
     def placed(self, need: Need) -> NodeState:
         """This node after reserving `need` on it."""

@@ -18,7 +18,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from services.executor.backends import Key, Launch, Outcome
 from services.executor.node import Attempt, Item, Node, items_of
 from shared import fsm, heartbeat, hooks, lease
-from shared.backlog import next_in_line
+from shared.backlog import hold_again, take
 from shared.errors import one_line
 from shared.fsm import State
 from shared.models import Dispatch, Task
@@ -90,19 +90,11 @@ class Starter:
             await self.start_items(self.take_held(free))
 
     def take_held(self, n: int) -> list[Item]:
-        """The `n` held dispatches to start next, in the ready line's order (backlog.
-        next_in_line): one held here must not keep a higher one placed after it waiting for
-        its slot. The rest stay held in arrival order (the hand-back takes the oldest)."""
-        held = self.held
-        picked = next_in_line([item.line for item in held], n)
-        if picked == list(range(len(picked))):  # the usual case: they came in line order
-            return [held.popleft() for _ in picked]
-        chosen = set(picked)
-        items = [held[k] for k in picked]
-        kept = [item for k, item in enumerate(held) if k not in chosen]
-        held.clear()
-        held.extend(kept)
-        return items
+        """The `n` held dispatches to start next, in the ready line's order (backlog.take)."""
+        return take(self.held, n)
+
+    def _hold_again(self, items: list[Item]) -> None:
+        hold_again(self.held, items)  # in place: the gated loop holds the deque
 
     async def _hand_back_held(self, hold_s: float) -> None:
         """Dispatches held `hold_s` or longer go back to Ready, in their place in line, for a
@@ -178,7 +170,7 @@ class Starter:
         items = self.take_held(take)
         ending = set(ending)
         clash = [i for i in items if i.dispatch is not None and i.dispatch.task_id in ending]
-        self.held.extendleft(reversed(clash))
+        self._hold_again(clash)
         items = [i for i in items if i not in clash]
         self.claiming += len(items)  # counted before the checks' awaits: the slots are taken
         try:
@@ -186,7 +178,7 @@ class Starter:
         except BaseException:
             # (a dead letter that cannot go out): those not settled go back, none is claimed
             self.claiming -= len(items)
-            self.held.extendleft(reversed([i for i in items if not i.settled]))
+            self._hold_again([i for i in items if not i.settled])
             raise
         self.claiming -= len(items) - len(claims)
         return claims
@@ -198,7 +190,7 @@ class Starter:
     def unclaimed(self, claims: Sequence[Received]) -> None:
         """Claims that were not written go back to the front of the backlog."""
         self.claiming -= len(claims)
-        self.held.extendleft(reversed([item for _, item in claims]))
+        self._hold_again([item for _, item in claims])
         self.node.slot_freed.set()  # the starter's loop looks at them again
 
     def claim_moves(self, dispatches: Sequence[Received]) -> list[fsm.Move]:

@@ -11,7 +11,7 @@ every admission (~0.5 ms of its submit -> start, docs/performance.md)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from uuid import UUID
 
 from services.scheduler.dispatch import need_of_spec
@@ -19,7 +19,7 @@ from shared import fsm
 from shared.degrade import Mode
 from shared.fsm import State
 from shared.models import Task, TaskSpec
-from shared.placement import Choice, Need, place_many
+from shared.placement import Choice, Need, NodeState, place_many
 from shared.store import NodeRow, Placing
 
 VIEW_S = 0.1  # how long a read of the nodes plans admissions
@@ -28,8 +28,14 @@ VIEW_S = 0.1  # how long a read of the nodes plans admissions
 class NodeView:
     """The nodes as this scheduler last read them, with its own placements since."""
 
-    def __init__(self, rows: Sequence[NodeRow], mode: Mode | None, generation: int) -> None:
-        self.nodes = {n.id: n.state() for n in rows}
+    def __init__(
+        self,
+        rows: Sequence[NodeRow],
+        mode: Mode | None,
+        generation: int,
+        routable: Callable[[Sequence[NodeState]], list[NodeState]] = list,
+    ) -> None:
+        self.nodes = {n.id: n for n in routable([n.state() for n in rows])}
         self.boot_ids = {n.id: n.boot_id for n in rows}
         self.normal = mode in (None, Mode.NORMAL)
         self.generation = generation  # Hub.node_changes when read

@@ -117,7 +117,7 @@ class Dispatcher(Sender):
         try:
             async with self.store.transaction() as tx:
                 rows, mode = await tx.nodes.lock_and_read()
-                nodes = [n.state() for n in self.hub.routable(rows)]
+                nodes = self.hub.routable([n.state() for n in rows])
                 free = sum(n.room for n in nodes if n.ready)
                 if free <= 0:
                     return 0

@@ -7,24 +7,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol, TypeVar
 from uuid import UUID
 
 from services.scheduler.queued import QueuedTasks
 from shared.degrade import DegradeState, Mode
 from shared.fsm import State
+from shared.placement import NodeState
 from shared.queues import ReadyQueue
 from shared.settings import Settings
 from shared.store import Store, parse_notify
 from shared.store.notify import NOTIFY_LIST_MAX, states_of, versions_of
-
-
-class _Node(Protocol):
-    @property
-    def id(self) -> str: ...
-
-
-R = TypeVar("R", bound=_Node)
 
 # A NOTIFY naming one of these states may have freed capacity on a node (or made a task Ready).
 FREES_CAPACITY = {
@@ -205,16 +197,17 @@ class Hub:
         self.returns_asked += 1
         self.unpark.set()
 
-    def routable(self, rows: Sequence[R]) -> list[R]:
-        """`rows` of nodes (anything with an `id`), less those whose dispatches came back
-        lately."""
+    def routable(self, nodes: Sequence[NodeState]) -> list[NodeState]:
+        """`nodes`, those whose dispatches came back lately shown full: what would fit there
+        waits in line for them, as for any full node (left out, the tasks that fit only
+        there were parked as fitting nowhere, until some node changed)."""
         if not self.unroutable:
-            return list(rows)
+            return list(nodes)
         now = time.monotonic()
         for node, until in list(self.unroutable.items()):
             if until <= now:
                 del self.unroutable[node]
-        return [r for r in rows if r.id not in self.unroutable]
+        return [n.full() if n.id in self.unroutable else n for n in nodes]
 
     def returns_pending(self) -> bool:
         """Whether tasks asked back in line may not be there yet (intake: no placing ahead)."""

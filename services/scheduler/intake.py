@@ -293,7 +293,7 @@ class Intake(Part):
         else:
             generation = hub.node_changes
             queued, (rows, mode) = await both(self.queue.waiting(), self.store.nodes.read())
-            view = self._view = NodeView(hub.routable(rows), mode, generation)
+            view = self._view = NodeView(rows, mode, generation, hub.routable)
         if queued is None:  # Redis lost the line: what was in it is back once it is rebuilt
             hub.rebuild.set()
         placing: Placing | None = None

@@ -12,15 +12,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 from uuid import uuid4
 
+import aiormq.exceptions
+from redis.asyncio import Redis
+
+from services.scheduler import sending
+from services.scheduler.dispatch import Dispatcher
+from services.scheduler.hub import Hub
 from services.scheduler.service import Scheduler
+from shared.bus import Outgoing
 from shared.client import SkedClient
 from shared.fsm import State
+from shared.queues import ReadyQueue
 from shared.settings import Settings
+from shared.store import Store
 from shared.wiring import backends
+from tests.fakes import StubBus
 from tests.helpers import spec
 
 
@@ -84,3 +94,85 @@ async def test_a_returned_dispatch_leaves_the_pass_unplaced_tasks_in_line(
         tasks = await b.store.tasks.list_tasks([State.READY])
         absent = await scheduler.queue.absent([t.id for t in tasks])
         assert absent == [], f"{len(absent)} of {len(tasks)} Ready tasks in no queue"
+
+
+ADMISSION = (State.PENDING, State.READY)
+
+
+def _returned() -> Exception:
+    """The error publish_each gives a message RabbitMQ returned (no queue bound)."""
+    return aiormq.exceptions.PublishError.__new__(aiormq.exceptions.PublishError)
+
+
+class ReturningBus(StubBus):
+    """A broker with no queue bound for node `g` the first time: its message comes back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.returned = 0
+
+    async def publish_each(
+        self, exchange: str, messages: Sequence[Outgoing], timeout: float
+    ) -> list[Exception | None]:
+        out: list[Exception | None] = []
+        for m in messages:
+            if m.routing_key == "g" and not self.returned:
+                self.returned += 1
+                out.append(_returned())
+            else:
+                self.published.append((exchange, m))
+                out.append(None)
+        return out
+
+
+async def test_a_task_that_fits_only_an_unroutable_node_waits_in_line_not_parked(
+    store: Store, settings: Settings, redis_url: str, monkeypatch: object
+) -> None:
+    """Node g (pool=gpu) and node p (no labels). A dispatch to g comes back once (its queue
+    unbound for a moment: Sender.send marks g unroutable for UNROUTABLE_S). The next pass
+    (Dispatcher.dispatch_once) placed on `hub.routable(rows)`, which left g out, so a task
+    whose selector only g matches is judged "no node matches" and PARKED (sked:parked), with
+    that false reason written. Parked tasks come back only on a node change (NOTIFY sked_node)
+    or the reconciler's backstop every PRUNE_S (60 s); the unroutable window's end is neither.
+    Expected: once g's window is over, the dispatch loop places the task on g. It stayed
+    Ready and parked (up to a minute more, wrongly reasoned) though g was healthy. Now an
+    unroutable node is shown full (Hub.routable): what fits it waits in line for it."""
+    monkeypatch.setattr(sending, "UNROUTABLE_S", 0.3)  # type: ignore[attr-defined]
+    redis = Redis.from_url(redis_url)
+    try:
+        queue, bus, hub = ReadyQueue(redis, aging_s=10.0), ReturningBus(), Hub()
+        await queue.mark_built()
+        dispatcher = Dispatcher(settings, store, bus, queue, hub)  # type: ignore[arg-type]
+        gpu = {"pool": "gpu"}
+        await store.nodes.register("g", 2, 0.0, 0, 0, gpu, uuid4())
+        await store.nodes.register("p", 2, 0.0, 0, 0, {}, uuid4())
+        # a first task for g: its dispatch comes back, g is passed over for the window
+        (first, _), *_ = await store.tasks.admit_many(
+            [spec("first", selector=gpu)], [uuid4()], ADMISSION
+        )
+        await queue.push([first])
+        await dispatcher.dispatch_once()
+        assert bus.returned == 1
+        assert "g" in hub.unroutable
+        # within the window another task for g is judged: nothing but g could take it
+        (second, _), *_ = await store.tasks.admit_many(
+            [spec("second", selector=gpu)], [uuid4()], ADMISSION
+        )
+        await queue.push([second])
+        await dispatcher.dispatch_once()
+        await asyncio.sleep(0.5)  # the window is over: g is routable again
+        # what the dispatch loop does on its next wake-ups (Dispatcher.run)
+        for _ in range(3):
+            if hub.unpark.is_set():
+                hub.unpark.clear()
+                await queue.unpark()
+            await dispatcher.dispatch_once()
+        after = {t.id: t for t in await store.tasks.get_many([first.id, second.id])}
+        depths = await queue.depths()
+    finally:
+        await redis.aclose()
+    stuck = [t for t in after.values() if t.status is State.READY]
+    assert not stuck, (
+        f"after node g's unroutable window, {len(stuck)} task(s) only g can take stay Ready "
+        f"(parked: {depths.get('parked')}), reason {[t.status_reason for t in stuck]!r}"
+    )

@@ -3,10 +3,12 @@ lost to long ones or a hand-back; a fixed backlog is always offered."""
 
 from __future__ import annotations
 
+from collections import deque
+
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.backlog import Backlog, next_in_line
+from shared.backlog import Backlog, hold_again, next_in_line, take
 
 
 def test_a_node_starts_without_a_backlog_and_earns_one_by_a_window_of_short_attempts() -> None:
@@ -119,3 +121,19 @@ def test_held_dispatches_start_in_the_lines_order() -> None:
     assert next_in_line([5.0, -1.0, 0.0, None, 0.0], 5) == [3, 1, 2, 4, 0]
     assert next_in_line([1.0, 2.0, 3.0], 2) == [0, 1]
     assert next_in_line([], 3) == []
+
+
+class _Held:
+    def __init__(self, line: float | None, received_at: float) -> None:
+        self.line, self.received_at = line, received_at
+
+
+def test_held_taken_out_of_order_go_back_in_arrival_order() -> None:
+    """The line's first is taken from the middle; put back unclaimed, it goes back among the
+    held by arrival, so the hand-back (oldest first) still finds the oldest at the front."""
+    old, new, newest = _Held(9.0, 1.0), _Held(1.0, 2.0), _Held(5.0, 3.0)
+    held = deque([old, new, newest])
+    assert take(held, 1) == [new]
+    assert list(held) == [old, newest]
+    hold_again(held, [new])
+    assert list(held) == [old, new, newest]
