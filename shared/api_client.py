@@ -133,8 +133,12 @@ class ApiClient:
                     raw += chunk
                     if len(raw) > MAX_ANSWER_BYTES:
                         break
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        except (aiohttp.ClientSSLError, aiohttp.InvalidURL) as exc:  # no retry mends these
+            raise SkedError(f"the API at {masked(self.url)} cannot be reached: {exc}") from None
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
             raise ApiUnavailable(f"the API at {masked(self.url)} did not answer: {exc}") from None
+        except (aiohttp.ClientError, ValueError) as exc:
+            raise SkedError(f"the API at {masked(self.url)} did not answer: {exc}") from None
         if len(raw) > MAX_ANSWER_BYTES:
             raise SkedError(f"the API answered {path} with over {MAX_ANSWER_BYTES} bytes")
         text = raw.decode("utf-8", "replace")

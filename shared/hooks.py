@@ -143,11 +143,25 @@ def received(
     contexts: list[str | None] = list(parents)
     handles: list[Any] = []
     for hook in installed:
-        theirs = _guarded(None, hook.received, queue, task_ids, contexts)
+        theirs = _answer(hook, _guarded(None, hook.received, queue, task_ids, contexts), task_ids)
         if theirs is not None:
             contexts, more = theirs
             handles.extend(more)
     return contexts, handles
+
+
+def _answer(hook: Hook, given: Any, asked: Sequence[Any]) -> tuple[list[Any], list[Any]] | None:
+    """A seam's answer, `(one item per task, handles)`, if it is that shape; else None, the
+    hook's failure logged: an answer of another length once made every task of a batch
+    fail its admission (a NULL id), or a committed pass send no dispatch."""
+    ok = isinstance(given, tuple) and len(given) == 2 and isinstance(given[0], list)
+    if ok and len(given[0]) == len(asked) and isinstance(given[1], list):
+        return given[0], given[1]
+    if given is not None:
+        _failing.warning(
+            "hook %s failed (ignored): an answer of another shape", type(hook).__name__
+        )
+    return None
 
 
 def _overriding(name: str) -> list[Hook]:
@@ -161,10 +175,13 @@ def dispatching(tasks: Sequence[Task]) -> tuple[list[dict[str, Any]], list[Any]]
     headers: list[dict[str, Any]] = [{} for _ in tasks]
     handles: list[Any] = []
     for hook in _overriding("dispatching"):
-        given = _guarded(None, hook.dispatching, tasks)
+        given = _answer(hook, _guarded(None, hook.dispatching, tasks), tasks)
         if given is None:
             continue
         more_headers, more = given
+        if not all(isinstance(theirs, dict) for theirs in more_headers):
+            _failing.warning("hook %s failed (ignored): headers not maps", type(hook).__name__)
+            continue
         for mine, theirs in zip(headers, more_headers, strict=True):
             mine.update(theirs)
         handles.extend(more)

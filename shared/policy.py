@@ -24,10 +24,27 @@ CODE_VARS = frozenset(
         *("GCONV_PATH", "LOCPATH", "NLSPATH", "HOSTALIASES", "RESOLV_HOST_CONF", "MALLOC_TRACE"),
         *("JAVA_TOOL_OPTIONS", "_JAVA_OPTIONS", "JDK_JAVA_OPTIONS", "CLASSPATH"),
         *("NODE_OPTIONS", "NODE_PATH", "RUBYOPT", "RUBYLIB", "PERL5OPT", "PERL5LIB", "PERLLIB"),
-        *("LUA_INIT", "LUA_PATH", "LUA_CPATH", "TCLLIBPATH", "GIT_SSH_COMMAND", "GIT_EXEC_PATH"),
+        *("LUA_INIT", "LUA_PATH", "LUA_CPATH", "TCLLIBPATH"),
+        # commands that git, ssh, less, man and editors run from a variable
+        *("GIT_SSH", "GIT_SSH_COMMAND", "GIT_EXEC_PATH", "GIT_EXTERNAL_DIFF", "GIT_PAGER"),
+        *("GIT_PROXY_COMMAND", "GIT_ASKPASS", "GIT_EDITOR", "GIT_SEQUENCE_EDITOR"),
+        *("GIT_TEMPLATE_DIR", "SSH_ASKPASS", "EDITOR", "VISUAL", "PAGER", "MANPAGER"),
+        *("LESSOPEN", "LESSCLOSE", "VIMINIT", "EXINIT", "BROWSER"),
     }
 )
 CODE_PREFIXES = ("LD_", "BASH_FUNC_", "PYTHON", "DYLD_", "LUA_INIT_", "GIT_CONFIG")
+# of the prefixes' names, those that run nothing: common in Python jobs, refused for nothing
+HARMLESS = frozenset(
+    {
+        *("PYTHONUNBUFFERED", "PYTHONIOENCODING", "PYTHONDONTWRITEBYTECODE", "PYTHONHASHSEED"),
+        *("PYTHONUTF8", "PYTHONFAULTHANDLER", "PYTHONOPTIMIZE"),  # (-W imports a module)
+    }
+)
+
+
+def runs_code(name: str) -> bool:
+    """Whether an environment variable so named may make a program run code it names."""
+    return name not in HARMLESS and (name in CODE_VARS or name.startswith(CODE_PREFIXES))
 
 
 @dataclass(frozen=True)
@@ -54,7 +71,7 @@ class JobPolicy:
             )
         if not self.commands:
             return None
-        code = sorted(k for k in job.env if k in CODE_VARS or k.startswith(CODE_PREFIXES))
+        code = sorted(k for k in job.env if runs_code(k))
         if code:
             return (
                 f"environment variable {code[0]} is not allowed here: it could make an allowed "

@@ -40,6 +40,7 @@ class SyncSkedClient:
         self._pid = os.getpid()
         self._closed = False
         self._call: asyncio.Task[Any] | None = None  # the call in progress, for close()
+        self._caller: int | None = None  # the thread running it
 
     def submit(self, spec: TaskSpec | dict[str, Any]) -> UUID:
         return self._run(self._client.submit(spec))
@@ -104,14 +105,22 @@ class SyncSkedClient:
         call = self._call
         if call is not None:
             call.get_loop().call_soon_threadsafe(call.cancel)
+        if self._caller == threading.get_ident():
+            # called from within a call on this thread (a signal handler: `signal.signal(
+            # SIGTERM, lambda *_: sked.close())`): waiting for the lock would wait for itself;
+            # the call, canceled, shuts the client when it unwinds (_run)
+            return
         with self._lock:
-            runner, self._runner = self._runner, None
-            if runner is None:
-                return
-            try:
-                runner.run(self._client.close())
-            finally:
-                runner.close()
+            self._shut()
+
+    def _shut(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is None:
+            return
+        try:
+            runner.run(self._client.close())
+        finally:
+            runner.close()
 
     def _run(self, call: Coroutine[Any, Any, T]) -> T:
         """One call, to its end, on the private loop: one at a time (two threads sharing the
@@ -125,6 +134,7 @@ class SyncSkedClient:
             if runner is None or self._closed:
                 call.close()
                 raise SkedError("the client is closed")
+            self._caller = threading.get_ident()
             try:
                 return runner.run(self._tracked(call))
             except asyncio.CancelledError:
@@ -132,7 +142,9 @@ class SyncSkedClient:
                     raise SkedError("the client is closed") from None
                 raise
             finally:
-                self._call = None
+                self._call = self._caller = None
+                if self._closed:  # closed during the call, from within it
+                    self._shut()
 
     async def _tracked(self, call: Coroutine[Any, Any, T]) -> T:
         self._call = asyncio.current_task()

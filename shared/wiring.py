@@ -13,6 +13,7 @@ import asyncpg
 from redis.asyncio import Redis
 from redis.exceptions import AuthenticationError, RedisError
 from redis.exceptions import ConnectionError as RedisDown
+from redis.exceptions import TimeoutError as RedisTimeout
 
 from shared import metrics, queues
 from shared.bus import AmqpBus
@@ -45,8 +46,8 @@ async def starting(server: str, url: str) -> AsyncIterator[None]:
     try:
         async with asyncio.timeout(CONNECT_S):
             yield
-    except SkedError:
-        raise
+    except (SkedError, asyncpg.InvalidCatalogNameError):
+        raise  # (no such database: connect_store says to run `sked migrate`)
     except TimeoutError:
         raise SkedError(f"{server} at {where(url)} did not answer within {CONNECT_S:g} s") from None
     except Exception as exc:
@@ -118,7 +119,7 @@ async def _refused_by_redis(redis: Redis, url: str) -> None:
             await redis.ping()
     except AuthenticationError as exc:  # (a ConnectionError to redis-py)
         raise SkedError(f"Redis at {where(url)}: {exc}") from None
-    except (RedisDown, TimeoutError, OSError):
+    except (RedisDown, RedisTimeout, TimeoutError, OSError):
         return
     except RedisError as exc:
         raise SkedError(f"Redis at {where(url)}: {exc}") from None

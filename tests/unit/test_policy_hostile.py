@@ -70,3 +70,11 @@ def test_a_job_without_code_variables_is_still_allowed() -> None:
     policy = JobPolicy.of([], ("/opt/jobs/",))
     job = CommandJob(argv=["/opt/jobs/build.sh"], env={"MODE": "fast", "LANG": "C.UTF-8"})
     assert policy.refuses(job) is None
+
+
+@pytest.mark.parametrize("name", ["PYTHONUNBUFFERED", "PYTHONIOENCODING", "GIT_AUTHOR_NAME"])
+def test_variables_that_run_nothing_are_not_refused(name: str) -> None:
+    """The list names what runs code: a Python job's PYTHONUNBUFFERED, or git's author, is
+    not refused with it."""
+    policy = JobPolicy.of([], ("/opt/jobs/",))
+    assert policy.refuses(CommandJob(argv=["/opt/jobs/run"], env={name: "1"})) is None
