@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass
 from uuid import NAMESPACE_URL, UUID, uuid5
 
+import aiormq.exceptions
 from aio_pika import ExchangeType
 from aio_pika.abc import AbstractChannel, AbstractQueue
 
@@ -132,12 +133,18 @@ class Serving:
         arguments cannot be consumed, and its node is left, not ready, until it is sked's.
         Likewise sked.probe and this executor's probe bindings: without them the monitor's
         loss ladder finds a live node unreachable and skips its grace."""
-        await self.channel.declare_exchange(PROBE_EXCHANGE, ExchangeType.DIRECT, durable=True)
-        for node_id in self.probed:
-            await self.probes.bind(PROBE_EXCHANGE, node_id)
         for node_id in list(self.served):
             if await self._unusable(node_id):
                 await self._leave(node_id)
+        # declared on a channel of its own: a refusal (someone made it another type) closes
+        # the channel it is made on, and this one's consumers are the nodes'
+        try:
+            async with await self.node.bus.consumer_channel(1) as channel:
+                await channel.declare_exchange(PROBE_EXCHANGE, ExchangeType.DIRECT, durable=True)
+        except aiormq.exceptions.ChannelPreconditionFailed as exc:  # it is there: bind to it
+            self._refused.warning("exchange %s is not sked's (direct): %s", PROBE_EXCHANGE, exc)
+        for node_id in self.probed:
+            await self.probes.bind(PROBE_EXCHANGE, node_id)
 
     async def _unusable(self, node_id: str) -> bool:
         problem = await self.node.bus.node_queue_problem(node_id)

@@ -76,6 +76,29 @@ async def test_a_deleted_probe_exchange_leaves_no_live_executor_unreachable(
         assert node.ready, "the ladder marked a live, connected node not ready"
 
 
+async def test_a_foreign_probe_exchange_is_named_and_closes_no_serving_channel(
+    settings: Settings, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Someone deletes `sked.probe` and declares it again as another type (fanout). The
+    executor's re-declaration is refused (PRECONDITION_FAILED closes the channel it is made
+    on): made on the serving channel, it would close the node's consumers every fifth
+    heartbeat. It is made on a channel of its own (Serving.reassert), the refusal named, and
+    the node goes on taking work."""
+    caplog.set_level(logging.WARNING)
+    fast = settings.model_copy(update={"node_heartbeat_s": 0.1})
+    async with pipeline(fast, tmp_path) as (_, client):
+        assert await _all_succeed(client, 1, 20) == [State.SUCCESS]
+        async with _admin(settings.rabbitmq_url) as ch:
+            await ch.exchange_delete(PROBE_EXCHANGE)
+            await ch.declare_exchange(PROBE_EXCHANGE, aio_pika.ExchangeType.FANOUT, durable=True)
+
+        async def named() -> bool:
+            return any(f"exchange {PROBE_EXCHANGE}" in r.getMessage() for r in caplog.records)
+
+        await eventually(named, timeout=15, interval=0.2, what="the foreign sked.probe named")
+        assert await _all_succeed(client, 3, 20) == [State.SUCCESS] * 3
+
+
 async def test_an_executor_that_starts_beside_a_foreign_node_queue_does_not_crash(
     settings: Settings, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
