@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import subprocess
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -233,9 +234,6 @@ async def test_a_batch_of_outcomes_past_statement_timeout_is_split_not_retried_w
                         b.store.tasks, task, State.RUNNING, lease_owner=str(executor.node.boot_id)
                     )
                 )
-            await admin.execute(f'ALTER DATABASE "{db}" SET statement_timeout = 100')
-            await admin.execute(OTHERS, db)
-            await asyncio.sleep(0.5)
 
             def big() -> Outcome:
                 return Outcome(True, list(range(120_000)), None, False, False, "")
@@ -243,9 +241,16 @@ async def test_a_batch_of_outcomes_past_statement_timeout_is_split_not_retried_w
             def at(task: Any) -> Attempt:
                 return Attempt(task, StubMessage(b""))  # type: ignore[arg-type]
 
-            # one big outcome alone fits the timeout
+            # One big outcome alone, timed without a timeout: the timeout is then four times
+            # that (at least 100 ms), which one fits and eight together do not, however busy
+            # the host (a fixed 100 ms failed the single write on a loaded CI host).
+            began = time.monotonic()
             await asyncio.wait_for(executor.finisher.finish([(at(tasks[0]), big())]), 20)
+            timeout_ms = max(100, int(4000 * (time.monotonic() - began)))
             assert (await b.store.tasks.get(tasks[0].id)).status is State.SUCCESS
+            await admin.execute(f'ALTER DATABASE "{db}" SET statement_timeout = {timeout_ms}')
+            await admin.execute(OTHERS, db)
+            await asyncio.sleep(0.5)
             small = Outcome(True, 1, None, False, False, "")
             batch = [(at(t), big()) for t in tasks[1:9]] + [(at(tasks[9]), small)]
             with contextlib.suppress(TimeoutError):

@@ -32,7 +32,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def script(env: dict[str, str], code: str) -> subprocess.Popen[str]:
-    """`python -c CODE` with this test's deployment in its environment."""
+    """`python -c CODE` with this test's deployment in its environment, and SIGINT's default
+    action (a test run in the background inherits SIGINT ignored, and so would the script:
+    Python then installs no KeyboardInterrupt for it, and Ctrl-C would do nothing)."""
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code)],
         env={**env, "PYTHONPATH": str(ROOT)},
@@ -40,6 +42,7 @@ def script(env: dict[str, str], code: str) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
