@@ -32,6 +32,9 @@ from shared.throttle import Throttled
 # more than 65,535 allocatable pods) is refused by the client library with a TypeError,
 # which would stop the nodes loop and with it every node this executor serves.
 MAX_PREFETCH = 65_535
+# RabbitMQ away, as a best-effort declaration meets it: a transient error, or aiormq's bare
+# RuntimeError for a channel asked of a closed connection
+AWAY: tuple[type[BaseException], ...] = (*TRANSIENT, RuntimeError)
 
 
 def prefetch_count(count: int) -> int:
@@ -132,7 +135,16 @@ class Serving:
         running executor, they come back; a queue someone declared again with other
         arguments cannot be consumed, and its node is left, not ready, until it is sked's.
         Likewise sked.probe and this executor's probe bindings: without them the monitor's
-        loss ladder finds a live node unreachable and skips its grace."""
+        loss ladder finds a live node unreachable and skips its grace. Best effort: with
+        RabbitMQ away it waits for a later heartbeat (its error once stopped the executor:
+        aiormq refuses a channel on a closed connection with a bare RuntimeError), and the
+        node's heartbeats to Postgres go on meanwhile."""
+        try:
+            await self._reassert()
+        except AWAY as exc:
+            log.info("nodes' queues not declared again now (RabbitMQ away?): %s", exc)
+
+    async def _reassert(self) -> None:
         for node_id in list(self.served):
             if await self._unusable(node_id):
                 await self._leave(node_id)
