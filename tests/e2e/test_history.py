@@ -15,7 +15,7 @@ import itertools
 import os
 import random
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -25,7 +25,7 @@ import asyncpg
 from shared.client import SkedClient
 from shared.errors import NotAllowed, NotFound, StaleWrite
 from shared.fsm import State
-from tests.e2e.checks import TABLE
+from tests.e2e.checks import TABLE, histories
 from tests.e2e.conftest import Deployment
 from tests.helpers import eventually
 from tests.integration.test_relay import EventSink, sink  # noqa: F401 - fixture
@@ -161,13 +161,8 @@ async def _wait_settled(pool: asyncpg.Pool, timeout: float) -> list[asyncpg.Reco
 
 async def _check_history(pool: asyncpg.Pool, relayed: EventSink, marks: Path) -> list[str]:
     problems: list[str] = []
-    rows = await pool.fetch(
-        "SELECT task_id, from_status, to_status, version, attempt, at FROM task_events "
-        "ORDER BY task_id, version"
-    )
-    events: dict[UUID, list[asyncpg.Record]] = defaultdict(list)
-    for r in rows:
-        events[r["task_id"]].append(r)
+    events = await histories(pool)
+    rows = [r for evs in events.values() for r in evs]
     tasks = {r["id"]: r for r in await pool.fetch("SELECT * FROM tasks")}
     for tid, task in tasks.items():
         evs = events.get(tid, [])
