@@ -41,9 +41,9 @@ from shared.views import WorkflowSummary, WorkflowView
 # The store's modules (NodeRow, Drain, NotAllowed) and the workflow models are imported by the
 # calls that need them: `sked status` through the API needs no database library at all.
 if TYPE_CHECKING:
-    from shared.bus import DeadLetter
     from shared.cordon import Drain
     from shared.dag import WorkflowSpec
+    from shared.dead_letters import DeadLetter
     from shared.store import NodeRow
 
 T = TypeVar("T")
@@ -270,7 +270,7 @@ class ApiClient:
         return read_answer(path, lambda: [task_of(t) for t in moved])
 
     async def dead_letters(self, limit: int = 100) -> list[DeadLetter]:
-        from shared.bus import DeadLetter
+        from shared.dead_letters import DeadLetter
 
         found = await self.call("GET", "/v1/dead", limit=limit)
         return read_answer("/v1/dead", lambda: [from_json(DeadLetter, d) for d in found])

@@ -26,6 +26,9 @@ from aio_pika.abc import (
 from shared.bus_rpc import UNROUTABLE as UNROUTABLE
 from shared.bus_rpc import Accept, RequestReply, Unroutable
 from shared.bus_rpc import returned as _returned
+from shared.dead_letters import REASON_HEADER as REASON_HEADER
+from shared.dead_letters import DeadLetter, dead_letter_of
+from shared.errors import AmqpAway
 from shared.fsm import State
 
 log = logging.getLogger(__name__)
@@ -46,7 +49,6 @@ DEAD_QUEUE = "sked.dead"
 # (its alarms would block every publisher, sked's own included).
 DEAD_MAX_MESSAGES = 100_000
 DEAD_MAX_BYTES = 1024**3
-REASON_HEADER = "x-sked-reason"
 # The scheduler sends each placed attempt to its node: routing key = node id.
 DISPATCH_EXCHANGE = "sked.dispatch"
 # Executors publish heartbeats (their own and their attempts') here; monitors share the queue.
@@ -59,52 +61,6 @@ PROBE_EXCHANGE = "sked.probe"
 NODE_QUEUE_EXPIRES_MS = 24 * 3600 * 1000
 SCHEMA_HEADER = "x-sked-schema"
 JSON = "application/json"
-
-
-DEAD_PREVIEW = 500  # characters of a dead letter's body shown to an operator
-
-
-@dataclass(frozen=True)
-class DeadLetter:
-    """A message in DEAD_QUEUE as an operator reads it. Every field comes from a message
-    anyone may have published, so each is read defensively and bounded."""
-
-    reason: str  # x-sked-reason; or RabbitMQ's own (x-death) for a message it dead-lettered
-    routing_key: str  # the key it was first published with
-    message_id: str | None
-    size: int  # the body's bytes
-    body: str  # its first DEAD_PREVIEW characters, decoded (what is not UTF-8 replaced)
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "reason": self.reason,
-            "routing_key": self.routing_key,
-            "message_id": self.message_id,
-            "size": self.size,
-            "body": self.body,
-        }
-
-
-def dead_letter_of(
-    body: bytes, headers: Any, routing_key: str | None, message_id: str | None
-) -> DeadLetter:
-    """A DeadLetter from a message's parts, whatever their types: a header that is not what
-    sked writes counts as absent."""
-    headers = headers if isinstance(headers, dict) else {}
-    reason = headers.get(REASON_HEADER)
-    key = headers.get("x-sked-routing-key")
-    if not isinstance(reason, str):  # dead-lettered by RabbitMQ (sked.submit's DLX), or forged
-        deaths = headers.get("x-death")
-        death = deaths[0] if isinstance(deaths, list) and deaths else {}
-        why = death.get("reason") if isinstance(death, dict) else None
-        reason = f"dead-lettered by RabbitMQ: {why}" if isinstance(why, str) else "no reason given"
-    return DeadLetter(
-        reason[:2000],
-        (key if isinstance(key, str) else routing_key or "")[:255],
-        message_id[:255] if isinstance(message_id, str) else None,
-        len(body),
-        body[: DEAD_PREVIEW * 4].decode("utf-8", errors="replace")[:DEAD_PREVIEW],
-    )
 
 
 KNOWN_STATES = frozenset(State)  # what this release routes as task.<state> as it is
@@ -206,9 +162,8 @@ class AmqpBus:
     async def _declarable(self, name: str, arguments: dict[str, Any] | None) -> bool:
         """Whether declaring queue `name` durable with `arguments` succeeds (it then exists):
         tried on a channel of its own, since a refusal (PRECONDITION_FAILED) closes it."""
-        assert self._connection is not None
         try:
-            async with self._connection.channel() as channel:
+            async with await self.open_channel() as channel:
                 await channel.declare_queue(name, durable=True, arguments=arguments)
         except aiormq.exceptions.ChannelPreconditionFailed:
             return False
@@ -216,11 +171,20 @@ class AmqpBus:
 
     async def consumer_channel(self, prefetch: int) -> AbstractChannel:
         """A channel of its own for consuming, so its prefetch bounds only that consumer."""
-        if self._connection is None:
-            raise RuntimeError("AmqpBus.connect() was not called")
-        channel = await self._connection.channel()
+        channel = await self.open_channel()
         await channel.set_qos(prefetch_count=prefetch)
         return channel
+
+    async def open_channel(self) -> AbstractChannel:
+        """A new channel. Asked while the connection is down (dropped, not yet back), aiormq
+        refuses with a bare RuntimeError that no loop retries: raised as AmqpAway instead, a
+        ConnectionError (transient), so the asking loop waits and tries again."""
+        if self._connection is None:
+            raise RuntimeError("AmqpBus.connect() was not called")
+        try:
+            return await self._connection.channel()
+        except RuntimeError as exc:
+            raise AmqpAway(f"RabbitMQ connection down: {exc}") from exc
 
     async def declare_submit_queue(self, channel: AbstractChannel) -> AbstractQueue:
         """sked.submit and its bindings, declared (not looked up) on `channel`: a consumer's
@@ -237,10 +201,9 @@ class AmqpBus:
         """Declare node `node_id`'s queue, sked.dispatch and the binding again, on a channel
         of their own (a refusal closes it); why they cannot stand as sked declares them, or
         None. The broker tells no one of one deleted under a running executor."""
-        assert self._connection is not None
         what = f"exchange {DISPATCH_EXCHANGE} (direct, durable)"
         try:
-            async with self._connection.channel() as channel:
+            async with await self.open_channel() as channel:
                 await channel.declare_exchange(
                     DISPATCH_EXCHANGE, aio_pika.ExchangeType.DIRECT, durable=True
                 )
@@ -376,10 +339,8 @@ class AmqpBus:
         """Up to `limit` messages of DEAD_QUEUE, oldest first, left where they are: each is
         taken without an acknowledgement on a channel of its own, which is then closed, so
         RabbitMQ puts every one back in its place."""
-        if self._connection is None:
-            raise RuntimeError("AmqpBus.connect() was not called")
         letters: list[DeadLetter] = []
-        async with self._connection.channel() as channel:
+        async with await self.open_channel() as channel:
             queue = await channel.declare_queue(DEAD_QUEUE, passive=True)
             while len(letters) < limit:
                 message = await queue.get(no_ack=False, fail=False)

@@ -36,8 +36,9 @@ if TYPE_CHECKING:  # imported by the calls that use them: reading a task needs o
 
     from redis.asyncio import Redis
 
-    from shared.bus import AmqpBus, DeadLetter
+    from shared.bus import AmqpBus
     from shared.dag import WorkflowSpec
+    from shared.dead_letters import DeadLetter
     from shared.queues import ReadyQueue
     from shared.store import NodeRow, Store
 

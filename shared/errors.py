@@ -108,3 +108,8 @@ def rabbitmq_said(exc: BaseException) -> str | None:
             "and may its user use it?"
         )
     return str(exc) or type(exc).__name__
+
+
+class AmqpAway(ConnectionError):
+    """RabbitMQ's connection is down and not yet back: a transient error (an OSError), where
+    aiormq says it with a bare RuntimeError."""

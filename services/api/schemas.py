@@ -17,8 +17,8 @@ from uuid import UUID
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, create_model
 
 from shared.auth import Role
-from shared.bus import DeadLetter
 from shared.dag import WorkflowSpec
+from shared.dead_letters import DeadLetter
 from shared.models import Event, Task, TaskSpec
 from shared.store import NodeRow
 from shared.store.tokens import AuditRow, TokenRow

@@ -13,8 +13,8 @@ from shared.errors import SkedError
 
 if TYPE_CHECKING:  # each client is imported when chosen: the other's libraries never load
     from shared.api_client import ApiClient
-    from shared.bus import DeadLetter
     from shared.dag import WorkflowSpec
+    from shared.dead_letters import DeadLetter
     from shared.models import Event, Task, TaskSpec
     from shared.settings import Settings
     from shared.store import NodeRow

@@ -32,9 +32,6 @@ from shared.throttle import Throttled
 # more than 65,535 allocatable pods) is refused by the client library with a TypeError,
 # which would stop the nodes loop and with it every node this executor serves.
 MAX_PREFETCH = 65_535
-# RabbitMQ away, as a best-effort declaration meets it: a transient error, or aiormq's bare
-# RuntimeError for a channel asked of a closed connection
-AWAY: tuple[type[BaseException], ...] = (*TRANSIENT, RuntimeError)
 
 
 def prefetch_count(count: int) -> int:
@@ -136,12 +133,12 @@ class Serving:
         arguments cannot be consumed, and its node is left, not ready, until it is sked's.
         Likewise sked.probe and this executor's probe bindings: without them the monitor's
         loss ladder finds a live node unreachable and skips its grace. Best effort: with
-        RabbitMQ away it waits for a later heartbeat (its error once stopped the executor:
-        aiormq refuses a channel on a closed connection with a bare RuntimeError), and the
-        node's heartbeats to Postgres go on meanwhile."""
+        RabbitMQ away it waits for a later heartbeat (a channel asked of a dropped connection
+        is refused as AmqpAway, transient), and the node's heartbeats to Postgres go on
+        meanwhile."""
         try:
             await self._reassert()
-        except AWAY as exc:
+        except TRANSIENT as exc:
             log.info("nodes' queues not declared again now (RabbitMQ away?): %s", exc)
 
     async def _reassert(self) -> None:

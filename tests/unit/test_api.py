@@ -22,9 +22,9 @@ from services.api.app import make_app
 from services.api.openapi import document
 from shared.api_client import ApiClient, node_of, task_of
 from shared.auth import Role, bearer, digest, new_secret
-from shared.bus import DeadLetter
 from shared.client import WaitTimeout
 from shared.control import NotAllowed
+from shared.dead_letters import DeadLetter
 from shared.errors import NotFound, Purged, missing
 from shared.fsm import State
 from shared.placement import Need, NodeState, choose

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from services.cli.output import status_lines
-from shared.bus import DEAD_PREVIEW, REASON_HEADER, dead_letter_of
+from shared.dead_letters import DEAD_PREVIEW, REASON_HEADER, dead_letter_of
 from shared.redact import for_terminal, printable
 from tests.fakes.store import new_task
 from tests.helpers import spec
