@@ -195,6 +195,8 @@ class Settings(BaseSettings):
     # a handler worker is replaced after this many jobs (0: never): each job's environment
     # costs a worker ~220 bytes it never frees (glibc's setenv), and handlers may leak too
     worker_max_jobs: int = Field(default=10_000, ge=0)
+    # a running attempt's log past this is cut to its last half (backends/local/logcap.py)
+    log_max_bytes: int = Field(default=64 * 2**20, ge=64 * 1024, le=2**62)
     # handler jobs one worker may hold at once while the node's jobs run short: the one it
     # runs and those waiting behind it, which then cost no wake-up of an idle worker (1: a
     # job only ever goes to an idle worker)

@@ -79,6 +79,7 @@ def local_backend(settings: Settings) -> LocalBackend:
         freeze_max_s=settings.freeze_max_s,
         worker_max_jobs=settings.worker_max_jobs,
         worker_depth=settings.worker_depth,
+        log_max_bytes=settings.log_max_bytes,
     )
 
 

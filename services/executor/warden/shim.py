@@ -370,7 +370,7 @@ def exec_leader(
                 pass
             except IsADirectoryError:  # a task may plant one at another attempt's log path
                 shutil.rmtree(req["log"], ignore_errors=True)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_APPEND
             log = os.open(req["log"], flags, 0o600)
             os.dup2(log, 1)
             os.dup2(log, 2)

@@ -7,7 +7,6 @@ state_dir/running so that the next executor on this state_dir kills what a crash
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import logging
 import os
 import time
@@ -23,11 +22,12 @@ from services.executor.backends import Key, Launch, OneNode, Outcome
 from services.executor.backends.local.env import task_base_env, task_env
 from services.executor.backends.local.exits import exit_text
 from services.executor.backends.local.files import move_or_tail, remove
+from services.executor.backends.local.logcap import bound, keep_bounded
 from services.executor.backends.local.outputs import prune_logs, tail, with_output
 from services.executor.backends.local.pool import Stopped, WorkerPool
 from services.executor.backends.local.process import Proc, SpawnError, Warden
 from services.executor.backends.local.records import Records
-from services.executor.backends.local.statedir import make_private, write_inputs
+from services.executor.backends.local.statedir import make_private, take_lock, write_inputs
 from services.executor.backends.local.worker import describe
 from services.executor.backends.local.workers import (
     STOP_GRACE_S,
@@ -81,6 +81,7 @@ class LocalBackend(OneNode):
         freeze_max_s: float = 600.0,
         worker_max_jobs: int = 0,
         worker_depth: int = 8,
+        log_max_bytes: int = 64 * 2**20,
     ) -> None:
         self.slots = slots
         # Handler workers started with the executor; the other slots start theirs on their
@@ -89,6 +90,7 @@ class LocalBackend(OneNode):
         self.warm_workers = min(warm_workers, slots)
         self.state_dir = state_dir.absolute()
         self.log_tail_bytes = log_tail_bytes
+        self.log_max_bytes = log_max_bytes
         self.freeze_max_s = freeze_max_s
         self.base_env = task_base_env(env_pass)
         self.reaped: list[Key] = []  # attempts a previous executor left running, reaped at start
@@ -109,24 +111,13 @@ class LocalBackend(OneNode):
         """Reap what a previous executor left running, then start the warden and the warm
         handler workers."""
         make_private(self.state_dir, (self._logs, self._worker_out, self._io, self._records.root))
-        self._lock = self._take_lock()
+        self._lock = take_lock(self.state_dir)
         self.reaped = self._records.reap()
         for stale in [*self._worker_out.iterdir(), *self._io.iterdir()]:
             remove(stale)  # whatever an attempt left there: a task may make it a directory
         await self._warden.start()
         self._started = True
         await self._pool.warm(self.warm_workers)
-
-    def _take_lock(self) -> int:
-        # Two backends on one state_dir would reap each other's live attempts.
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(self.state_dir / "lock", flags, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise RuntimeError(f"{self.state_dir} is in use by another executor") from None
-        return fd
 
     async def run(self, launch: Launch) -> Outcome:
         """Run the attempt, or join it if it is already running here; never raises for the task.
@@ -183,7 +174,14 @@ class LocalBackend(OneNode):
         return run is not None and run.proc is not None and run.proc.frozen
 
     async def watch(self) -> None:
-        await self._warden.watch()
+        async with asyncio.TaskGroup() as group:  # either failing stops both
+            group.create_task(self._warden.watch())
+            group.create_task(keep_bounded(self._written, self.log_max_bytes))
+
+    def _written(self) -> list[str]:
+        """The files running attempts write: commands' logs, handler workers' out files."""
+        runs = (self._log_name(f"{t}-{a}") for t, a in self._runs)
+        return [*map(str, self._worker_out.iterdir()), *runs]
 
     async def close(self) -> None:
         """Stop every attempt still running, then the workers and the warden."""
@@ -288,6 +286,7 @@ class LocalBackend(OneNode):
             self._records.remove(key)
         if proc.error is not None:
             return Outcome.failed(f"could not start: {proc.error}")
+        await bound(str(log_path), self.log_max_bytes)  # what it wrote since the last look
         tail = self._tail(log_path)
         if not finished:
             return self._cut_short(launch, stopped, tail)

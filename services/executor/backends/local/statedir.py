@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import stat
@@ -85,3 +86,16 @@ async def write_inputs(path: Path, inputs: object) -> None:
 
 def _write_inputs(path: Path, inputs: object) -> None:
     write_new(path, json.dumps(inputs).encode())
+
+
+def take_lock(state_dir: Path) -> int:
+    """The state directory's lock, held while the executor runs: two backends on one state_dir
+    would reap each other's live attempts."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(state_dir / "lock", flags, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RuntimeError(f"{state_dir} is in use by another executor") from None
+    return fd

@@ -9,8 +9,7 @@ here, in order: a worker that finds its next job waiting runs it without sleepin
 what a burst of short jobs saves. Each reply is written before the next job starts, so that
 when a worker dies, the first job without a reply is the one it was running and those after it
 never started. SIGUSR1 (a nudge, sent through the worker's shim) gives back every job not yet
-started, {"returned": [job, ...]}; a job taken from the queue is started, and is never given
-back.
+started, {"returned": [job, ...]}; a job taken from the queue is started, never given back.
 """
 
 from __future__ import annotations
@@ -103,6 +102,7 @@ class Worker:
 
     def __init__(self, out_path: str) -> None:
         self.out_path = out_path
+        self.pid = os.getpid()  # a handler's fork returning into this code is not the worker
         self.out = self._open_out()
         # The job and reply channels move to private descriptors, and fds 0 and 1 to /dev/null,
         # so nothing a handler reads or prints can swallow a job or corrupt a reply. os.dup makes
@@ -213,8 +213,7 @@ class Worker:
         return found
 
     def run(self, line: bytes, started: float = 0.0) -> bytes:
-        """Run one job with its output going to the out file; return the reply line, which
-        says how long the job ran ("ran", seconds; `started`: when, on the monotonic clock)."""
+        """Run one job, its output to the out file; its reply, with "ran" (monotonic s)."""
         try:
             job = from_json(line)  # the executor's line: pydantic's parser, 4x json.loads's speed
             stem = json.dumps(job["job"])
@@ -223,9 +222,8 @@ class Worker:
             return _failure("not a job", show=False)  # names no job: the executor kills us
         if os.fstat(self.out).st_size:  # what a process an earlier job left running wrote
             # O_APPEND: the next write lands at the start again. Only when there is something
-            # to cut: a truncation rewrites the file's times, an inode update the file
-            # system journals, once per job; most jobs find the file as the last one left it,
-            # emptied (its output moved to its log) or never written.
+            # to cut: a truncation rewrites the file's times (an inode update the file system
+            # journals); most jobs find it emptied (moved to its log) or never written.
             os.ftruncate(self.out, 0)
         self.env.use(job_env)
         os.dup2(self.out, 1)
@@ -239,6 +237,8 @@ class Worker:
             sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
             os.dup2(self.quiet, 1)
             os.dup2(self.stderr, 2)
+        if os.getpid() != self.pid:  # a handler forked and returned in its child: only the
+            os._exit(0)  # worker replies, and reads the next job (another task's)
         if leftovers := _children():  # before the reply: a retry must not run beside them
             _end(leftovers)
         ran = time.monotonic() - started if started else 0.0

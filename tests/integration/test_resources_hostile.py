@@ -1,0 +1,160 @@
+"""A task exhausting what the local backend gives it: the executor's disk through its log, and
+a handler's worker through fork. Each case was found by an adversarial review, where it failed:
+the docstrings say what happened; each test shows it no longer does. Handlers the tests run are
+defined here and run in the handler workers as `tests.integration.test_resources_hostile:<name>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+from uuid import uuid4
+
+import pytest
+
+from services.executor.backends import Launch, Outcome
+from services.executor.backends.local import LocalBackend
+from services.executor.backends.local.logcap import trim
+from shared.models import CommandJob, HandlerJob
+
+HERE = "tests.integration.test_resources_hostile"
+LIMIT = 1024 * 1024  # the tests' SKED_LOG_MAX_BYTES
+
+
+# --- handlers (run in the workers) -------------------------------------------------------------
+
+
+def fork_and_return_twice(delay: float) -> int:
+    pid = os.fork()
+    if pid == 0:
+        return os.getpid()  # the child goes on as a worker
+    time.sleep(delay)
+    return os.getpid()
+
+
+def noisy(mb: int, pause: float) -> int:
+    block = b"y" * (1 << 20)
+    for i in range(mb):
+        os.write(1, block)
+        if i % 5 == 4:
+            time.sleep(pause)
+    os.write(1, b"done\n")
+    return mb
+
+
+def quick() -> int:
+    return 7
+
+
+def nap(seconds: float) -> int:
+    time.sleep(seconds)
+    return 7
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+def command(script: str, timeout_s: float | None = None) -> Launch:
+    return Launch(uuid4(), 1, CommandJob(argv=["sh", "-c", script]), timeout_s)
+
+
+def handler(name: str, args: Any = None, timeout_s: float | None = None) -> Launch:
+    return Launch(uuid4(), 1, HandlerJob(handler=f"{HERE}:{name}", args=args), timeout_s)
+
+
+async def run(backend: LocalBackend, launch: Launch, within: float = 30) -> Outcome:
+    async with asyncio.timeout(within):
+        return await backend.run(launch)
+
+
+def log_of(backend: LocalBackend, launch: Launch) -> Path:
+    return backend.state_dir / "logs" / f"{launch.task_id}-{launch.attempt}.log"
+
+
+@pytest.fixture
+async def backend(tmp_path: Path) -> AsyncIterator[LocalBackend]:
+    """A backend whose watch runs, as the executor's does: the log bound is kept there."""
+    b = LocalBackend(2, tmp_path / "state", warm_workers=0, log_max_bytes=LIMIT)
+    await b.start()
+    watching = asyncio.create_task(b.watch())
+    yield b
+    watching.cancel()
+    await asyncio.gather(watching, return_exceptions=True)
+    await b.close()
+
+
+# --- cases -------------------------------------------------------------------------------------
+
+
+async def test_a_command_s_log_is_bounded(backend: LocalBackend) -> None:
+    """A command task writes 200 MB to stdout, in bursts over a second or two. Its log was
+    the whole 200 MB: the shim points fds 1 and 2 straight at the log file and nothing
+    bounded it (retention prunes by age, and never a running attempt's log), so one chatty
+    or hostile task filled the executor's disk. Now SKED_LOG_MAX_BYTES holds it: cut to its
+    last half while it runs, and once more when it ends; the end of its output is kept, and
+    the cut is said in the log."""
+    script = "for i in $(seq 40); do head -c 5M /dev/zero; sleep 0.03; done; echo done"
+    launch = command(script)
+    outcome = await run(backend, launch, 60)
+    data = log_of(backend, launch).read_bytes()
+    assert outcome.ok, outcome
+    assert len(data) <= LIMIT, f"the attempt's log is {len(data)} bytes, over {LIMIT}"
+    assert data.startswith(b"[sked: ")
+    assert b"bytes of earlier output dropped" in data[:200]
+    assert data.endswith(b"done\n")
+    assert outcome.log_tail.endswith("done\n")
+
+
+async def test_a_handler_s_log_is_bounded_while_it_runs(backend: LocalBackend) -> None:
+    """A handler job writes 200 MB to its stdout over a few seconds. Its output went to the
+    worker's out file and was moved whole to the attempt's log: 200 MB. Now the worker's out
+    file is cut while the job runs (what it writes after the last look, a quarter second at
+    most, is kept as written)."""
+    launch = handler("noisy", [200, 0.1])
+    outcome = await run(backend, launch, 60)
+    data = log_of(backend, launch).read_bytes()
+    assert outcome.ok, outcome
+    assert len(data) < 40 * LIMIT, f"the attempt's log is {len(data)} bytes of 200 MB written"
+    assert b"bytes of earlier output dropped" in data[:200]
+    assert data.endswith(b"done\n")
+
+
+def test_a_trim_follows_no_link_and_reads_no_fifo(tmp_path: Path) -> None:
+    """The bound is kept by path, at paths a task can reach: a symlink planted at one is not
+    followed (the file it names keeps its bytes), and a FIFO is not opened for reading."""
+    target = tmp_path / "precious"
+    target.write_bytes(b"x" * (2 * LIMIT))
+    link = tmp_path / "link.log"
+    link.symlink_to(target)
+    fifo = tmp_path / "fifo.log"
+    os.mkfifo(fifo)
+    assert trim(str(link), LIMIT) == 0
+    assert target.stat().st_size == 2 * LIMIT
+    assert trim(str(fifo), LIMIT) == 0
+
+
+async def test_a_handler_that_forks_and_returns_in_the_child_fails_no_innocent_job(
+    tmp_path: Path,
+) -> None:
+    """A handler forks and returns in both processes (a common bug: a fork without os._exit
+    in the child). The child went on as a second copy of the worker: it wrote a reply for
+    the job and read the next job, another task's, from the shared pipe; the worker wrote
+    its own reply, a second line naming the same job, which the executor took for a breach
+    of the protocol: it killed the worker, and the innocent job failed with "handler worker
+    wrote a line that is not this job's reply". Now a fork that returns into the worker's
+    code ends there (Worker.run): only the worker replies, and the innocent job succeeds."""
+    b = LocalBackend(1, tmp_path / "state", warm_workers=1)
+    await b.start()
+    try:
+        assert (await run(b, handler("quick"))).ok  # the worker has imported this module
+        bad = await run(b, handler("fork_and_return_twice", [0.3]))
+        good = await run(b, handler("nap", [1.0]))  # another task's job, on the same worker
+        later = [await run(b, handler("quick")) for _ in range(3)]
+    finally:
+        await b.close()
+    assert (good.ok, good.result) == (True, 7), (good, bad)
+    assert all(o.ok for o in later), later
