@@ -142,3 +142,15 @@ def hold_again(held: deque[H], items: Sequence[H]) -> None:
     merged = sorted([*items, *held], key=lambda item: item.received_at)
     held.clear()
     held.extend(merged)
+
+
+def remove(held: deque[H], items: Sequence[H]) -> list[H]:
+    """Those of `items` still in `held` (the same objects), taken out of it; the rest keep
+    their order."""
+    doomed = {id(item) for item in items}
+    gone = [item for item in held if id(item) in doomed]
+    if gone:
+        kept = [item for item in held if id(item) not in doomed]
+        held.clear()
+        held.extend(kept)
+    return gone

@@ -17,9 +17,11 @@ from aio_pika.abc import AbstractIncomingMessage
 from aiormq.exceptions import ChannelInvalidStateError
 
 from services.executor.backends import Backend, Key, Outcome
+from shared import fsm
 from shared.backlog import Backlog
 from shared.bus import AmqpBus
 from shared.dispatches import Entry, line_of, placed, unpack
+from shared.fsm import State
 from shared.models import Dispatch, Task
 from shared.outcome import Report
 from shared.policy import JobPolicy
@@ -147,6 +149,7 @@ class Node:
         self.outcomes: asyncio.Queue[tuple[Attempt, Outcome] | None] = asyncio.Queue()
         self.runs: set[asyncio.Task[None]] = set()
         self.look = asyncio.Event()  # the watch loop has suspects to check
+        self.taken = asyncio.Event()  # a task was taken away: the backlog looks at its own
         self.suspects: set[UUID] = set()
 
     @property
@@ -187,6 +190,22 @@ class Node:
             ended[key] = None
         while len(ended) > ENDED_KEPT:
             ended.popitem(last=False)
+
+    async def hand_back(self, items: list[Item], reason: str) -> None:
+        """Scheduling -> Ready for these unstarted dispatches in one statement, back in line
+        with one push, then acknowledged. Best effort: if a server is away, recovery's
+        stuck-in-Scheduling sweep does it."""
+        # one move a task: a node may hold two items of one attempt (the placement's
+        # notification and its dispatch message), or of two (the older one superseded)
+        newest: dict[UUID, Dispatch] = {}
+        for d in (item.dispatch for item in items):
+            if d is not None and (d.task_id not in newest or d.attempt > newest[d.task_id].attempt):
+                newest[d.task_id] = d
+        moves = [fsm.plan(d, State.READY, reason) for d in newest.values()]
+        with contextlib.suppress(*TRANSIENT):
+            moved = await self.store.tasks.transition_many(moves)
+            await self.queue.push(moved)
+        await self.acks.ack(items)
 
     async def dead_letter(self, message: AbstractIncomingMessage | Item, reason: str) -> None:
         """A message (or one dispatch of one) this node cannot use goes to `sked.dead` with

@@ -240,9 +240,15 @@ class Executor(Service):
         while not self.stopping.is_set():
             changed = node.backend.offers_changed
             timeout = max(beat_at - time.monotonic(), 0)
-            await wait_any(self.stopping, changed, node.backlog_changed, timeout=timeout)
+            await wait_any(
+                self.stopping, changed, node.backlog_changed, node.taken, timeout=timeout
+            )
             if self.stopping.is_set():
                 return
+            if node.taken.is_set() or time.monotonic() >= beat_at:
+                node.taken.clear()  # a task may have been taken away while held here
+                with contextlib.suppress(*TRANSIENT):  # else at the next heartbeat
+                    await self.starter.drop_moved_on()
             if node.backlog_changed.is_set():
                 node.backlog_changed.clear()
                 with contextlib.suppress(*TRANSIENT):  # else the next heartbeat writes it

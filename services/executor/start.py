@@ -6,7 +6,6 @@ never started twice."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -18,11 +17,11 @@ from aio_pika.abc import AbstractIncomingMessage
 from services.executor.backends import Key, Launch, Outcome
 from services.executor.node import Attempt, Item, Node, items_of
 from shared import fsm, heartbeat, hooks, lease
-from shared.backlog import hold_again, take
+from shared.backlog import hold_again, remove, take
 from shared.errors import one_line
 from shared.fsm import State
 from shared.models import Dispatch, Task
-from shared.resilience import TRANSIENT, isolate, retrying
+from shared.resilience import isolate, retrying
 from shared.runtime import next_batch, wait_any
 
 log = logging.getLogger(__name__)
@@ -69,12 +68,8 @@ class Starter:
                 if batch is None:
                     return
                 held.extend(item for items in batch for item in items)
-            while not node.inbox.empty():
-                items = node.inbox.get_nowait()
-                if items is None:
-                    node.inbox.put_nowait(None)
-                    return
-                held.extend(items)
+            if not self.gather():
+                return
             free = self.free_slots()
             if free <= 0:
                 node.slot_freed.clear()
@@ -88,6 +83,43 @@ class Starter:
                 await self._hand_back_held(hold_s)
                 continue
             await self.start_items(self.take_held(free))
+
+    def gather(self) -> bool:
+        """Every dispatch waiting in the inbox moved to the backlog; False at the inbox's end
+        (None, left there for the loop to see). Into an empty backlog, the loop may be waiting
+        on the inbox: an empty batch there wakes it to the held ones."""
+        inbox, empty = self.node.inbox, not self.held
+        while not inbox.empty():
+            items = inbox.get_nowait()
+            if items is None:
+                inbox.put_nowait(None)
+                return False
+            self.held.extend(items)
+        if empty and self.held:
+            inbox.put_nowait([])
+        return True
+
+    async def drop_moved_on(self) -> int:
+        """Held dispatches whose attempt is no longer Scheduling on its node, dropped and
+        acknowledged: their task moved on without this node (canceled, paused, failed by the
+        schedule-timeout sweep, back to Ready by recovery, claimed from another copy). Each
+        held a place in the backlog and, once a slot freed, a claim to lose ahead of the live
+        ones, while placement (counting from Postgres) sent more into its room. One read of
+        the held tasks, each node heartbeat and when a task here is taken away."""
+        if not self.node.gated:
+            return 0  # nothing is held: the inbox is the start loop's
+        self.gather()
+        judged = [(item, d) for item in self.held if (d := item.dispatch) is not None]
+        if not judged:
+            return 0
+        found = await self.node.store.tasks.get_many(list({d.task_id for _, d in judged}))
+        live = {(t.id, t.attempt, t.node) for t in found if t.status is State.SCHEDULING}
+        dead = [item for item, d in judged if (d.task_id, d.attempt, d.node) not in live]
+        gone = remove(self.held, dead)  # not those a claim took meanwhile: they are its own
+        if gone:
+            log.info("%d held dispatches dropped: their tasks moved on", len(gone))
+            await self.node.acks.ack(gone)
+        return len(gone)
 
     def take_held(self, n: int) -> list[Item]:
         """The `n` held dispatches to start next, in the ready line's order (backlog.take)."""
@@ -110,7 +142,7 @@ class Starter:
         log.info("%d held dispatches waited %gs for a slot; handed back", len(late), hold_s)
         if node.backlog.handed_back():
             node.backlog_changed.set()
-        await self._hand_back(late, f"held on node {node.id} {hold_s:g}s without a free slot")
+        await self.node.hand_back(late, f"held on node {node.id} {hold_s:g}s without a free slot")
 
     async def start(self, batch: list[AbstractIncomingMessage]) -> int:
         """Claim and start the dispatches of a batch of messages; returns how many attempts
@@ -162,8 +194,9 @@ class Starter:
         `ending` stays held (one statement moves a task once). Until `settle` or `unclaimed`
         they count as being claimed (`claimed` or `unclaimed` counts them off)."""
         node = self.node
-        if not node.gated or node.stopping.is_set() or not self.held:
+        if not node.gated or node.stopping.is_set():
             return []
+        self.gather()  # dispatches that came while the loop waited for a slot count too
         take = min(self.free_slots(freeing), len(self.held))
         if take <= 0:
             return []
@@ -192,6 +225,7 @@ class Starter:
         self.claiming -= len(claims)
         self._hold_again([item for _, item in claims])
         self.node.slot_freed.set()  # the starter's loop looks at them again
+        self.node.inbox.put_nowait([])  # (or, waiting on the inbox, it wakes to them)
 
     def claim_moves(self, dispatches: Sequence[Received]) -> list[fsm.Move]:
         """Scheduling -> Running for each, taking the attempt's lease for this incarnation."""
@@ -361,27 +395,6 @@ class Starter:
     async def _hand_back_unstarted(self) -> None:
         """On shutdown, dispatches received but not started go back to Ready at once, in one
         statement, and back in line with one push."""
-        node = self.node
-        while not node.inbox.empty():
-            received = node.inbox.get_nowait()
-            if received is not None:
-                self.held.extend(received)
+        self.gather()
         items, self.held = list(self.held), deque()
-        await self._hand_back(items, f"node {node.id} shut down before start")
-
-    async def _hand_back(self, items: list[Item], reason: str) -> None:
-        """Scheduling -> Ready for these unstarted dispatches in one statement, back in line
-        with one push, then acknowledged. Best effort: if a server is away, recovery's
-        stuck-in-Scheduling sweep does it."""
-        node = self.node
-        # one move a task: a node may hold two items of one attempt (the placement's
-        # notification and its dispatch message), or of two (the older one superseded)
-        newest: dict[UUID, Dispatch] = {}
-        for d in (item.dispatch for item in items):
-            if d is not None and (d.task_id not in newest or d.attempt > newest[d.task_id].attempt):
-                newest[d.task_id] = d
-        moves = [fsm.plan(d, State.READY, reason) for d in newest.values()]
-        with contextlib.suppress(*TRANSIENT):
-            moved = await node.store.tasks.transition_many(moves)
-            await node.queue.push(moved)
-        await node.acks.ack(items)
+        await self.node.hand_back(items, f"node {self.node.id} shut down before start")

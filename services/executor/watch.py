@@ -81,6 +81,8 @@ class Watcher:
         notice = parse_notify(payload)
         if notice.states & TAKEN_AWAY:
             self.node.suspect(None if notice.ids is None else set(notice.ids))
+            if self.node.gated:
+                self.node.taken.set()
 
     async def watch_loop(self) -> None:
         """Stop attempts whose task is no longer Running in that attempt here. Woken by the
