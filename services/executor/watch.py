@@ -41,9 +41,23 @@ class Watcher:
             if await wait_any(node.drained, timeout=period):
                 return
             try:
-                await self.renew_once(timeout=period)
+                await self.renew_once(timeout=max(period, self._time_left()))
             except Exception as exc:  # the next period tries again; the watchdog covers a gap
                 log.warning("lease renewal failed: %s", one_line(exc))
+
+    def _time_left(self) -> float:
+        """What is left of the shortest lease held here: a renewal may take that long. Bound
+        by the period instead, a link slower than that (0.3 s each way: a reconnection is
+        five round trips) dropped every renewal and connected afresh within the same bound,
+        for ever, while the leases lapsed and every attempt here was declared Lost."""
+        now = time.monotonic()
+        return min(
+            (
+                lease.remaining_s(a.task.heartbeat_timeout_s, a.renewed_at, now)
+                for a in self.node.active.values()
+            ),
+            default=0.0,
+        )
 
     async def renew_once(self, timeout: float = 2.0) -> int:
         """One renewal of every lease held here; returns how many Postgres renewed.

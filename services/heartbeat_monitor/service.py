@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 
 import asyncpg
@@ -48,6 +49,14 @@ POSTGRES_ERRORS = (
     OSError,
     TimeoutError,
 )
+# A sweep whose reads took this long met Postgres stalled (a lock held on tasks, a slow link):
+# the executors' renewals stalled with it, so its verdicts are not applied, and what lapsed
+# meanwhile is made up for as after an outage (each lease once at most).
+STALL_S = 1.0
+
+
+class Stalled(Exception):
+    pass
 
 
 class HeartbeatMonitor(Service):
@@ -66,6 +75,7 @@ class HeartbeatMonitor(Service):
         self._postgres_seen: float | None = None
         self._postgres_started: float | None = None
         self._outage_since: float | None = None
+        self._just_stalled = False  # the last sweep met a stall (STALL_S)
         self.port = settings.monitor_port
         self._wake_sweep = asyncio.Event()
         self._channel: AbstractChannel | None = None
@@ -140,7 +150,7 @@ class HeartbeatMonitor(Service):
         Postgres, the attempts whose lease lapsed while it could not reach it get a timeout
         from then (`restart_after_outage`): an outage of everyone's that Postgres survived
         without a restart; each lease once at most. A failure on anything else moves no
-        deadline."""
+        deadline. Nor does a stall (STALL_S): Postgres answering late is an outage too."""
         restart = True
         while not self.stopping.is_set():
             try:
@@ -148,11 +158,18 @@ class HeartbeatMonitor(Service):
                     await self._restart_deadlines()
                     restart = False
                 handled = await self.sweep_once()
+                asked = time.monotonic()
                 wait_s, started, now = await self.deadlines.clock()
+                self._stalled(time.monotonic() - asked, "clock")  # the next sweep is first
+            except Stalled as exc:
+                log.warning("%s: no attempt judged, and lapsed leases get a timeout anew", exc)
+                self._outage_since, restart = self._postgres_seen, True
+                self._just_stalled = True
+                continue
             except POSTGRES_ERRORS:
                 self._outage_since = self._postgres_seen
                 raise
-            self._postgres_seen = now
+            self._postgres_seen, self._just_stalled = now, False
             if self._postgres_started is not None and started != self._postgres_started:
                 restart = True
             self._postgres_started = started
@@ -173,7 +190,18 @@ class HeartbeatMonitor(Service):
                 log.info("after losing Postgres: %d Running attempt(s) get a timeout anew", n)
 
     async def sweep_once(self) -> int:
+        began = time.monotonic()
         # beats that arrived up to now count before anything is judged overdue
         await self.beats.flush()
         lease = self.settings.probe_timeout_s + 5.0
-        return await self.ladder.sweep(await self.store.leases.overdue(100, lease))
+        overdue = await self.store.leases.overdue(100, lease)
+        # (even with nothing read: it was judged by Postgres's now() as the statement began,
+        # before the stall, and the next sweep must not find what lapsed in it overdue)
+        self._stalled(time.monotonic() - began, "sweep")
+        return await self.ladder.sweep(overdue)
+
+    def _stalled(self, took: float, what: str) -> None:
+        """Raise Stalled if Postgres kept this loop's `what` waiting past STALL_S: once, not
+        twice running (Postgres slow for good would then put every verdict off for ever)."""
+        if took > STALL_S and self._postgres_seen is not None and not self._just_stalled:
+            raise Stalled(f"Postgres stalled the {what} for {took:.1f} s")

@@ -14,8 +14,6 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -26,7 +24,15 @@ import pytest
 from shared.client import SkedClient
 from shared.fsm import State
 from tests.e2e.checks import check_all_histories
-from tests.faults.checks import duplicated, overlap_s, read_stamps, started_twice
+from tests.faults.checks import (
+    Sampler,
+    duplicated,
+    overlap_s,
+    read_stamps,
+    sampling,
+    started_twice,
+    task_processes,
+)
 from tests.faults.conftest import Deployment, Row
 from tests.faults.jobs import FAST, shell_stamp, start_all
 from tests.faults.proxy import Proxy
@@ -34,61 +40,6 @@ from tests.faults.test_outages import _pg_version, run, wait_port
 from tests.helpers import ServiceProcess, eventually
 
 TIMEOUT = 3.0  # heartbeat timeout = lease of the attempts under test
-
-
-def attempt_processes(task_id: UUID) -> dict[int, list[str]]:
-    """{attempt: [/proc state of each of its processes]} for the processes of `task_id`."""
-    wanted = f"SKED_TASK_ID={task_id}".encode()
-    out: dict[int, list[str]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
-            raw = (entry / "stat").read_bytes()
-        except OSError:
-            continue
-        if wanted not in environ:
-            continue
-        attempt = next(
-            (int(v.split(b"=", 1)[1]) for v in environ if v.startswith(b"SKED_ATTEMPT=")), 0
-        )
-        out.setdefault(attempt, []).append(raw[raw.rindex(b")") + 2 :].split()[0].decode())
-    return out
-
-
-@dataclass
-class Sampler:
-    """Samples a task's processes every 0.2 s until stopped."""
-
-    task_id: UUID
-    samples: int = 0
-    both_running: float = 0.0  # seconds in which two attempts had a running process
-    frozen_seen: set[int] = field(default_factory=set)  # attempts seen frozen (state T)
-    seen: set[int] = field(default_factory=set)
-
-    async def run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            procs = await asyncio.to_thread(attempt_processes, self.task_id)
-            running = {a for a, states in procs.items() if set(states) - {"T", "t", "Z", "X"}}
-            self.frozen_seen |= {a for a, states in procs.items() if set(states) <= {"T", "t"}}
-            self.seen |= set(procs)
-            if len(running) > 1:
-                self.both_running += 0.2
-            self.samples += 1
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.2)
-
-
-@contextlib.asynccontextmanager
-async def sampling(task_id: UUID) -> AsyncIterator[Sampler]:
-    sampler, stop = Sampler(task_id), asyncio.Event()
-    job = asyncio.create_task(sampler.run(stop))
-    try:
-        yield sampler
-    finally:
-        stop.set()
-        await job
 
 
 async def one_long_task(
@@ -145,19 +96,21 @@ async def check_one_live_attempt(
     # two attempts had running processes
     [ended] = [r for rs in runs.values() for r in rs if r.attempt == 2]
     assert ended.end is not None
+    both = sum(sampler.both.values())
+    seen, frozen = sampler.seen.get(str(task_id), set()), sampler.frozen.get(str(task_id), set())
     print(
         f"\n{case}: attempt 2 started {recovery_s:.2f} s after the fault; {sampler.samples} "
-        f"samples, two attempts running for {sampler.both_running:.1f} s, attempts seen frozen "
-        f"{sorted(sampler.frozen_seen)}; stamps {runs}"
+        f"samples, two attempts running for {both:.1f} s, attempts seen frozen "
+        f"{sorted(frozen)}; stamps {runs}"
     )
-    record.append(Row(case, 1, lost, dup, recovery_s, sampler.both_running))
+    record.append(Row(case, 1, lost, dup, recovery_s, both))
     assert sampler.samples > 50
-    assert sampler.both_running == 0.0
-    assert sampler.seen == {1, 2}
+    assert both == 0.0
+    assert seen == {1, 2}
     # the watchdog, not a kill, stopped the first attempt: its processes were seen in state T
-    first_attempt = min(sampler.seen)
-    assert first_attempt in sampler.frozen_seen, (
-        f"attempt {first_attempt} was never seen frozen (seen frozen: {sampler.frozen_seen})"
+    first_attempt = min(seen)
+    assert first_attempt in frozen, (
+        f"attempt {first_attempt} was never seen frozen (seen frozen: {frozen})"
     )
     assert done.status is State.SUCCESS
     assert done.attempt == 2
@@ -285,7 +238,8 @@ async def test_a_postgres_outage_longer_than_the_lease_loses_nothing(
     run("pg_ctlcluster", "--skip-systemctl-redirect", version, "main", "stop", "-m", "fast")
     await wait_port(5432, up=False, timeout=60)
     await asyncio.sleep(max(0.0, started + 3 * TIMEOUT - time.monotonic()))
-    frozen = {p for i in ids for p in (await asyncio.to_thread(attempt_processes, i)).get(1, [])}
+    procs = await asyncio.to_thread(task_processes)
+    frozen = {p for i in ids for p in procs.get(str(i), {}).get(1, [])}
     run("pg_ctlcluster", "--skip-systemctl-redirect", version, "main", "start")
     await wait_port(5432, up=True, timeout=60)
     outage = time.monotonic() - started
