@@ -158,3 +158,25 @@ async def test_a_handler_that_forks_and_returns_in_the_child_fails_no_innocent_j
         await b.close()
     assert (good.ok, good.result) == (True, 7), (good, bad)
     assert all(o.ok for o in later), later
+
+
+async def test_a_task_that_removes_the_workers_directory_does_not_stop_the_bound(
+    tmp_path: Path,
+) -> None:
+    """A command removes the state directory's `workers` (it runs as the executor's user and
+    can). The bound's look at the files being written listed that directory and raised, which
+    ended the backend's watch: the executor took its backend for failed and stopped. Now that
+    look is skipped once, said, and the watch runs on."""
+    backend = LocalBackend(1, tmp_path / "state", warm_workers=0, log_max_bytes=LIMIT)
+    await backend.start()
+    watching = asyncio.create_task(backend.watch())
+    try:
+        workers = backend.state_dir / "workers"
+        outcome = await run(backend, command(f"rm -rf {workers}; sleep 1"))
+        await asyncio.sleep(0.6)
+        assert outcome.ok, outcome
+        assert not watching.done(), watching.exception()
+    finally:
+        watching.cancel()
+        await asyncio.gather(watching, return_exceptions=True)
+        await backend.close()
