@@ -150,6 +150,7 @@ class Node:
         self.runs: set[asyncio.Task[None]] = set()
         self.look = asyncio.Event()  # the watch loop has suspects to check
         self.taken = asyncio.Event()  # a task was taken away: the backlog looks at its own
+        self.taken_ids: set[UUID] | None = set()  # which (None: too many to name)
         self.suspects: set[UUID] = set()
 
     @property

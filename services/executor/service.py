@@ -246,9 +246,12 @@ class Executor(Service):
             if self.stopping.is_set():
                 return
             if node.taken.is_set() or time.monotonic() >= beat_at:
-                node.taken.clear()  # a task may have been taken away while held here
+                # tasks may have been taken away while held here: those told of, or any
+                among = None if time.monotonic() >= beat_at else node.taken_ids
+                node.taken.clear()
+                node.taken_ids = set()
                 with contextlib.suppress(*TRANSIENT):  # else at the next heartbeat
-                    await self.starter.drop_moved_on()
+                    await self.starter.drop_moved_on(among)
             if node.backlog_changed.is_set():
                 node.backlog_changed.clear()
                 with contextlib.suppress(*TRANSIENT):  # else the next heartbeat writes it

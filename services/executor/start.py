@@ -99,18 +99,18 @@ class Starter:
             inbox.put_nowait([])
         return True
 
-    async def drop_moved_on(self) -> int:
+    async def drop_moved_on(self, among: set[UUID] | None = None) -> int:
         """Held dispatches whose attempt is no longer Scheduling on its node, dropped and
         acknowledged: their task moved on without this node (canceled, paused, failed by the
         schedule-timeout sweep, back to Ready by recovery, claimed from another copy). Each
         held a place in the backlog and, once a slot freed, a claim to lose ahead of the live
         ones, while placement (counting from Postgres) sent more into its room. One read of
-        the held tasks, each node heartbeat and when a task here is taken away."""
+        the held tasks, each node heartbeat, and when a task held here (`among`) is taken away."""
         if not self.node.gated:
             return 0  # nothing is held: the inbox is the start loop's
         self.gather()
         judged = [(item, d) for item in self.held if (d := item.dispatch) is not None]
-        if not judged:
+        if not judged or (among is not None and not among & {d.task_id for _, d in judged}):
             return 0
         found = await self.node.store.tasks.get_many(list({d.task_id for _, d in judged}))
         live = {(t.id, t.attempt, t.node) for t in found if t.status is State.SCHEDULING}

@@ -94,9 +94,14 @@ class Watcher:
             return  # most are moves to Scheduling, Running or an end: skipped unparsed
         notice = parse_notify(payload)
         if notice.states & TAKEN_AWAY:
-            self.node.suspect(None if notice.ids is None else set(notice.ids))
-            if self.node.gated:
-                self.node.taken.set()
+            node = self.node
+            node.suspect(None if notice.ids is None else set(notice.ids))
+            if node.gated:  # and its backlog: those it holds may be among them
+                if notice.ids is None or node.taken_ids is None:
+                    node.taken_ids = None
+                else:
+                    node.taken_ids |= set(notice.ids)
+                node.taken.set()
 
     async def watch_loop(self) -> None:
         """Stop attempts whose task is no longer Running in that attempt here. Woken by the

@@ -8,7 +8,7 @@ from collections import deque
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.backlog import Backlog, hold_again, next_in_line, take
+from shared.backlog import Backlog, hold_again, next_in_line, remove, take
 
 
 def test_a_node_starts_without_a_backlog_and_earns_one_by_a_window_of_short_attempts() -> None:
@@ -137,3 +137,16 @@ def test_held_taken_out_of_order_go_back_in_arrival_order() -> None:
     assert list(held) == [old, newest]
     hold_again(held, [new])
     assert list(held) == [old, new, newest]
+
+
+def test_remove_takes_out_only_those_still_held_by_identity_keeping_the_order() -> None:
+    """The held dispatches whose task moved on are removed after a read; a claim may have
+    taken some meanwhile (those are the claim's), and two entries of one attempt are equal
+    in every field yet only the one named goes."""
+    a, b, c, twin = _Held(1.0, 1.0), _Held(2.0, 2.0), _Held(3.0, 3.0), _Held(2.0, 2.0)
+    held = deque([a, b, c, twin])
+    claimed = take(held, 1)  # a, meanwhile
+    assert remove(held, [a, b]) == [b]
+    assert list(held) == [c, twin]
+    assert claimed == [a]
+    assert remove(held, []) == []
