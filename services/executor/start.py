@@ -70,6 +70,8 @@ class Starter:
                 held.extend(item for items in batch for item in items)
             if not self.gather():
                 return
+            if not held:
+                continue  # woken by an empty batch: a claim took what came (gather)
             free = self.free_slots()
             if free <= 0:
                 node.slot_freed.clear()
@@ -85,9 +87,8 @@ class Starter:
             await self.start_items(self.take_held(free))
 
     def gather(self) -> bool:
-        """Every dispatch waiting in the inbox moved to the backlog; False at the inbox's end
-        (None, left there for the loop to see). Into an empty backlog, the loop may be waiting
-        on the inbox: an empty batch there wakes it to the held ones."""
+        """Every dispatch waiting in the inbox moved to the backlog; False at its end (None,
+        left for the loop). Into an empty backlog, an empty batch wakes a loop on the inbox."""
         inbox, empty = self.node.inbox, not self.held
         while not inbox.empty():
             items = inbox.get_nowait()
@@ -145,8 +146,7 @@ class Starter:
         await self.node.hand_back(late, f"held on node {node.id} {hold_s:g}s without a free slot")
 
     async def start(self, batch: list[AbstractIncomingMessage]) -> int:
-        """Claim and start the dispatches of a batch of messages; returns how many attempts
-        started here."""
+        """Claim and start a batch of messages' dispatches; how many attempts started here."""
         return await self.start_items([item for m in batch for item in items_of(m)])
 
     async def start_items(self, items: list[Item]) -> int:
