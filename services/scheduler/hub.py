@@ -112,6 +112,8 @@ class Hub:
         self.returns_done = 0
         # the line was found lost (Redis lost its data): the reconciler rebuilds it now
         self.rebuild = asyncio.Event()
+        # intake found Redis silent: submissions are left to other schedulers until it answers
+        self.redis_away = asyncio.Event()
         # nodes whose dispatches came back (no queue bound), until when (monotonic) they are
         # passed over by the passes and by intake's placing ahead (dispatch.UNROUTABLE_S)
         self.unroutable: dict[str, float] = {}

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from uuid import UUID
 
+import redis.exceptions
 from aio_pika.abc import AbstractIncomingMessage
 
 from services.scheduler.ahead import NodeView
@@ -44,6 +45,8 @@ from shared.settings import Settings
 from shared.store import Placing, Store
 
 log = logging.getLogger(__name__)
+# Redis not answering, as its client says it (socket and connect timeouts: queues.connect)
+REDIS_AWAY = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 # A task with no dependencies is ready as soon as it is accepted.
 ADMISSION = (State.PENDING, State.READY)
@@ -112,6 +115,10 @@ class Intake(Part):
         """Take submissions in batches: wait for the first, then whatever else has arrived."""
         try:
             while (batch := await next_batch(self.inbox, self.settings.submit_batch)) is not None:
+                if self.hub.redis_away.is_set():  # to another scheduler, not through a timeout
+                    with contextlib.suppress(*TRANSIENT):
+                        await batch[-1].nack(multiple=True, requeue=True)
+                    continue
                 await self.accept(batch)
             # stopping: the placements the follower holds are dispatched now if unclaimed, the
             # last admissions' included (its own loop may have ended before them)
@@ -176,11 +183,13 @@ class Intake(Part):
                     {"x-sked-message-id": refusal.message_id},
                 )
             hooks.refused(len(refused) + len(failed))
-        except TRANSIENT:
+        except TRANSIENT as exc:
             # Postgres, Redis or RabbitMQ is away: hand the batch back to RabbitMQ to deliver
             # again (if the channel itself is gone, RabbitMQ requeues it anyway)
             with contextlib.suppress(*TRANSIENT):
                 await batch[-1].nack(multiple=True, requeue=True)
+            if isinstance(exc, REDIS_AWAY):
+                self.hub.redis_away.set()  # and take no more until it answers (service.py)
             raise
         await batch[-1].ack(multiple=True)
         return ready

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Sequence
 
-from aio_pika.abc import AbstractChannel
+from aio_pika.abc import AbstractChannel, AbstractQueue
 
 from services.scheduler.degrade import Degrade
 from services.scheduler.dispatch import Dispatcher
@@ -32,9 +33,12 @@ from shared.alerts import Alerter
 from shared.bus import SUBMIT_QUEUE, AmqpBus
 from shared.queues import ReadyQueue
 from shared.resilience import TRANSIENT, supervise
+from shared.runtime import wait_any
 from shared.service import Loop, Service
 from shared.settings import Settings
 from shared.store import DEGRADE_CHANNEL, NODE_CHANNEL, TASK_CHANNEL, Handler, Store
+
+log = logging.getLogger(__name__)
 
 
 class Scheduler(Service):
@@ -54,6 +58,8 @@ class Scheduler(Service):
         self.alerter = Alerter(bus, settings.alertmanager_url)
         self.degrade = Degrade(settings, store, queue, hub, bus, self.alerter)
         self._channel: AbstractChannel | None = None
+        self._submit: AbstractQueue | None = None
+        self._tag = ""
 
     def loops(self) -> Sequence[Loop]:
         stop = self.stopping
@@ -66,6 +72,7 @@ class Scheduler(Service):
             ("reconcile", functools.partial(self.reconciler.run, stop)),
             ("workflows", functools.partial(self.resolver.run, stop)),
             ("degrade", functools.partial(self.degrade.run, stop)),
+            ("submissions gate", self._gate),
         ]
 
     def channels(self) -> Sequence[tuple[str, Handler]]:
@@ -81,8 +88,33 @@ class Scheduler(Service):
     async def setup(self) -> None:
         await supervise("rebuild the ready queue", self._rebuild, self.stopping)
         self._channel = await self.bus.consumer_channel(prefetch=self.settings.submit_batch * 2)
-        submit = await self.bus.declare_submit_queue(self._channel)
-        await submit.consume(self.intake.inbox.put)
+        self._submit = await self.bus.declare_submit_queue(self._channel)
+        self._tag = await self._submit.consume(self.intake.inbox.put)
+
+    async def _gate(self) -> None:
+        """Submissions are taken only while Redis answers. A scheduler whose link to Redis is
+        silent (cut, or Redis stalled) waited out its timeout on every batch and handed it back
+        to RabbitMQ, which delivered half of them to it again: with another scheduler healthy
+        and idle, submissions waited up to half a minute. It stops consuming instead until a
+        ping is answered (once a second), and hands back at once what it holds (Intake.run)."""
+        hub, stopping = self.hub, self.stopping
+        while not stopping.is_set():
+            await wait_any(hub.redis_away, stopping)
+            if stopping.is_set():
+                return
+            assert self._submit is not None
+            await self._submit.cancel(self._tag)
+            log.warning("Redis does not answer: %s left to other schedulers", SUBMIT_QUEUE)
+            while not stopping.is_set():
+                with contextlib.suppress(*TRANSIENT):
+                    await self.queue.redis.ping()
+                    break
+                await wait_any(stopping, timeout=1.0)
+            if stopping.is_set():
+                return
+            hub.redis_away.clear()
+            self._tag = await self._submit.consume(self.intake.inbox.put)
+            log.info("Redis answers again: consuming %s", SUBMIT_QUEUE)
 
     async def _rebuild(self) -> None:
         await self.reconciler.rebuild()
