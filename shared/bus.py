@@ -182,7 +182,8 @@ class AmqpBus:
         if self._connection is None:
             raise RuntimeError("AmqpBus.connect() was not called")
         try:
-            return await self._connection.channel()
+            async with asyncio.timeout(PUBLISH_TIMEOUT_S):  # a silent link answers no open
+                return await self._connection.channel()
         except RuntimeError as exc:
             raise AmqpAway(f"RabbitMQ connection down: {exc}") from exc
 

@@ -262,8 +262,6 @@ class Executor(Service):
             changed.clear()
             await serving.sync()
             beats += 1
-            if beats % REASSERT_EVERY == 0:
-                await serving.reassert()
             if node.backend.detached and beats % SWEEP_EVERY == 0:
                 # Jobs whose executor was gone when their task moved on: nobody else stops them
                 await self.discard_superseded()
@@ -271,6 +269,8 @@ class Executor(Service):
                 log.error("node %s was taken over by another executor; stopping", node.id)
                 self.stop()
                 return
+            if beats % REASSERT_EVERY == 0:  # after the beat: RabbitMQ may not answer
+                await serving.reassert()
 
     async def _on_probe(self, message: AbstractIncomingMessage) -> None:
         """A monitor asks about one attempt whose lease lapsed: is it still running here, did

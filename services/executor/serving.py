@@ -12,6 +12,7 @@ judge (the backend's loss ladder), or another replica's to adopt.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
@@ -32,6 +33,12 @@ from shared.throttle import Throttled
 # more than 65,535 allocatable pods) is refused by the client library with a TypeError,
 # which would stop the nodes loop and with it every node this executor serves.
 MAX_PREFETCH = 65_535
+
+
+# The longest the declarations of one reassert may take: a partition that swallows packets
+# held the nodes loop, and with it the node's heartbeats to Postgres, until AMQP's heartbeats
+# noticed (SkedNodeLost fired for a node running its attempts)
+REASSERT_S = 5.0
 
 
 def prefetch_count(count: int) -> int:
@@ -137,7 +144,8 @@ class Serving:
         is refused as AmqpAway, transient), and the node's heartbeats to Postgres go on
         meanwhile."""
         try:
-            await self._reassert()
+            async with asyncio.timeout(REASSERT_S):  # a silent link answers no declaration
+                await self._reassert()
         except TRANSIENT as exc:
             log.info("nodes' queues not declared again now (RabbitMQ away?): %s", exc)
 

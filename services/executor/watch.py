@@ -41,15 +41,17 @@ class Watcher:
             if await wait_any(node.drained, timeout=period):
                 return
             try:
-                await self.renew_once(timeout=max(period, self._time_left()))
+                await self.renew_once(timeout=period, connecting=self._time_left())
             except Exception as exc:  # the next period tries again; the watchdog covers a gap
                 log.warning("lease renewal failed: %s", one_line(exc))
 
     def _time_left(self) -> float:
-        """What is left of the shortest lease held here: a renewal may take that long. Bound
-        by the period instead, a link slower than that (0.3 s each way: a reconnection is
-        five round trips) dropped every renewal and connected afresh within the same bound,
-        for ever, while the leases lapsed and every attempt here was declared Lost."""
+        """What is left of the shortest lease held here: a renewal that connects afresh may
+        take that long. Bound by the period, a link slower than that (0.3 s each way: a
+        connection is five round trips) dropped every renewal and connected afresh within the
+        same bound, for ever, while the leases lapsed and every attempt here was declared
+        Lost. A renewal on a connection made before keeps the period's bound: a connection
+        gone silent held it until the lease ended."""
         now = time.monotonic()
         return min(
             (
@@ -59,7 +61,7 @@ class Watcher:
             default=0.0,
         )
 
-    async def renew_once(self, timeout: float = 2.0) -> int:
+    async def renew_once(self, timeout: float = 2.0, connecting: float | None = None) -> int:
         """One renewal of every lease held here; returns how many Postgres renewed.
 
         On a link of its own (store.LeaseLink), dropped on a timeout: a partition that swallows
@@ -69,7 +71,9 @@ class Watcher:
         if not keys:
             return 0
         sent_at = time.monotonic()
-        renewed, passed = await self._leases.renew(node.boot_id, keys, max(timeout, 0.5))
+        renewed, passed = await self._leases.renew(
+            node.boot_id, keys, max(timeout, 0.5), connecting
+        )
         now = time.monotonic()
         refused = set()
         for key in keys:

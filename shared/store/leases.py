@@ -106,13 +106,21 @@ class LeaseLink:
         self._conn: asyncpg.Connection | None = None
 
     async def renew(
-        self, owner: UUID, attempts: Sequence[tuple[UUID, int]], timeout: float
+        self,
+        owner: UUID,
+        attempts: Sequence[tuple[UUID, int]],
+        timeout: float,
+        connecting: float | None = None,
     ) -> tuple[set[tuple[UUID, int]], set[tuple[UUID, int]]]:
-        """Leases.renewal on this link: (renewed, passed over)."""
+        """Leases.renewal on this link: (renewed, passed over). Bounded by `timeout` on a
+        connection made before, by `connecting` (if longer) when it connects afresh: a link
+        slow enough that connecting takes longer than the period must not make every renewal
+        fail, and a connection gone silent must not hold one for longer than the period."""
         if not attempts:
             return set(), set()
+        fresh = self._conn is None or self._conn.is_closed()
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(max(timeout, connecting or 0) if fresh else timeout):
                 if self._conn is None or self._conn.is_closed():
                     self._conn = await connect(self.dsn)
                 db = Db(self._conn, self.lease_margin_s)

@@ -7,6 +7,7 @@ defined here and run in the handler workers as `tests.integration.test_resources
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import AsyncIterator
@@ -180,3 +181,45 @@ async def test_a_task_that_removes_the_workers_directory_does_not_stop_the_bound
         watching.cancel()
         await asyncio.gather(watching, return_exceptions=True)
         await backend.close()
+
+
+async def test_a_log_written_through_dev_stdout_is_not_cut_to_nul_bytes(
+    backend: LocalBackend,
+) -> None:
+    """A command (sh, i.e. dash) sends a loop's output `> /dev/stdout`, as many scripts do:
+    dash opens /proc/self/fd/1 afresh, O_WRONLY without O_APPEND, so that writer has an
+    offset of its own. It writes ~8 MB of text (no NUL byte), then "done". Should: the log
+    is bounded and holds the end of the output behind the cut's note. Each cut truncated the
+    file but the writer went on at its old offset, so the file grew a hole (read as NUL
+    bytes) where the cut output was; the next cut kept the last half, mostly hole, and wrote
+    it back as real NUL bytes. Now a cut keeps only what was written (holes skipped, and
+    bounded by the bytes stored, not the size that counts the hole), and the log is compacted
+    once its attempt ends."""
+    script = (
+        "for i in $(seq 80); do head -c 75000 /dev/urandom | base64; sleep 0.02; done "
+        "> /dev/stdout; echo done"
+    )
+    launch = Launch(uuid4(), 1, CommandJob(argv=["sh", "-c", script]), None)
+    path = backend.state_dir / "logs" / f"{launch.task_id}-{launch.attempt}.log"
+    seen = 0
+
+    async def watch() -> None:
+        nonlocal seen
+        while True:
+            with contextlib.suppress(OSError):
+                seen = max(seen, path.stat().st_size)
+            await asyncio.sleep(0.01)
+
+    w = asyncio.create_task(watch())
+    try:
+        async with asyncio.timeout(60):
+            outcome: Outcome = await backend.run(launch)
+    finally:
+        w.cancel()
+    data = path.read_bytes()
+    nul = data.count(b"\0")
+    assert outcome.ok, outcome
+    assert nul == 0, (
+        f"the log ({len(data)} bytes) holds {nul} NUL bytes the task never wrote; "
+        f"its apparent size reached {seen} bytes (limit {LIMIT})"
+    )

@@ -286,7 +286,7 @@ class LocalBackend(OneNode):
             self._records.remove(key)
         if proc.error is not None:
             return Outcome.failed(f"could not start: {proc.error}")
-        await bound(str(log_path), self.log_max_bytes)  # what it wrote since the last look
+        await bound(str(log_path), self.log_max_bytes, compact=True)  # since the last look
         tail = self._tail(log_path)
         if not finished:
             return self._cut_short(launch, stopped, tail)

@@ -30,7 +30,7 @@ CHECK_S = 0.25  # how often: a writer at disk speed adds a few hundred MB in tha
 MIN_LOG_BYTES = 64 * 1024
 
 
-def trim(path: str, limit: int) -> int:
+def trim(path: str, limit: int, *, compact: bool = False) -> int:
     """Cut the file at `path` to its last `limit` // 2 bytes, behind a line naming what was
     dropped, if it is a regular file over `limit` bytes; the bytes dropped (0 if none). A
     task may put anything at a path it can reach: a symlink is not followed, a FIFO not read."""
@@ -40,10 +40,10 @@ def trim(path: str, limit: int) -> int:
         return 0  # gone (the attempt ended), or not a file a writer of ours made
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size <= limit:
+        size = info.st_size if compact else _stored(info)
+        if not stat.S_ISREG(info.st_mode) or size <= limit:
             return 0
-        keep = limit // 2
-        kept = os.pread(fd, keep, info.st_size - keep)
+        kept = _data(fd, max(info.st_size - limit // 2, 0), info.st_size)
         os.ftruncate(fd, 0)
         dropped = info.st_size - len(kept)
         note = f"[sked: {dropped} bytes of earlier output dropped: SKED_LOG_MAX_BYTES is {limit}]\n"
@@ -53,18 +53,49 @@ def trim(path: str, limit: int) -> int:
         os.close(fd)
 
 
-def _over(paths: Iterable[str], limit: int) -> list[str]:
+def _data(fd: int, start: int, end: int) -> bytes:
+    """The bytes written between `start` and `end`, holes left out. A writer without O_APPEND
+    (`> /dev/stdout` in dash, `tee /dev/stderr`) writes on at its own offset past a cut, and
+    leaves a hole where the cut output was, which reads as zeros: kept, they were written back
+    as real NUL bytes. (The zeros of a block a hole ends in go too: no task writes them.)"""
+    parts: list[bytes] = []
+    at = start
+    while at < end:
+        try:
+            at = os.lseek(fd, at, os.SEEK_DATA)
+        except OSError:  # ENXIO: nothing written after it
+            break
+        if at >= end:
+            break
+        hole = min(os.lseek(fd, at, os.SEEK_HOLE), end)
+        part = os.pread(fd, hole - at, at)
+        parts.append(part.lstrip(b"\0") if parts or at > start else part)
+        at = hole
+    return b"".join(parts)
+
+
+def _stored(info: os.stat_result) -> int:
+    """The bytes a file takes on disk: a hole a writer without O_APPEND leaves past a cut
+    (its offset runs on) takes none, and its size, which counts it, is not what is bounded."""
+    return min(info.st_size, info.st_blocks * 512)
+
+
+def _over(paths: Iterable[str], limit: int, compact: bool = False) -> list[str]:
     over = []
     for path in paths:
         with contextlib.suppress(OSError):
-            if os.stat(path, follow_symlinks=False).st_size > limit:
+            info = os.stat(path, follow_symlinks=False)
+            if (info.st_size if compact else _stored(info)) > limit:
                 over.append(path)
     return over
 
 
-async def bound(path: str, limit: int) -> None:
-    """`path` trimmed (in a thread) if it is over `limit` bytes."""
-    if _over([path], limit) and (dropped := await asyncio.to_thread(trim, path, limit)):
+async def bound(path: str, limit: int, *, compact: bool = False) -> None:
+    """`path` trimmed (in a thread) if it is over `limit` bytes; `compact` (its writers are
+    gone): if its size is, holes counted, so that a hole a writer left is not kept."""
+    if _over([path], limit, compact) and (
+        dropped := await asyncio.to_thread(trim, path, limit, compact=compact)
+    ):
         _said.warning("log %s over %d bytes: %d bytes of it dropped", path, limit, dropped)
 
 

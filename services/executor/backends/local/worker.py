@@ -35,6 +35,7 @@ from typing import Any
 
 from pydantic_core import from_json
 
+from services.executor.backends.local.calls import may_be_unreadable, readable, takes_inputs
 from services.executor.warden.proctree import (
     PR_SET_CHILD_SUBREAPER,
     PR_SET_DUMPABLE,
@@ -237,8 +238,7 @@ class Worker:
             sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
             os.dup2(self.quiet, 1)
             os.dup2(self.stderr, 2)
-        if os.getpid() != self.pid:  # a handler forked and returned in its child: only the
-            os._exit(0)  # worker replies, and reads the next job (another task's)
+        self._forked(None)
         if leftovers := _children():  # before the reply: a retry must not run beside them
             _end(leftovers)
         ran = time.monotonic() - started if started else 0.0
@@ -246,6 +246,13 @@ class Worker:
         # the job's id first: a line naming another job is not this job's reply
         head = b'{"job":%s,"ran":%.6f,' % (stem.encode(), ran)
         return head + (b'"log":true,' if logged else b"") + reply[1:]
+
+    def _forked(self, exc: BaseException | None) -> None:
+        """A handler forked and its child came back here: it ends, with the status its code
+        meant (only the worker replies, and reads the next job: another task's)."""
+        if os.getpid() != self.pid:
+            code = exc.code if isinstance(exc, SystemExit) else int(exc is not None)
+            os._exit(code if isinstance(code, int) else int(code is not None))
 
     def _keep_output(self, log: object) -> bool:
         """Move what the job printed to its log, and start a fresh out file for the next."""
@@ -269,7 +276,7 @@ class Worker:
             return _failure(f"could not import {path!r}: {describe(exc)}")
         try:
             # a workflow task's upstream outputs, for a handler that asks for them by name
-            extra = {"inputs": inputs} if inputs is not None and _takes_inputs(handler) else {}
+            extra = {"inputs": inputs} if inputs is not None and takes_inputs(handler) else {}
             if isinstance(args, dict):
                 result = handler(**args, **extra)
             elif isinstance(args, list):
@@ -281,10 +288,11 @@ class Worker:
             if inspect.iscoroutine(result):
                 result = asyncio.run(result)
         except BaseException as exc:  # SystemExit too: a handler must not end its worker
+            self._forked(exc)
             return _failure(describe(exc))
         try:
             reply = json.dumps({"ok": True, "result": result}, allow_nan=False).encode()
-            if _may_be_unreadable(reply) and not _readable(reply):
+            if may_be_unreadable(reply) and not readable(reply):
                 # a lone surrogate's escape, or nesting past what the executor's parser
                 # takes: escaped as the executor would (outcome.storable), or refused
                 cleaned = jsonvalue.clean(result)
@@ -302,31 +310,6 @@ class Worker:
 
 
 @functools.cache
-def _takes_inputs(handler: Callable[..., Any]) -> bool:
-    """Whether `handler` has a parameter named `inputs` (asked by name: a **kwargs catch-all
-    does not count, so a handler never gets an argument it did not name)."""
-    try:
-        params = inspect.signature(handler).parameters.values()
-    except (TypeError, ValueError):  # a builtin without a signature
-        return False
-    return any(
-        p.name == "inputs" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params
-    )
-
-
-def _may_be_unreadable(reply: bytes) -> bool:
-    """Cheap: whether a reply might hold what pydantic's parser (the executor's) refuses."""
-    return b"\\ud" in reply or reply.count(b"[") + reply.count(b"{") > jsonvalue.MAX_DEPTH
-
-
-def _readable(reply: bytes) -> bool:
-    try:
-        from_json(reply)
-    except ValueError:
-        return False
-    return True
-
-
 def _failure(error: str, *, show: bool = True) -> bytes:
     """The reply for a failed job; the traceback also goes to the job's log (stderr). Lone
     surrogates (an exception's text may hold them) are written as their escapes' text."""
