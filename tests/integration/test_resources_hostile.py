@@ -19,7 +19,7 @@ import pytest
 
 from services.executor.backends import Launch, Outcome
 from services.executor.backends.local import LocalBackend
-from services.executor.backends.local.logcap import trim
+from services.executor.backends.local.logcap import bound, trim
 from shared.models import CommandJob, HandlerJob
 
 HERE = "tests.integration.test_resources_hostile"
@@ -223,3 +223,19 @@ async def test_a_log_written_through_dev_stdout_is_not_cut_to_nul_bytes(
         f"the log ({len(data)} bytes) holds {nul} NUL bytes the task never wrote; "
         f"its apparent size reached {seen} bytes (limit {LIMIT})"
     )
+
+
+async def test_two_cuts_of_one_log_do_not_interleave(tmp_path: Path) -> None:
+    """An attempt's last cut (when it ends) may come while the periodic one is under way, two
+    threads on one file: truncating and writing in turn, they could keep its last half twice.
+    Now the last waits for the one under way, and a periodic one is skipped while another
+    runs."""
+    path = tmp_path / "a.log"
+    path.write_bytes(b"x" * (4 * LIMIT) + b"end\n")
+    await asyncio.gather(
+        *(bound(str(path), LIMIT) for _ in range(3)), bound(str(path), LIMIT, compact=True)
+    )
+    data = path.read_bytes()
+    assert data.count(b"bytes of earlier output dropped") == 1
+    assert data.count(b"end\n") == 1
+    assert len(data) <= LIMIT

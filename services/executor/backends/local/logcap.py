@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 _said = Throttled(log)  # a task printing without end is cut four times a second
 
 CHECK_S = 0.25  # how often: a writer at disk speed adds a few hundred MB in that time
-MIN_LOG_BYTES = 64 * 1024
+# one cut of a file at a time (two interleaved kept its last half twice): the cut under way
+_trimming: dict[str, asyncio.Future[int]] = {}
 
 
 def trim(path: str, limit: int, *, compact: bool = False) -> int:
@@ -93,9 +94,23 @@ def _over(paths: Iterable[str], limit: int, compact: bool = False) -> list[str]:
 async def bound(path: str, limit: int, *, compact: bool = False) -> None:
     """`path` trimmed (in a thread) if it is over `limit` bytes; `compact` (its writers are
     gone): if its size is, holes counted, so that a hole a writer left is not kept."""
-    if _over([path], limit, compact) and (
-        dropped := await asyncio.to_thread(trim, path, limit, compact=compact)
-    ):
+    under_way = _trimming.get(path)
+    if under_way is not None:
+        if not compact:
+            return
+        with contextlib.suppress(Exception):  # (its own failure is its caller's)
+            await asyncio.shield(under_way)  # the last cut, once the writers are gone, waits
+    if not _over([path], limit, compact):
+        return
+    cut = _trimming[path] = asyncio.ensure_future(
+        asyncio.to_thread(trim, path, limit, compact=compact)
+    )
+    try:
+        dropped = await cut
+    finally:
+        if _trimming.get(path) is cut:
+            del _trimming[path]
+    if dropped:
         _said.warning("log %s over %d bytes: %d bytes of it dropped", path, limit, dropped)
 
 
