@@ -47,11 +47,11 @@ class Watcher:
 
     def _time_left(self) -> float:
         """What is left of the shortest lease held here: a renewal that connects afresh may
-        take that long. Bound by the period, a link slower than that (0.3 s each way: a
-        connection is five round trips) dropped every renewal and connected afresh within the
-        same bound, for ever, while the leases lapsed and every attempt here was declared
-        Lost. A renewal on a connection made before keeps the period's bound: a connection
-        gone silent held it until the lease ended."""
+        take that long, one on a connection made before half of it (LeaseLink.renew). Bound
+        by the period, a link slower than that (0.3 s each way: a connection is five round
+        trips) dropped every renewal and connected afresh within the same bound, for ever,
+        while the leases lapsed and every attempt here was declared Lost; bound by all of
+        it, a connection gone silent held a renewal until the lease ended."""
         now = time.monotonic()
         return min(
             (

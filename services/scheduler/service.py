@@ -60,6 +60,7 @@ class Scheduler(Service):
         self._channel: AbstractChannel | None = None
         self._submit: AbstractQueue | None = None
         self._tag = ""
+        self._paused = False  # the gate cancelled the sked.submit consumer: Redis is silent
 
     def loops(self) -> Sequence[Loop]:
         stop = self.stopping
@@ -99,12 +100,14 @@ class Scheduler(Service):
         ping is answered (once a second), and hands back at once what it holds (Intake.run)."""
         hub, stopping = self.hub, self.stopping
         while not stopping.is_set():
-            await wait_any(hub.redis_away, stopping)
-            if stopping.is_set():
-                return
             assert self._submit is not None
-            await self._submit.cancel(self._tag)
-            log.warning("Redis does not answer: %s left to other schedulers", SUBMIT_QUEUE)
+            if not self._paused:  # (a gate restarted after a failed resume is still paused)
+                await wait_any(hub.redis_away, stopping)
+                if stopping.is_set():
+                    return
+                await self._submit.cancel(self._tag)
+                self._paused = True
+                log.warning("Redis does not answer: %s left to other schedulers", SUBMIT_QUEUE)
             while not stopping.is_set():
                 with contextlib.suppress(*TRANSIENT):
                     await self.queue.redis.ping()
@@ -112,8 +115,11 @@ class Scheduler(Service):
                 await wait_any(stopping, timeout=1.0)
             if stopping.is_set():
                 return
-            hub.redis_away.clear()
+            # consumed again before the mark is cleared: a resume that fails on RabbitMQ (its
+            # connection dropped meanwhile) is tried again, not forgotten for good
             self._tag = await self._submit.consume(self.intake.inbox.put)
+            self._paused = False
+            hub.redis_away.clear()
             log.info("Redis answers again: consuming %s", SUBMIT_QUEUE)
 
     async def _rebuild(self) -> None:

@@ -112,15 +112,18 @@ class LeaseLink:
         timeout: float,
         connecting: float | None = None,
     ) -> tuple[set[tuple[UUID, int]], set[tuple[UUID, int]]]:
-        """Leases.renewal on this link: (renewed, passed over). Bounded by `timeout` on a
-        connection made before, by `connecting` (if longer) when it connects afresh: a link
-        slow enough that connecting takes longer than the period must not make every renewal
-        fail, and a connection gone silent must not hold one for longer than the period."""
+        """Leases.renewal on this link: (renewed, passed over). Bounded by `timeout` (the
+        period) or, if longer, by `connecting` (what is left of the shortest lease) when it
+        connects afresh and by half of that on a connection made before: a link slower than
+        the period (a round trip of 2.4 s against a 2 s period) must not fail every renewal
+        and drop its connection, and one gone silent (a NAT that dropped its state) must be
+        given up while a fresh connection still fits in the lease."""
         if not attempts:
             return set(), set()
         fresh = self._conn is None or self._conn.is_closed()
+        left = (connecting or 0) if fresh else (connecting or 0) / 2
         try:
-            async with asyncio.timeout(max(timeout, connecting or 0) if fresh else timeout):
+            async with asyncio.timeout(max(timeout, left)):
                 if self._conn is None or self._conn.is_closed():
                     self._conn = await connect(self.dsn)
                 db = Db(self._conn, self.lease_margin_s)

@@ -41,8 +41,9 @@ async def services(
     """The scheduler and the executor of node `node_id` (`slots`, and any other settings of
     its own in `node`), running."""
     node_settings = settings.model_copy(update={"node_id": node_id, "slots": slots, **node})
-    async with backends(settings) as s, backends(node_settings) as e:
-        scheduler = Scheduler(scheduler_settings or settings, s.store, s.bus, s.ready_queue)
+    scheduler_settings = scheduler_settings or settings  # its servers' addresses too
+    async with backends(scheduler_settings) as s, backends(node_settings) as e:
+        scheduler = Scheduler(scheduler_settings, s.store, s.bus, s.ready_queue)
         backend = LocalBackend(slots, tmp_path)
         executor = Executor(node_settings, e.store, e.bus, backend, e.ready_queue)
         running = [asyncio.create_task(scheduler.run()), asyncio.create_task(executor.run())]

@@ -95,7 +95,7 @@ async def test_a_renewal_hung_on_a_black_holed_connection_gives_up_within_a_peri
     what is left of the lease (~16 s), for a slow link's reconnection: it hung on the dead
     connection that long, and no renewal succeeded for the rest of the lease although
     Postgres was reachable the whole time. Now only a renewal that connects afresh has that
-    bound; one on a connection made before has the period's."""
+    bound; one on a connection made before has half of it, so a fresh one still fits."""
     proxy = BlackHole(5432)
     await proxy.start()
     try:
@@ -137,7 +137,7 @@ async def test_a_renewal_hung_on_a_black_holed_connection_gives_up_within_a_peri
         proxy.release()
         await proxy.close()
     assert renewed_after is not None, f"no renewal within 24 s (frozen at {frozen_at} s)"
-    assert renewed_after < 8, (
+    assert renewed_after < 15, (  # of a 20 s lease: in time, with a fresh connection to spare
         f"after the lease link was black-holed, the next successful renewal came "
         f"{renewed_after} s later (frozen at {frozen_at} s); Postgres was reachable throughout"
     )
