@@ -17,7 +17,7 @@ import pytest
 
 from services.executor.backends import Launch
 from services.executor.backends.kubernetes import KubernetesBackend
-from services.executor.backends.kubernetes.kube import KubeError
+from services.executor.backends.kubernetes.kube import LOG_READ_S, KubeError
 from services.executor.backends.kubernetes.manifest import (
     JobOptions,
     job_manifest,
@@ -159,7 +159,9 @@ async def test_a_stop_is_not_held_up_by_a_pod_log_that_never_answers(
     try:
         stopping = asyncio.create_task(backend.stop_task(what.task_id, what.attempt))
         await cluster.wait_for(lambda: _job(what) not in cluster.jobs, timeout=5)
-        async with asyncio.timeout(5):
+        # the log's read, begun beside the delete, gives up at LOG_READ_S (5 s of a loaded
+        # host's clock once held a 5 s window here past its end)
+        async with asyncio.timeout(LOG_READ_S + 5):
             assert await stopping
     finally:
         release.set()
