@@ -75,7 +75,7 @@ async def _all_done(client: SkedClient, ids: list[UUID], timeout: float) -> tupl
 # -- two schedulers, one's Redis link cut: the healthy one carries on -----------------------
 
 
-async def test_a_scheduler_cut_from_redis_delays_the_submissions_it_consumes(
+async def test_a_scheduler_cut_from_redis_does_not_delay_the_submissions_it_consumed(
     deployment: Deployment,
     client: SkedClient,
     pool: asyncpg.Pool,
