@@ -222,12 +222,10 @@ class LocalBackend(OneNode):
             return await self._handler(run, launch, job, stem)
         except Exception as exc:
             log.exception(
-                "attempt %s/%s: backend failure",
-                *key,
-                extra={"task_id": key[0], "attempt": key[1]},
+                "attempt %s/%s: backend failure", *key, extra={"task_id": key[0], "attempt": key[1]}
             )
-            tail = self._tail(self._log_path(stem))
-            return Outcome.failed(f"executor error: {describe(exc)}", tail)
+            last = tail(self._log_path(stem), self.log_tail_bytes)
+            return Outcome.failed(f"executor error: {describe(exc)}", last)
         finally:
             del self._runs[key]
             if inputs_path is not None:
@@ -249,8 +247,11 @@ class LocalBackend(OneNode):
     async def prune(self, older_than_s: float, keep: Set[Key]) -> int:
         return await asyncio.to_thread(prune_logs, self._logs, older_than_s, keep)
 
-    def _tail(self, log_path: Path) -> str:
-        return tail(log_path, self.log_tail_bytes)
+    async def _end_log(self, log_name: str) -> str:
+        """An ended attempt's log bounded now its writers are gone (the head a live cut freed
+        becomes the note of what went), and its tail."""
+        await bound(log_name, self.log_max_bytes, compact=True)
+        return tail(log_name, self.log_tail_bytes)
 
     def _cut_short(self, launch: Launch, stopped: bool, log_tail: str) -> Outcome:
         """The outcome of an attempt that was stopped or ran out of time."""
@@ -286,8 +287,7 @@ class LocalBackend(OneNode):
             self._records.remove(key)
         if proc.error is not None:
             return Outcome.failed(f"could not start: {proc.error}")
-        await bound(str(log_path), self.log_max_bytes, compact=True)  # since the last look
-        tail = self._tail(log_path)
+        tail = await self._end_log(str(log_path))
         if not finished:
             return self._cut_short(launch, stopped, tail)
         if ended.how == "frozen too long":
@@ -354,7 +354,7 @@ class LocalBackend(OneNode):
                     continue
                 if verdict.how == "answered":
                     answer = verdict.answer or {}
-                    tail = self._tail(Path(log_name)) if answer.get("log") is True else ""
+                    tail = await self._end_log(log_name) if answer.get("log") is True else ""
                     if answer.get("ok") is True:
                         return Outcome(True, answer.get("result"), None, False, False, tail)
                     return Outcome.failed(str(answer.get("error")), tail)
@@ -387,13 +387,12 @@ class LocalBackend(OneNode):
         """What a job cut short printed (its worker's out file) to the attempt's log; its
         tail ("" if nothing). A job that ended moved its output there itself."""
         try:
-            size = os.stat(worker.out_name).st_size
+            if os.stat(worker.out_name).st_size == 0:
+                return ""
         except OSError:
-            return ""
-        if size == 0:
             return ""
         try:  # its worker is dead: the file is the log's now (moved; a bounded tail if not)
             await asyncio.to_thread(move_or_tail, worker.out_name, log_path)
         except OSError as exc:
             log.warning("output of a job cut short not kept in %s: %s", log_path, exc)
-        return tail(log_path, self.log_tail_bytes)
+        return await self._end_log(str(log_path))

@@ -4,18 +4,25 @@ attempt's log and the node.
 
 The attempt's stdout and stderr are its log file itself (no pipe and copy between them: that
 would cost every attempt a hop), opened O_APPEND by its writers. So the bound is kept from
-outside: every CHECK_S the executor looks at the files being written, and one over the limit is
-cut to its last half, behind a line saying how much went. The kubelet bounds a container's log
-the same way (rotation at containerLogMaxSize); nothing here needs more than a stat and, rarely,
-one read and one write, so no library is wanted. What a writer adds in the instant between the
-read and the truncation is lost, and the cut lands mid-line: a log is for reading, the
-outcome (exit code, $SKED_OUTPUT, the handler's result) is never cut.
+outside: every CHECK_S the executor looks at the files being written, and frees the head of one
+over the limit in place (a hole punched in whole blocks, its last half kept), which moves
+nothing its writers append after. Once the writers are gone (the attempt's end), a log over
+the limit is rewritten as its last half behind a line saying how much went. The kubelet bounds
+a container's log the same way (rotation at containerLogMaxSize); nothing here needs more than
+a stat and, rarely, one system call, so no library is wanted. A cut lands mid-line: a log is
+for reading; the outcome (exit code, $SKED_OUTPUT, the handler's result) is never cut.
+
+The first version truncated a live log and wrote its last half back: what a writer appended
+between the two went to the file's start, ahead of what it followed. A file system without
+hole punching still gets that rewrite (the window narrowed to two back-to-back calls).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import functools
 import logging
 import os
 import stat
@@ -32,9 +39,10 @@ _trimming: dict[str, asyncio.Future[int]] = {}
 
 
 def trim(path: str, limit: int, *, compact: bool = False) -> int:
-    """Cut the file at `path` to its last `limit` // 2 bytes, behind a line naming what was
-    dropped, if it is a regular file over `limit` bytes; the bytes dropped (0 if none). A
-    task may put anything at a path it can reach: a symlink is not followed, a FIFO not read."""
+    """Cut the file at `path` to its last `limit` // 2 bytes, if it is a regular file over
+    `limit` bytes: live, by punching out its head; `compact` (its writers are gone), rewritten
+    behind a line naming what was dropped. The bytes dropped (0 if none). A task may put
+    anything at a path it can reach: a symlink is not followed, a FIFO not read."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -44,14 +52,38 @@ def trim(path: str, limit: int, *, compact: bool = False) -> int:
         size = info.st_size if compact else _stored(info)
         if not stat.S_ISREG(info.st_mode) or size <= limit:
             return 0
-        kept = _data(fd, max(info.st_size - limit // 2, 0), info.st_size)
-        os.ftruncate(fd, 0)
+        start = max(info.st_size - limit // 2, 0)
+        if not compact:
+            block = max(info.st_blksize, 512)
+            if _punch(fd, start // block * block):
+                return max(_stored(info) - _stored(os.fstat(fd)), 0)
+        kept = _data(fd, start, info.st_size)
         dropped = info.st_size - len(kept)
         note = f"[sked: {dropped} bytes of earlier output dropped: SKED_LOG_MAX_BYTES is {limit}]\n"
-        os.write(fd, note.encode() + kept)
+        payload = note.encode() + kept  # before the truncation: nothing between it and the write
+        os.ftruncate(fd, 0)
+        os.write(fd, payload)
         return dropped
     finally:
         os.close(fd)
+
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
+_libc = ctypes.CDLL(None, use_errno=True)
+_fallocate = getattr(_libc, "fallocate64", None) or getattr(_libc, "fallocate", None)
+if _fallocate is not None:
+    _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    _fallocate.restype = ctypes.c_int
+
+
+def _punch(fd: int, end: int) -> bool:
+    """The file's first `end` bytes freed in place (read back as a hole), its size and every
+    offset after them unchanged; False where the file system cannot (then it is rewritten).
+    Through libc: Python's os module has posix_fallocate, without fallocate's modes."""
+    if end <= 0 or _fallocate is None:  # (a limit under two blocks: nothing whole to free)
+        return False
+    done: int = _fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, end)
+    return done == 0
 
 
 def _data(fd: int, start: int, end: int) -> bytes:
@@ -105,13 +137,19 @@ async def bound(path: str, limit: int, *, compact: bool = False) -> None:
     cut = _trimming[path] = asyncio.ensure_future(
         asyncio.to_thread(trim, path, limit, compact=compact)
     )
-    try:
-        dropped = await cut
-    finally:
-        if _trimming.get(path) is cut:
-            del _trimming[path]
+    # registered until the thread is done, not until this call is: a cancelled caller (the
+    # attempt's stop) leaves the thread cutting, and the next cut must still wait for it
+    cut.add_done_callback(functools.partial(_cut_done, path))
+    dropped = await asyncio.shield(cut)
     if dropped:
         _said.warning("log %s over %d bytes: %d bytes of it dropped", path, limit, dropped)
+
+
+def _cut_done(path: str, cut: asyncio.Future[int]) -> None:
+    if _trimming.get(path) is cut:
+        del _trimming[path]
+    if not cut.cancelled():
+        cut.exception()  # its caller has it, if still waiting; else the next look tries again
 
 
 async def keep_bounded(paths: Callable[[], Iterable[str]], limit: int) -> None:
