@@ -71,7 +71,23 @@ class Backends:
         return ReadyQueue(self.redis, self.settings.aging_s)
 
 
-async def connect_store(settings: Settings, size: int | None = None) -> Store:
+def idle_in_tx_s(settings: Settings) -> float:
+    """How long a service's session may sit idle in an open transaction before Postgres ends
+    it (db.create_pool): half the node TTL. The longest a service waits inside one on purpose
+    is a Redis call (the dispatch pass pops under the nodes' row locks), and a node's heartbeat
+    that queues behind those locks for this long still lands within its TTL."""
+    return settings.node_ttl_s / 2
+
+
+def relay_idle_in_tx_s(settings: Settings) -> float:
+    """The same for a service that relays the outbox (the relay, recovery): its pass holds
+    its shards while it waits for RabbitMQ's confirms, up to SKED_RELAY_CONFIRM_TIMEOUT_S."""
+    return settings.relay_confirm_timeout_s + idle_in_tx_s(settings)
+
+
+async def connect_store(
+    settings: Settings, size: int | None = None, idle_s: float | None = None
+) -> Store:
     """The store of a service, which refuses (SkedError, one line) to start on a database that
     is not there or whose schema is older than this code: it would answer every request with a
     missing table (services start beside `sked migrate`, and their supervisor restarts them)."""
@@ -82,6 +98,7 @@ async def connect_store(settings: Settings, size: int | None = None) -> Store:
                 size or settings.db_pool_size,
                 settings.lease_margin_s,
                 settings.node_ttl_s,
+                idle_s,
             )
     except asyncpg.InvalidCatalogNameError as exc:
         raise SkedError(f"Postgres: {exc}: run `sked migrate` (it creates it)") from None
@@ -94,9 +111,10 @@ async def connect_store(settings: Settings, size: int | None = None) -> Store:
 
 
 @asynccontextmanager
-async def backends(settings: Settings) -> AsyncIterator[Backends]:
-    """Postgres, Redis and RabbitMQ for `settings`, closed on the way out."""
-    store = await connect_store(settings)
+async def backends(settings: Settings, idle_s: float | None = None) -> AsyncIterator[Backends]:
+    """Postgres, Redis and RabbitMQ for `settings`, closed on the way out; `idle_s`: the
+    store's bound on a transaction left idle (db.create_pool)."""
+    store = await connect_store(settings, idle_s=idle_s)
     redis = queues.connect(settings.redis_url)
     bus = AmqpBus(settings.rabbitmq_url, settings.dead_max)
     try:
@@ -127,13 +145,15 @@ async def _refused_by_redis(redis: Redis, url: str) -> None:
 
 def serving(
     build: Callable[[Settings, Backends], Service | Awaitable[Service]],
+    idle_s: Callable[[Settings], float] = idle_in_tx_s,
 ) -> Callable[[Settings], Awaitable[None]]:
     """A service process's async main: open the backends, build the service on them (a build
     may be async: an API client needs the running loop), serve it until SIGTERM (standing for
-    computing the cluster-wide gauges meanwhile, with metrics on), close the backends."""
+    computing the cluster-wide gauges meanwhile, with metrics on), close the backends.
+    `idle_s`: its sessions' bound on a transaction left idle, by its settings."""
 
     async def main(settings: Settings) -> None:
-        async with backends(settings) as b:
+        async with backends(settings, idle_s(settings)) as b:
             built = build(settings, b)
             service = await built if inspect.isawaitable(built) else built
             async with metrics.cluster(settings, b.store, b.ready_queue):

@@ -10,7 +10,7 @@ from shared.alerts import Alerter
 from shared.relay import OutboxRelay
 from shared.runtime import run_service, service_args
 from shared.settings import Settings
-from shared.wiring import Backends, serving
+from shared.wiring import Backends, relay_idle_in_tx_s, serving
 
 ABOUT = "Retry lost tasks, requeue stuck ones, repair the ready queue and the outbox."
 
@@ -33,7 +33,7 @@ def parser() -> argparse.ArgumentParser:
 
 def run(argv: list[str] | None = None) -> int:
     parser().parse_args(argv or [])
-    return run_service("recovery", Settings(), serving(build))
+    return run_service("recovery", Settings(), serving(build, relay_idle_in_tx_s))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import sys
 from services.relay.service import Relay
 from shared.runtime import run_service, service_args
 from shared.settings import Settings
-from shared.wiring import serving
+from shared.wiring import relay_idle_in_tx_s, serving
 
 
 def parser() -> argparse.ArgumentParser:
@@ -17,7 +17,9 @@ def parser() -> argparse.ArgumentParser:
 
 def run(argv: list[str] | None = None) -> int:
     parser().parse_args(argv or [])
-    return run_service("relay", Settings(), serving(lambda s, b: Relay(s, b.store, b.bus)))
+    return run_service(
+        "relay", Settings(), serving(lambda s, b: Relay(s, b.store, b.bus), relay_idle_in_tx_s)
+    )
 
 
 if __name__ == "__main__":

@@ -99,7 +99,15 @@ async def connect(dsn: str | None = None, **kwargs: Any) -> asyncpg.Connection:
         raise ConnectRefused(f"Postgres refused a new connection: {said}") from exc
 
 
-async def create_pool(dsn: str, size: int = 8) -> asyncpg.Pool:
+async def create_pool(dsn: str, size: int = 8, idle_in_tx_s: float | None = None) -> asyncpg.Pool:
+    """A pool whose sessions Postgres ends when one sits `idle_in_tx_s` in an open
+    transaction (None: never). Its holder frozen mid-transaction (SIGSTOP, a paused VM or
+    container, a swap storm) kept that transaction's row locks for the whole freeze, and its
+    own timeouts, counted by the frozen process, did not run: every move is a CAS, so a
+    transaction ended this way is only run again by its holder, once it wakes."""
+    settings = {}
+    if idle_in_tx_s is not None:
+        settings["idle_in_transaction_session_timeout"] = str(max(1, round(idle_in_tx_s * 1000)))
     pool = await asyncpg.create_pool(
         pinned_dsn(dsn),
         min_size=1,
@@ -108,6 +116,7 @@ async def create_pool(dsn: str, size: int = 8) -> asyncpg.Pool:
         reset=_lean_reset,
         command_timeout=60,
         connect=connect,
+        server_settings=settings,
     )
     assert pool is not None
     return pool

@@ -59,12 +59,18 @@ class Store(Tx):
 
     @classmethod
     async def connect(
-        cls, dsn: str, size: int = 8, lease_margin_s: float = 0.5, node_ttl_s: float = 10.0
+        cls,
+        dsn: str,
+        size: int = 8,
+        lease_margin_s: float = 0.5,
+        node_ttl_s: float = 10.0,
+        idle_in_tx_s: float | None = None,
     ) -> Store:
-        """The store on a pool of `size`; its LISTEN and lease connections, opened later on
-        its `dsn`, work in the same schema as the pool (db.pinned_dsn)."""
+        """The store on a pool of `size` (its sessions' bound on a transaction left idle:
+        db.create_pool); its LISTEN and lease connections, opened later on its `dsn`, work in
+        the same schema as the pool (db.pinned_dsn)."""
         dsn = pinned_dsn(dsn)
-        return cls(await create_pool(dsn, size), dsn, lease_margin_s, node_ttl_s)
+        return cls(await create_pool(dsn, size, idle_in_tx_s), dsn, lease_margin_s, node_ttl_s)
 
     async def close(self) -> None:
         await self.pool.close()
