@@ -353,7 +353,9 @@ def exec_leader(
         me = os.getpid()
         os.write(report, f"pid {me} {start_time(me) or 0} {shim}\n".encode())
         signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE, signal.SIGINT):
+        # SIGXFSZ too (Python ignores it at start, as SIGPIPE; an ignored signal stays so
+        # across exec): a command bounded by `ulimit -f` is stopped at its limit
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE, signal.SIGINT, signal.SIGXFSZ):
             signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         if pipes:

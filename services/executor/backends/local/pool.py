@@ -108,7 +108,8 @@ class WorkerPool:
         best, most = None, 0
         for worker in self._busy:
             n = len(worker.pending)
-            if most < n < self.depth and worker.usable and not self._spent(worker):
+            fit = worker.usable and worker.retire is None and not self._spent(worker)
+            if most < n < self.depth and fit:
                 since = worker.first_since()
                 if since is not None and since > fresh:
                     best, most = worker, n
@@ -149,6 +150,9 @@ class WorkerPool:
             return
         self._busy.pop(worker, None)
         if worker.dead or worker.exited.done():
+            self.refill(worker)
+        elif worker.retire is not None:
+            log.warning("handler worker %d retired: a job changed %s", worker.pid, worker.retire)
             self.refill(worker)
         elif self._spent(worker):
             log.info("handler worker %d retired after %d jobs", worker.pid, worker.jobs_taken)

@@ -25,7 +25,6 @@ import select
 import shutil
 import signal
 import sys
-import threading
 import time
 import traceback
 from collections import deque
@@ -36,6 +35,7 @@ from typing import Any
 from pydantic_core import from_json
 
 from services.executor.backends.local.calls import may_be_unreadable, readable, takes_inputs
+from services.executor.backends.local.jobstate import ProcessState
 from services.executor.warden.proctree import (
     PR_SET_CHILD_SUBREAPER,
     PR_SET_DUMPABLE,
@@ -138,6 +138,7 @@ class Worker:
 
     def serve(self) -> None:
         signal.signal(NUDGE, self._on_nudge)
+        self.state = ProcessState()  # what each job finds, and gets back after it
         self._write(READY)
         while True:
             if not self.queue:
@@ -241,10 +242,13 @@ class Worker:
         self._forked(None)
         if leftovers := _children():  # before the reply: a retry must not run beside them
             _end(leftovers)
+        kept = self.state.restore(job_env)  # before the next job, which may be queued here
         ran = time.monotonic() - started if started else 0.0
         logged = self._keep_output(job.get("log"))
         # the job's id first: a line naming another job is not this job's reply
         head = b'{"job":%s,"ran":%.6f,' % (stem.encode(), ran)
+        if kept is not None:  # what could not be put back: take no more jobs here
+            head += b'"retire":%s,' % json.dumps(kept).encode()
         return head + (b'"log":true,' if logged else b"") + reply[1:]
 
     def _forked(self, exc: BaseException | None) -> None:
@@ -319,7 +323,8 @@ def _failure(error: str, *, show: bool = True) -> bytes:
         trace = ""
     error, trace = _escaped(error[:2000]), _escaped(trace)
     if trace:
-        sys.stderr.write(trace)
+        with contextlib.suppress(OSError, ValueError):  # the handler closed it
+            sys.stderr.write(trace)
     # cut by characters, each at most 12 bytes of JSON (a surrogate pair's escapes): the reply
     # always fits its line, whatever the exception's text holds
     shown = trace[-MAX_TRACE_CHARS:]
@@ -334,7 +339,8 @@ def _children() -> list[int]:
     except ChildProcessError:
         return []
     me = os.getpid()
-    tids = os.listdir(f"/proc/{me}/task") if threading.active_count() > 1 else [str(me)]
+    # every thread's: one `threading` does not count (a C extension's) may have started it
+    tids = os.listdir(f"/proc/{me}/task")
     found: list[int] = []
     for tid in tids:
         try:  # os.open and read, not open(): a third of the cost
@@ -351,7 +357,7 @@ def _end(children: list[int]) -> None:
     """Kill what a job left, each child's whole tree, and reap them: a handler's processes end
     with its attempt, as a command's do. Again while any is left: one may fork meanwhile."""
     for _ in range(10):
-        doomed = [*children, *(pid for child in children for pid in descendants(child))]
+        doomed = [*children, *descendants(*children)]
         for pid in doomed:
             signal_(pid, signal.SIGKILL)
         for child in children:

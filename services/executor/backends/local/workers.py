@@ -103,6 +103,7 @@ class Worker:
         self.jobs_taken = 0  # jobs delivered to it (WorkerPool retires it after max_jobs)
         self.broke = False  # it wrote a line that is no reply to a job it has
         self.dead = False  # died, broke or was killed: it takes no more jobs
+        self.retire: str | None = None  # what a job changed for good (jobstate.py)
         self.holders = 0  # callers with a ticket of it they have not released
         self.pending: dict[str, Ticket] = {}  # its jobs without a verdict, in the order given
         self.on_answer: Callable[[float], None] | None = None  # how long a job took, first
@@ -112,9 +113,7 @@ class Worker:
         self.rescue_s = RESCUE_S  # the pool's
         self._rescue: asyncio.TimerHandle | None = None
         self._grace: asyncio.TimerHandle | None = None
-        self._graced = False
-        self._killed = False
-        self._ended = False
+        self._graced = self._killed = self._ended = False
         self._tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -252,6 +251,8 @@ class Worker:
             job = answer.get("job")
             ticket = self.pending.get(job) if isinstance(job, str) else None
             if ticket is not None and "ok" in answer:
+                if answer.get("retire") is not None:
+                    self.retire = str(answer["retire"])[:200]
                 self._settle(ticket, Verdict("answered", answer))
                 return
         # a line naming no job it has (written by what a handler left running, say) must not
