@@ -126,12 +126,15 @@ def _over(paths: Iterable[str], limit: int, compact: bool = False) -> list[str]:
 async def bound(path: str, limit: int, *, compact: bool = False) -> None:
     """`path` trimmed (in a thread) if it is over `limit` bytes; `compact` (its writers are
     gone): if its size is, holes counted, so that a hole a writer left is not kept."""
-    under_way = _trimming.get(path)
-    if under_way is not None:
-        if not compact:
-            return
+    if not compact and path in _trimming:
+        return
+    # The last cut, once the writers are gone, waits for those under way: every one, not only
+    # this path's, since a handler's output is cut live by its worker's out file's path and
+    # compacted by its log's, the same file renamed (a punch computed on the live file, landing
+    # on the rewritten one, would make a hole of it all). Rarely any is.
+    for under_way in list(_trimming.values()) if compact else ():
         with contextlib.suppress(Exception):  # (its own failure is its caller's)
-            await asyncio.shield(under_way)  # the last cut, once the writers are gone, waits
+            await asyncio.shield(under_way)
     if not _over([path], limit, compact):
         return
     cut = _trimming[path] = asyncio.ensure_future(
