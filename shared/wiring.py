@@ -22,6 +22,7 @@ from shared.queues import ReadyQueue
 from shared.runtime import Service, serve
 from shared.settings import Settings
 from shared.store import Store
+from shared.store.db import COMMAND_S
 from shared.store.migrate import require_migrated
 
 CONNECT_S = 10.0  # the longest a service's start waits for a server's first answer
@@ -85,8 +86,23 @@ def relay_idle_in_tx_s(settings: Settings) -> float:
     return settings.relay_confirm_timeout_s + idle_in_tx_s(settings)
 
 
+def node_statement_s(settings: Settings) -> float:
+    """The bound on each statement of a service that keeps nodes' rows alive (the executor:
+    its node heartbeat, its claims and outcomes), past which its connection is dropped and the
+    statement's loop retries on another (db.pooled): half the node TTL. A connection gone
+    silent (a NAT that dropped its state) held the heartbeat for asyncpg's 60 s, and the node
+    was gone to placement; given up at half the TTL, the retry lands within it. Not shorter:
+    the longest such a statement waits on purpose is the nodes' row locks a dispatch pass holds,
+    which Postgres ends at half the TTL too (idle_in_tx_s), and a statement's round trips,
+    even at 300 ms each way, take a second or two."""
+    return settings.node_ttl_s / 2
+
+
 async def connect_store(
-    settings: Settings, size: int | None = None, idle_s: float | None = None
+    settings: Settings,
+    size: int | None = None,
+    idle_s: float | None = None,
+    statement_s: float = COMMAND_S,
 ) -> Store:
     """The store of a service, which refuses (SkedError, one line) to start on a database that
     is not there or whose schema is older than this code: it would answer every request with a
@@ -99,6 +115,7 @@ async def connect_store(
                 settings.lease_margin_s,
                 settings.node_ttl_s,
                 idle_s,
+                statement_s,
             )
     except asyncpg.InvalidCatalogNameError as exc:
         raise SkedError(f"Postgres: {exc}: run `sked migrate` (it creates it)") from None
@@ -111,10 +128,12 @@ async def connect_store(
 
 
 @asynccontextmanager
-async def backends(settings: Settings, idle_s: float | None = None) -> AsyncIterator[Backends]:
+async def backends(
+    settings: Settings, idle_s: float | None = None, statement_s: float = COMMAND_S
+) -> AsyncIterator[Backends]:
     """Postgres, Redis and RabbitMQ for `settings`, closed on the way out; `idle_s`: the
-    store's bound on a transaction left idle (db.create_pool)."""
-    store = await connect_store(settings, idle_s=idle_s)
+    store's bound on a transaction left idle, `statement_s` on a statement (db.create_pool)."""
+    store = await connect_store(settings, idle_s=idle_s, statement_s=statement_s)
     redis = queues.connect(settings.redis_url)
     bus = AmqpBus(settings.rabbitmq_url, settings.dead_max)
     try:
@@ -146,14 +165,17 @@ async def _refused_by_redis(redis: Redis, url: str) -> None:
 def serving(
     build: Callable[[Settings, Backends], Service | Awaitable[Service]],
     idle_s: Callable[[Settings], float] = idle_in_tx_s,
+    statement_s: Callable[[Settings], float] | None = None,
 ) -> Callable[[Settings], Awaitable[None]]:
     """A service process's async main: open the backends, build the service on them (a build
     may be async: an API client needs the running loop), serve it until SIGTERM (standing for
     computing the cluster-wide gauges meanwhile, with metrics on), close the backends.
-    `idle_s`: its sessions' bound on a transaction left idle, by its settings."""
+    `idle_s`: its sessions' bound on a transaction left idle, by its settings; `statement_s`:
+    on a statement (None: db.COMMAND_S, for services whose passes and batches run long)."""
 
     async def main(settings: Settings) -> None:
-        async with backends(settings, idle_s(settings)) as b:
+        bound = COMMAND_S if statement_s is None else statement_s(settings)
+        async with backends(settings, idle_s(settings), bound) as b:
             built = build(settings, b)
             service = await built if inspect.isawaitable(built) else built
             async with metrics.cluster(settings, b.store, b.ready_queue):

@@ -16,7 +16,7 @@ from services.executor.backends.local import LocalBackend
 from services.executor.service import Executor
 from shared.runtime import flag_settings, run_service, service_args
 from shared.settings import Settings, parse_labels
-from shared.wiring import Backends, serving
+from shared.wiring import Backends, node_statement_s, serving
 
 ABOUT = (
     "Run one executor (one node): start dispatched attempts, renew their leases, "
@@ -117,7 +117,7 @@ def run(argv: list[str] | None = None) -> int:
     return run_service(
         "executor",
         settings,
-        serving(build),
+        serving(build, statement_s=node_statement_s),
         log_as=f"executor[{settings.node_id}]",
         signs_heartbeats=True,
     )

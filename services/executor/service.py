@@ -232,11 +232,13 @@ class Executor(Service):
 
     async def _nodes_loop(self) -> None:
         """Each heartbeat period, or when the backend's nodes change: serve what it offers
-        and refresh the rows of the nodes served."""
+        and refresh the rows of the nodes served. The first beat comes at once: a loop
+        started again after a failed beat (a statement overran: db.pooled) has its rows a
+        period and a statement's bound old already, against the node TTL."""
         node, serving = self.node, self.serving
         assert serving is not None
         beats = 0
-        beat_at = time.monotonic() + self.settings.node_heartbeat_s
+        beat_at = time.monotonic()
         while not self.stopping.is_set():
             changed = node.backend.offers_changed
             timeout = max(beat_at - time.monotonic(), 0)

@@ -99,12 +99,23 @@ async def connect(dsn: str | None = None, **kwargs: Any) -> asyncpg.Connection:
         raise ConnectRefused(f"Postgres refused a new connection: {said}") from exc
 
 
-async def create_pool(dsn: str, size: int = 8, idle_in_tx_s: float | None = None) -> asyncpg.Pool:
+COMMAND_S = 60.0  # a pooled statement's bound, unless its service sets one (create_pool)
+
+
+async def create_pool(
+    dsn: str,
+    size: int = 8,
+    idle_in_tx_s: float | None = None,
+    statement_s: float = COMMAND_S,
+) -> asyncpg.Pool:
     """A pool whose sessions Postgres ends when one sits `idle_in_tx_s` in an open
     transaction (None: never). Its holder frozen mid-transaction (SIGSTOP, a paused VM or
     container, a swap storm) kept that transaction's row locks for the whole freeze, and its
     own timeouts, counted by the frozen process, did not run: every move is a CAS, so a
-    transaction ended this way is only run again by its holder, once it wakes."""
+    transaction ended this way is only run again by its holder, once it wakes.
+    `statement_s` bounds each statement on it (asyncpg's command_timeout; a statement given
+    a timeout of its own keeps it): one that overruns raises TimeoutError and its connection
+    is dropped (`pooled`)."""
     settings = {}
     if idle_in_tx_s is not None:
         settings["idle_in_transaction_session_timeout"] = str(max(1, round(idle_in_tx_s * 1000)))
@@ -114,12 +125,48 @@ async def create_pool(dsn: str, size: int = 8, idle_in_tx_s: float | None = None
         max_size=size,
         init=init_connection,
         reset=_lean_reset,
-        command_timeout=60,
+        command_timeout=statement_s,
         connect=connect,
         server_settings=settings,
     )
     assert pool is not None
     return pool
+
+
+@asynccontextmanager
+async def pooled(
+    pool: asyncpg.Pool, tx: bool = False, **options: Any
+) -> AsyncIterator[asyncpg.Connection]:
+    """A connection of `pool`, in a transaction if `tx` (`options`: its isolation, readonly),
+    dropped — never given back — when a statement on it overran its bound (TimeoutError).
+    asyncpg asks Postgres to cancel an overrun statement, on a connection of its own, and
+    its pool takes the connection back only once the cancel is acknowledged on it: on one
+    gone silent (a NAT that dropped its state: no FIN, no RST) that never comes, and the give
+    back, with the TimeoutError behind it, waited out the cancel's own command_timeout
+    (60 s: an executor's node heartbeat and outcomes stopped for a minute). A dropped
+    connection's transaction is rolled back by Postgres (no ROLLBACK is sent on it: it would
+    wait the same). The pool's other connections are suspect too (a link that silenced one
+    silenced those opened beside it): each is replaced when next taken, so the retry does not
+    meet another."""
+    async with pool.acquire() as conn:
+        try:
+            if not tx:
+                yield conn
+                return
+            xact = conn.transaction(**options)
+            await xact.start()
+            try:
+                yield conn
+            except TimeoutError:
+                raise  # dropped below
+            except BaseException:
+                await xact.rollback()
+                raise
+            await xact.commit()
+        except TimeoutError:
+            conn.terminate()
+            await pool.expire_connections()
+            raise
 
 
 class Db:
@@ -134,18 +181,25 @@ class Db:
         return isinstance(self.target, asyncpg.Connection)
 
     async def fetch(self, query: Query, *args: Any) -> list[asyncpg.Record]:
-        return list(await self.target.fetch(query.sql, *args))
+        return list(await self._run("fetch", query, args))
 
     async def fetchrow(self, query: Query, *args: Any) -> asyncpg.Record | None:
-        row: asyncpg.Record | None = await self.target.fetchrow(query.sql, *args)
+        row: asyncpg.Record | None = await self._run("fetchrow", query, args)
         return row
 
     async def fetchval(self, query: Query, *args: Any) -> Any:
-        return await self.target.fetchval(query.sql, *args)
+        return await self._run("fetchval", query, args)
 
     async def execute(self, query: Query, *args: Any) -> str:
-        status: str = await self.target.execute(query.sql, *args)
+        status: str = await self._run("execute", query, args)
         return status
+
+    async def _run(self, method: str, query: Query, args: tuple[Any, ...]) -> Any:
+        """One statement: in this transaction, or on a pooled connection (`pooled`)."""
+        if isinstance(self.target, asyncpg.Connection):
+            return await getattr(self.target, method)(query.sql, *args)
+        async with pooled(self.target) as conn:
+            return await getattr(conn, method)(query.sql, *args)
 
     @asynccontextmanager
     async def atomic(self) -> AsyncIterator[Db]:
@@ -153,10 +207,9 @@ class Db:
         if isinstance(self.target, asyncpg.Connection):
             yield self
             return
-        async with self.target.acquire() as conn:
-            with hooks.told_on_commit():  # Store.transaction says why
-                async with conn.transaction():
-                    yield Db(conn, self.lease_margin_s)
+        with hooks.told_on_commit():  # Store.transaction says why
+            async with pooled(self.target, tx=True) as conn:
+                yield Db(conn, self.lease_margin_s)
 
     @asynccontextmanager
     async def snapshot(self) -> AsyncIterator[Db]:
@@ -166,11 +219,8 @@ class Db:
         if isinstance(self.target, asyncpg.Connection):
             yield self
             return
-        async with (
-            self.target.acquire() as conn,
-            conn.transaction(isolation="repeatable_read", readonly=True),
-        ):
-            yield Db(conn, self.lease_margin_s)
+        async with pooled(self.target, tx=True, isolation="repeatable_read", readonly=True) as c:
+            yield Db(c, self.lease_margin_s)
 
 
 def task(row: asyncpg.Record) -> Task:

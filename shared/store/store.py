@@ -10,7 +10,7 @@ import asyncpg
 
 from shared import hooks
 from shared.store.claims import Claims
-from shared.store.db import Db, create_pool, pinned_dsn
+from shared.store.db import COMMAND_S, Db, create_pool, pinned_dsn, pooled
 from shared.store.degrade import Degrade
 from shared.store.gauges import ClusterGauges
 from shared.store.late import LateResults
@@ -65,12 +65,14 @@ class Store(Tx):
         lease_margin_s: float = 0.5,
         node_ttl_s: float = 10.0,
         idle_in_tx_s: float | None = None,
+        statement_s: float = COMMAND_S,
     ) -> Store:
-        """The store on a pool of `size` (its sessions' bound on a transaction left idle:
-        db.create_pool); its LISTEN and lease connections, opened later on its `dsn`, work in
-        the same schema as the pool (db.pinned_dsn)."""
+        """The store on a pool of `size` (its sessions' bound on a transaction left idle, and
+        its bound on a statement: db.create_pool); its LISTEN and lease connections, opened
+        later on its `dsn`, work in the same schema as the pool (db.pinned_dsn)."""
         dsn = pinned_dsn(dsn)
-        return cls(await create_pool(dsn, size, idle_in_tx_s), dsn, lease_margin_s, node_ttl_s)
+        pool = await create_pool(dsn, size, idle_in_tx_s, statement_s)
+        return cls(pool, dsn, lease_margin_s, node_ttl_s)
 
     async def close(self) -> None:
         await self.pool.close()
@@ -79,10 +81,9 @@ class Store(Tx):
     async def transaction(self) -> AsyncIterator[Tx]:
         """One transaction: everything done through the Tx commits together, or not at all;
         and the moves it made are told to the hooks (metrics, traces) only once it commits."""
-        async with self.pool.acquire() as conn:
-            with hooks.told_on_commit():
-                async with conn.transaction():
-                    yield Tx(Db(conn, self.lease_margin_s), self.node_ttl_s)
+        with hooks.told_on_commit():
+            async with pooled(self.pool, tx=True) as conn:  # dropped if a statement overran
+                yield Tx(Db(conn, self.lease_margin_s), self.node_ttl_s)
 
     def listener(
         self,
