@@ -5,13 +5,14 @@ return 0, a timer it left armed fired inside the next job, and a lowered RLIMIT_
 `chdir` into a directory it then removed, a umask of 0o777, a closed `sys.stdout` or an
 edited `os.environ` were the next task's. A command attempt gets a fresh process; a handler
 job gets what the worker had when it started: each is checked after every job (a few
-reads: /proc/self/stat and /proc/self/limits, the timers, the working directory, the umask,
+reads: /proc/self/status and /proc/self/limits, the timers, the working directory, the umask,
 the niceness, the environment) and put back where it changed. What cannot be put back (a
 hard limit lowered, a niceness raised without the privilege to lower it) retires the worker:
 its reply says so, and the pool replaces it (WorkerPool.release).
 
-Python-level state (a module's globals, monkeypatching, threads) is beyond this: handlers of
-different tasks share an interpreter, as Celery's do; isolation between them is a command's.
+Python-level state (a module's globals, monkeypatching, threads), and the environment below
+os.environ (os.putenv, a C library's setenv), are beyond this: handlers of different tasks
+share an interpreter, as Celery's do; isolation between them is a command's.
 """
 
 from __future__ import annotations
@@ -32,10 +33,18 @@ class ProcessState:
     """The worker's process-wide state as it stood when it took its first job."""
 
     def __init__(self) -> None:
-        self._stat = os.open("/proc/self/stat", os.O_RDONLY | os.O_CLOEXEC)
+        self._status = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
         self._limits_fd = os.open("/proc/self/limits", os.O_RDONLY | os.O_CLOEXEC)
+        self.retake({}, {})
+
+    def retake(self, job_env: Mapping[str, str], before: Mapping[str, str | None]) -> None:
+        """Take the process as it is now for what each job gets: at the start, and after a
+        handler's module was imported (what its import set up is the worker's, not undone
+        after its first job); `job_env` is set now over `before`, and is not the worker's."""
         self.signals = self._signals()
         self.handlers = {s: signal.getsignal(s) for s in _catchable()}
+        # Python handlers on signals caught already: swapped for another, the masks are alike
+        self.python = {s: h for s, h in self.handlers.items() if callable(h)}
         self.blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
         self.limits_text = os.pread(self._limits_fd, 1 << 14, 0)
         self.limits = {r: resource.getrlimit(r) for r in _LIMITS}
@@ -44,16 +53,42 @@ class ProcessState:
         os.umask(self.umask)
         self.nice = os.getpriority(os.PRIO_PROCESS, 0)
         self.environ: dict[bytes, bytes] = dict(_data())
+        for name in job_env:
+            value = before.get(name)
+            if value is None:
+                self.environ.pop(os.fsencode(name), None)
+            else:
+                self.environ[os.fsencode(name)] = os.fsencode(value)
 
-    def restore(self, job_env: Mapping[str, str]) -> str | None:
-        """Put back what the job changed. None, or what could not be put back (the worker
-        must be retired)."""
-        for timer in _TIMERS:  # disarmed first: one could fire inside the next job
+    def signals_back(self) -> set[int]:
+        """Right after the job returns, before anything else runs: its timers disarmed and
+        the worker's signal dispositions and mask put back. A signal that came while the job
+        blocked it, and that the worker's mask lets through, is taken off first: unblocked, its
+        default action would kill the worker before the job's reply. Returns those taken off
+        (a nudge among them is the worker's to answer)."""
+        for timer in _TIMERS:  # one could fire inside what follows, or the next job
             if signal.getitimer(timer) != (0.0, 0.0):
                 signal.setitimer(timer, 0)
+        if self._signals() == self.signals and all(
+            signal.getsignal(s) is h for s, h in self.python.items()
+        ):
+            return set()
+        taken: set[int] = set()
+        while waiting := signal.sigpending() - self.blocked:
+            got = signal.sigtimedwait(waiting, 0)
+            if got is None:
+                break
+            taken.add(got.si_signo)
+        for sig, handler in self.handlers.items():
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, self.blocked)
+        return taken
+
+    def restore(self, job_env: Mapping[str, str]) -> str | None:
+        """Put back the rest of what the job changed (after `signals_back`). None, or what
+        could not be put back (the worker must be retired)."""
         lost: list[str] = []
-        if self._signals() != self.signals:
-            self._put_back_signals()
         if os.pread(self._limits_fd, 1 << 14, 0) != self.limits_text:
             for which, (soft, hard) in self.limits.items():
                 try:
@@ -77,17 +112,12 @@ class ProcessState:
         _reopen_streams()
         return "; ".join(lost) or None
 
-    def _signals(self) -> list[bytes]:
-        """Its blocked, ignored and caught signals (fields 32-34 of /proc/self/stat: half
-        the cost of /proc/self/status, which the kernel fills with much more)."""
-        stat = os.pread(self._stat, 4096, 0)
-        return stat[stat.rindex(b")") :].split()[30:33]
-
-    def _put_back_signals(self) -> None:
-        for sig, handler in self.handlers.items():
-            with contextlib.suppress(OSError, ValueError, TypeError):
-                signal.signal(sig, handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, self.blocked)
+    def _signals(self) -> bytes:
+        """Its blocked, ignored and caught signals, real-time ones too (/proc/self/stat's
+        fields hold only 1-31): the SigBlk, SigIgn and SigCgt lines of /proc/self/status."""
+        status = os.pread(self._status, 1 << 14, 0)
+        start = status.find(b"SigBlk:")
+        return status[start : status.find(b"\n", status.find(b"SigCgt:", start))]
 
     def _put_back_environ(self, job_env: Mapping[str, str]) -> None:
         """The environment the worker started with and the job's own variables (JobEnv)."""

@@ -23,12 +23,17 @@ MAX_OUTPUT_BYTES = 2 * MAX_RESULT_BYTES
 
 
 def tail(path: Path | str, size: int) -> str:
-    """The last `size` bytes of a log, as text; "" for anything but a regular file (a task
-    may have put a FIFO in its place, whose open would wait for a writer forever)."""
+    """The last `size` bytes of a log, as text, from where its data starts if later (a live
+    log's head is a hole once cut: logcap); "" for anything but a regular file (a task may
+    have put a FIFO in its place, whose open would wait for a writer forever)."""
     try:
         with open_regular(path) as f:
             end = f.seek(0, os.SEEK_END)
-            f.seek(max(0, end - size))
+            try:
+                start = os.lseek(f.fileno(), max(0, end - size), os.SEEK_DATA)
+            except OSError:  # ENXIO: nothing but a hole after it
+                return ""
+            f.seek(start)
             data = f.read(size)
     except OSError:
         return ""

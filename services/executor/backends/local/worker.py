@@ -227,10 +227,14 @@ class Worker:
             # to cut: a truncation rewrites the file's times (an inode update the file system
             # journals); most jobs find it emptied (moved to its log) or never written.
             os.ftruncate(self.out, 0)
-        self.env.use(job_env)
         os.dup2(self.out, 1)
         os.dup2(self.out, 2)
         try:
+            if handler not in self.handlers:  # what its import sets up is the worker's now
+                with contextlib.suppress(BaseException):  # (_call says why, resolving again)
+                    self.resolve(handler)
+                    self.state.retake(self.env.job, self.env.before)
+            self.env.use(job_env)
             reply = self._call(handler, job.get("args"), job.get("inputs"))
         finally:
             for stream in (sys.stdout, sys.stderr):
@@ -240,6 +244,8 @@ class Worker:
             os.dup2(self.quiet, 1)
             os.dup2(self.stderr, 2)
         self._forked(None)
+        if NUDGE in self.state.signals_back():  # (a nudge that came while the job blocked it)
+            self._on_nudge(NUDGE, None)
         if leftovers := _children():  # before the reply: a retry must not run beside them
             _end(leftovers)
         kept = self.state.restore(job_env)  # before the next job, which may be queued here
