@@ -113,3 +113,10 @@ def rabbitmq_said(exc: BaseException) -> str | None:
 class AmqpAway(ConnectionError):
     """RabbitMQ's connection is down and not yet back: a transient error (an OSError), where
     aiormq says it with a bare RuntimeError."""
+
+
+class StatementOverran(TimeoutError):
+    """A statement on a pooled connection overran its pool's bound (shared.store.db.pooled):
+    its connection was dropped. Transient, like any timeout; but a batch that overran is split
+    (shared.resilience.isolate), as one canceled by statement_timeout is: a batch too big for
+    the bound, retried whole, would overrun for ever."""

@@ -20,6 +20,7 @@ import asyncpg
 import redis.exceptions
 
 from shared.backoff import retry_delay
+from shared.errors import StatementOverran
 from shared.runtime import wait_any
 
 log = logging.getLogger(__name__)
@@ -154,12 +155,13 @@ async def isolate(
     nothing more. `run` must be safe to repeat for items a failed attempt included (a CAS or
     an idempotent insert), and `items` must not be empty. Results are merged with `merge`.
 
-    A statement canceled (a statement_timeout, or an operator's cancel) is transient for one
-    item, but a batch is split: a batch too big to finish in the server's time was retried
-    whole, for ever, and held up everything behind it."""
+    A statement canceled (a statement_timeout, or an operator's cancel) or given up at its
+    pool's bound (StatementOverran) is transient for one item, but a batch is split: a batch
+    too big to finish in the server's time was retried whole, for ever, and held up
+    everything behind it."""
     try:
         return await run(items)
-    except asyncpg.exceptions.QueryCanceledError:
+    except (asyncpg.exceptions.QueryCanceledError, StatementOverran):
         if len(items) == 1:
             raise
         half = len(items) // 2

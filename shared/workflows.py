@@ -54,6 +54,25 @@ async def admit(
     roots = [t for t in spec.tasks if not t.needs]
     dependents = [t for t in spec.tasks if t.needs]
     submitted = spec.model_dump(mode="json")
+    # Built before the transaction: Python's work between its statements leaves the session
+    # idle in it, and Postgres ends one idle past its bound (shared/wiring.idle_in_tx_s);
+    # for the largest workflow allowed, the specs alone took seconds.
+    groups = [
+        (g, [t.spec() for t in g], walk)
+        for g, walk in ((roots, ROOT_WALK), (dependents, DEPENDENT_WALK))
+    ]
+    deps = [
+        (
+            ids[t.name],
+            ids[e.task],
+            e.condition.value,
+            e.timeout_s,
+            e.on_timeout,
+            json.dumps(e.default),
+        )
+        for t in dependents
+        for e in t.needs
+    ]
     async with store.transaction() as tx:
         if not await tx.workflows.insert(workflow_id, spec.name, submitted):
             stored = await tx.workflows.spec(workflow_id)
@@ -66,11 +85,11 @@ async def admit(
                 )
             return []  # the same submission again
         ready: list[Task] = []
-        for group, walk in ((roots, ROOT_WALK), (dependents, DEPENDENT_WALK)):
+        for group, specs, walk in groups:
             if not group:
                 continue
             tasks = await tx.tasks.create_many(
-                [t.spec() for t in group],
+                specs,
                 [ids[t.name] for t in group],
                 walk,
                 [traceparent] * len(group),
@@ -93,20 +112,7 @@ async def admit(
                     )
             if walk is ROOT_WALK:
                 ready = tasks
-        await tx.workflows.insert_deps(
-            [
-                (
-                    ids[t.name],
-                    ids[e.task],
-                    e.condition.value,
-                    e.timeout_s,
-                    e.on_timeout,
-                    json.dumps(e.default),
-                )
-                for t in dependents
-                for e in t.needs
-            ],
-        )
+        await tx.workflows.insert_deps(deps)
     return ready
 
 

@@ -13,7 +13,7 @@ from uuid import UUID
 import asyncpg
 
 from shared import hooks
-from shared.errors import NotFound, postgres_refused
+from shared.errors import NotFound, StatementOverran, postgres_refused
 from shared.errors import missing as missing_error
 from shared.store.queries import Q, Query
 from shared.task import Task
@@ -67,6 +67,16 @@ async def init_connection(conn: asyncpg.Connection) -> None:
     await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
 
 
+async def _init_checking(conn: asyncpg.Connection) -> None:
+    """A connection of a pool whose statements are given up at a bound (`pooled` drops the
+    connection): Postgres checks each second that the client of a running statement is still
+    there, so one given up while it waited on a lock does not wait on, holding a backend
+    (each retry, on a new connection, left one more). Postgres 14 and later have the check."""
+    await init_connection(conn)
+    if conn.get_server_version().major >= 14:
+        await conn.execute("SET client_connection_check_interval = '1s'")
+
+
 async def _lean_reset(conn: asyncpg.Connection) -> None:
     """What a connection needs on its way back to the pool. asyncpg's default reset runs
     `pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL` — a round trip on every
@@ -116,14 +126,14 @@ async def create_pool(
     `statement_s` bounds each statement on it (asyncpg's command_timeout; a statement given
     a timeout of its own keeps it): one that overruns raises TimeoutError and its connection
     is dropped (`pooled`)."""
-    settings = {}
+    settings: dict[str, str] = {}
     if idle_in_tx_s is not None:
         settings["idle_in_transaction_session_timeout"] = str(max(1, round(idle_in_tx_s * 1000)))
     pool = await asyncpg.create_pool(
         pinned_dsn(dsn),
         min_size=1,
         max_size=size,
-        init=init_connection,
+        init=init_connection if statement_s >= COMMAND_S else _init_checking,
         reset=_lean_reset,
         command_timeout=statement_s,
         connect=connect,
@@ -160,13 +170,16 @@ async def pooled(
             except TimeoutError:
                 raise  # dropped below
             except BaseException:
-                await xact.rollback()
+                if not conn.is_closed():  # (Postgres ended the session: its error is the cause)
+                    await xact.rollback()
                 raise
             await xact.commit()
-        except TimeoutError:
+        except TimeoutError as exc:
+            # its statement, if still waiting on the server (a lock), is ended there once the
+            # server sees the socket closed (client_connection_check_interval, below)
             conn.terminate()
             await pool.expire_connections()
-            raise
+            raise StatementOverran(f"a statement overran its bound, given up: {exc}") from exc
 
 
 class Db:
