@@ -295,7 +295,9 @@ async def test_a_command_runs_with_no_signal_ignored(one: LocalBackend) -> None:
     leader put SIGPIPE (and SIGCHLD, SIGTERM, SIGINT) back to the default before its exec,
     but not SIGXFSZ, and an ignored signal stays ignored across exec: every command ran with
     SIGXFSZ ignored, so one bounded by `ulimit -f` got EFBIG and carried on instead of being
-    stopped at its limit. Now SIGXFSZ is put back too, as subprocess's restore_signals does."""
+    stopped at its limit; and with whatever the executor was started ignoring (nohup's SIGHUP,
+    a background job's SIGQUIT: the first CI run of the fix failed so). Now every signal
+    ignored in the warden is put back to the default in the leader."""
     outcome = await run(one, command("grep SigIgn /proc/self/status"))
     assert outcome.ok
     assert outcome.log_tail.split() == ["SigIgn:", "0000000000000000"], outcome.log_tail

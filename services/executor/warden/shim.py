@@ -27,6 +27,11 @@ from services.executor.warden.proctree import (
 )
 from services.executor.warden.wire import decode, receive
 
+# Put back to the default in a command's leader: what the shim handles, and every signal
+# ignored here (Python's SIGPIPE and SIGXFSZ; nohup's SIGHUP; SIGQUIT in a background job),
+# which would stay so across exec. Read once: ~60 µs in each leader.
+_SHIMS = {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT}
+_RESET = (*_SHIMS, *(s for s in signal.valid_signals() if signal.getsignal(s) is signal.SIG_IGN))
 KILL_ROUNDS_S = 5.0  # how long a shim keeps killing a tree whose members will not die
 
 
@@ -353,9 +358,7 @@ def exec_leader(
         me = os.getpid()
         os.write(report, f"pid {me} {start_time(me) or 0} {shim}\n".encode())
         signal.set_wakeup_fd(-1)
-        # SIGXFSZ too (Python ignores it at start, as SIGPIPE; an ignored signal stays so
-        # across exec): a command bounded by `ulimit -f` is stopped at its limit
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE, signal.SIGINT, signal.SIGXFSZ):
+        for sig in _RESET:
             signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         if pipes:
