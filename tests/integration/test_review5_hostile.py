@@ -17,16 +17,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
 import pytest
 
-from services.executor.backends import Launch, Outcome
+from services.executor.backends import Launch
 from services.executor.backends.local import LocalBackend
 from shared.models import CommandJob, HandlerJob
+from tests.integration.test_worker_state_hostile import one, run  # noqa: F401 (one: a fixture)
 
 HERE = "tests.integration.test_review5_hostile"
 
@@ -127,21 +127,6 @@ def handler(name: str, args: Any = None, timeout_s: float | None = None) -> Laun
 
 def command(script: str, timeout_s: float | None = None) -> Launch:
     return Launch(uuid4(), 1, CommandJob(argv=["sh", "-c", script]), timeout_s)
-
-
-async def run(backend: LocalBackend, launch: Launch, limit: float = 30) -> Outcome:
-    async with asyncio.timeout(limit):
-        return await backend.run(launch)
-
-
-@pytest.fixture
-async def one(tmp_path: Path) -> AsyncIterator[LocalBackend]:
-    """One slot: every handler job runs in the same worker."""
-    b = LocalBackend(1, tmp_path / "state", warm_workers=0)
-    await b.start()
-    yield b
-    async with asyncio.timeout(40):
-        await b.close()
 
 
 # --- findings ----------------------------------------------------------------------------------
