@@ -1,9 +1,9 @@
 """A review of the fifteenth session's own code in the local backend: the per-job restore of a
 handler worker's process (jobstate.py) and the live log punch (logcap.py). Each case failed on
 that code (the docstrings say what happened, as "happens"/"should"); each test shows it no
-longer does. Left, and said in docs/architecture.md: jobs already queued behind a job that
-retires its worker run there first, and a change made below os.environ (os.putenv, a C
-library's setenv) is not seen.
+longer does. Left, and said in docs/architecture.md: a change made below os.environ
+(os.putenv, a C library's setenv) is not seen. The last case, jobs queued behind one that
+retires its worker, was found in the sixteenth session.
 
 Handlers run in the workers as `tests.integration.test_review5_hostile:<name>`."""
 
@@ -25,6 +25,9 @@ import pytest
 
 from services.executor.backends import Launch
 from services.executor.backends.local import LocalBackend
+from services.executor.backends.local.pool import RECENT_JOBS
+from services.executor.backends.local.tickets import Ticket
+from services.executor.backends.local.workers import Worker
 from shared.models import CommandJob, HandlerJob
 from tests.integration.test_worker_state_hostile import one, run  # noqa: F401 (one: a fixture)
 
@@ -109,6 +112,10 @@ def lower_nofile_for_good(n: int) -> int:
 
     resource.setrlimit = refuse  # type: ignore[assignment]
     return os.getpid()
+
+
+def nofile_and_pid() -> list[int]:
+    return [resource.getrlimit(resource.RLIMIT_NOFILE)[0], os.getpid()]
 
 
 def open_files_and_pid(n: int) -> list[int]:
@@ -266,3 +273,36 @@ async def test_a_timer_a_job_left_armed_does_not_kill_its_worker_before_the_repl
     the leftovers are ended; restore()'s docstring says "disarmed first"."""
     a = await run(one, handler("leave_helpers_and_a_timer", [300, 0.01]), limit=60)
     assert a.ok, f"a job that returned 'ok' was recorded: {a.error}"
+
+
+async def test_a_job_queued_behind_one_that_retires_its_worker_runs_in_a_fresh_one(
+    one: LocalBackend,
+) -> None:
+    """Job B, given to a worker behind job A while the node's jobs ran short, ran in that
+    worker after A changed it past putting back (a soft limit of open files lowered to 64,
+    with no way to raise it): B ran with A's limit, in A's process; only the job after was
+    given a fresh worker. Now a worker exits right after the reply that retires it, starting
+    nothing more, and what waited behind comes back unstarted and runs in a fresh worker."""
+    for _ in range(RECENT_JOBS + 1):  # (the first, which imports this module, drops out)
+        assert (await run(one, handler("noop"))).ok
+    pool = one._pool
+    assert pool.short()
+    pool.rescue_s = 60.0  # no nudge takes B back: it stays behind A
+    given: list[tuple[str, int]] = []
+    submit = pool.submit
+
+    def recorded(worker: Worker, message: bytes, job: str, timeout: float | None) -> Ticket:
+        given.append((job, worker.pid))
+        return submit(worker, message, job, timeout)
+
+    pool.submit = recorded  # type: ignore[method-assign]
+    a_launch, b_launch = handler("lower_nofile_for_good", [64]), handler("nofile_and_pid")
+    a, b = await asyncio.gather(run(one, a_launch), run(one, b_launch))
+    assert a.ok, a.error
+    assert b.ok, b.error
+    b_stem = f"{b_launch.task_id}-1"
+    assert given[0][1] == a.result, given
+    assert (b_stem, a.result) in given, f"B was not given to A's worker: {given}"
+    limit, pid = b.result
+    assert pid != a.result, "B ran in the worker A changed for good"
+    assert limit != 64

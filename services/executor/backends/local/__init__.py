@@ -28,14 +28,9 @@ from services.executor.backends.local.pool import Stopped, WorkerPool
 from services.executor.backends.local.process import Proc, SpawnError, Warden
 from services.executor.backends.local.records import Records
 from services.executor.backends.local.statedir import make_private, take_lock, write_inputs
+from services.executor.backends.local.tickets import Ticket, Verdict
 from services.executor.backends.local.worker import describe
-from services.executor.backends.local.workers import (
-    STOP_GRACE_S,
-    Ticket,
-    Undelivered,
-    Verdict,
-    Worker,
-)
+from services.executor.backends.local.workers import STOP_GRACE_S, Undelivered, Worker
 from shared.models import CommandJob, HandlerJob
 from shared.runtime import first_done
 

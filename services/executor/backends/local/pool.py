@@ -20,7 +20,8 @@ from typing import Any
 
 from services.executor.backends.local.process import SpawnError, Warden
 from services.executor.backends.local.records import Records
-from services.executor.backends.local.workers import RESCUE_S, Ticket, Worker
+from services.executor.backends.local.tickets import Ticket
+from services.executor.backends.local.workers import RESCUE_S, Worker
 
 log = logging.getLogger(__name__)
 
@@ -149,10 +150,10 @@ class WorkerPool:
         if worker.holders > 0:
             return
         self._busy.pop(worker, None)
-        if worker.dead or worker.exited.done():
-            self.refill(worker)
-        elif worker.retire is not None:
+        if worker.retire is not None:  # (it exits by itself: worker.py)
             log.warning("handler worker %d retired: a job changed %s", worker.pid, worker.retire)
+            self.refill(worker)
+        elif worker.dead or worker.exited.done():
             self.refill(worker)
         elif self._spent(worker):
             log.info("handler worker %d retired after %d jobs", worker.pid, worker.jobs_taken)

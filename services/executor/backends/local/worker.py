@@ -9,7 +9,9 @@ here, in order: a worker that finds its next job waiting runs it without sleepin
 what a burst of short jobs saves. Each reply is written before the next job starts, so that
 when a worker dies, the first job without a reply is the one it was running and those after it
 never started. SIGUSR1 (a nudge, sent through the worker's shim) gives back every job not yet
-started, {"returned": [job, ...]}; a job taken from the queue is started, never given back.
+started, {"returned": [job, ...]}; a job taken from the queue is started, never given back. A
+job that changed the process past putting back (jobstate.py) has "retire" in its reply, and the
+worker exits right after writing it: the jobs waiting behind never start here.
 """
 
 from __future__ import annotations
@@ -128,6 +130,7 @@ class Worker:
         self.mode = IO
         self.nudged = False
         self.giving = False
+        self.retiring = False  # a job changed what could not be put back: exit after its reply
         os.set_blocking(self.jobs, False)
         self.poller = select.poll()
         self.poller.register(self.jobs, select.POLLIN)
@@ -140,7 +143,7 @@ class Worker:
         signal.signal(NUDGE, self._on_nudge)
         self.state = ProcessState()  # what each job finds, and gets back after it
         self._write(READY)
-        while True:
+        while not self.retiring:  # (after a job changed this process for good: nothing more)
             if not self.queue:
                 self.mode = WAIT
                 if self.nudged:
@@ -255,6 +258,7 @@ class Worker:
         head = b'{"job":%s,"ran":%.6f,' % (stem.encode(), ran)
         if kept is not None:  # what could not be put back: take no more jobs here
             head += b'"retire":%s,' % json.dumps(kept).encode()
+            self.retiring = True
         return head + (b'"log":true,' if logged else b"") + reply[1:]
 
     def _forked(self, exc: BaseException | None) -> None:

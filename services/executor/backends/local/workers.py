@@ -18,7 +18,6 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
@@ -31,6 +30,7 @@ from services.executor.backends.local.files import remove
 from services.executor.backends.local.process import Proc, Warden
 from services.executor.backends.local.records import Records
 from services.executor.backends.local.replies import Replies
+from services.executor.backends.local.tickets import Ticket, Verdict, ran_for
 from services.executor.backends.local.worker import READY
 
 log = logging.getLogger(__name__)
@@ -46,45 +46,6 @@ NUDGE_WAIT_S = 1.0
 
 class Undelivered(Exception):
     """The worker was gone before it could take the job: safe to retry on a fresh one."""
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """How a job given to a worker ended there: `answered` (`answer` is the worker's reply),
-    `returned` (never started: given back, or behind the job its worker died in — run it
-    elsewhere), `halted` (started, or may have, then its worker was killed — `why`:
-    "stopped" or "timed out"), or `lost` (its worker died, or broke the protocol, with it; it
-    may have started). `first`: the job its worker ran when it ended, whose output the
-    worker's out file holds."""
-
-    how: str
-    answer: dict[str, Any] | None = None
-    why: str = ""
-    first: bool = False
-
-
-def _ran(answer: dict[str, Any] | None, ticket: Ticket) -> float:
-    """How long an answered job ran: as its worker said ("ran"), or else as seen from here,
-    from when it became its worker's first job (which counts the worker's wake-up too)."""
-    ran = answer.get("ran") if answer else None
-    if isinstance(ran, float) and 0.0 <= ran < 1e6:
-        return ran
-    if ticket.head_at is None:
-        return 0.0
-    return asyncio.get_running_loop().time() - ticket.head_at
-
-
-class Ticket:
-    """A job given to a worker, until its verdict."""
-
-    __slots__ = ("done", "head_at", "stem", "timeout_s", "timer")
-
-    def __init__(self, stem: str, timeout_s: float | None) -> None:
-        self.stem = stem
-        self.timeout_s = timeout_s
-        self.done: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
-        self.head_at: float | None = None  # loop time it became the first its worker has
-        self.timer: asyncio.TimerHandle | None = None  # its run timeout, from then
 
 
 class Worker:
@@ -264,7 +225,7 @@ class Worker:
         if ticket.timer is not None:
             ticket.timer.cancel()
         if verdict.how == "answered" and self.on_answer is not None:
-            self.on_answer(_ran(verdict.answer, ticket))
+            self.on_answer(ran_for(verdict.answer, ticket))
         ticket.done.set_result(verdict)
         if not self._ended:
             self._promote()
@@ -368,12 +329,13 @@ class Worker:
         self._write()  # what it was never sent comes back, unstarted
         # A worker writes each reply before it takes its next job: when all it wrote was read
         # (to the pipe's end) and trusted, its first job without one is the one it was running
-        # (or about to), and those after it never started. After a breach, or without the
-        # pipe's end, any of them may have started: none comes back.
+        # (or about to; none, after a reply that retired it), and those after it never started.
+        # After a breach, or without the pipe's end, any of them may have started: none comes back.
         exact = self.replies.ended and not (self.broke or self.replies.broken)
+        after = 0 if self.retire is not None else 1  # it exits right after retiring (worker.py)
         for i, ticket in enumerate(list(self.pending.values())):
             why = self._halts.get(ticket.stem)
-            if i > 0 and exact:
+            if i >= after and exact:
                 self._settle(ticket, Verdict("returned"))
             else:
                 how = "halted" if why else "lost"
