@@ -16,8 +16,8 @@ from uuid import UUID, uuid4
 from aio_pika.abc import AbstractIncomingMessage
 from aiormq.exceptions import ChannelInvalidStateError
 
-from services.executor.backends import Backend, Key, Outcome
-from shared import fsm
+from services.executor.backends import Backend, Key, Launch, Outcome
+from shared import fsm, heartbeat, lease
 from shared.backlog import Backlog
 from shared.bus import AmqpBus
 from shared.dispatches import Entry, line_of, placed, unpack
@@ -152,6 +152,11 @@ class Node:
         self.taken = asyncio.Event()  # a task was taken away: the backlog looks at its own
         self.taken_ids: set[UUID] | None = set()  # which (None: too many to name)
         self.suspects: set[UUID] = set()
+        # claim statements in flight (start.py), and the tasks taken-away notices named
+        # meanwhile (None: too many to name): a claim's won attempt is not in `active` until
+        # its reply is read, and a cancel that lands between its COMMIT and that would be lost
+        self.claims_open = 0
+        self.taken_early: set[UUID] | None = set()
 
     @property
     def running(self) -> int:
@@ -167,8 +172,51 @@ class Node:
         """These tasks (None: all here) may have been taken away: the watch loop looks."""
         mine = {task_id for task_id, _ in self.active}
         self.suspects.update(mine if task_ids is None else task_ids & mine)
+        if self.claims_open:
+            early = self.taken_early
+            self.taken_early = None if early is None or task_ids is None else early | task_ids
         if self.suspects:
             self.look.set()
+
+    def launch_of(self, attempt: Attempt) -> Launch:
+        """What the backend is given to start a claimed attempt."""
+        task = attempt.task
+        env = {
+            "SKED_HEARTBEAT_URL": self.settings.heartbeat_url,
+            "SKED_HEARTBEAT_TOKEN": heartbeat.token(self.secret, task.id, task.attempt),
+        }
+        lease_s = lease.remaining_s(task.heartbeat_timeout_s, attempt.renewed_at, time.monotonic())
+        return Launch(
+            task.id,
+            task.attempt,
+            task.spec.job,
+            task.timeout_s,
+            env,
+            task.inputs,
+            lease_s,
+            node=task.node,
+            resources=task.spec.resources,
+            incarnation=task.created_at.isoformat(),
+        )
+
+    async def taken_early_from(self, won: dict[UUID, Task]) -> set[UUID]:
+        """Of the attempts a claim won, those a taken-away notice named since it was sent that
+        are not Running in that attempt any more (canceled, paused): never to be started. With
+        Postgres away, none: the watch loop stops them once started (`suspect`)."""
+        early = self.taken_early
+        look = list(won) if early is None else [i for i in won if i in early]
+        if not look:
+            return set()
+        try:
+            now = {t.id: t for t in await self.store.tasks.get_many(look)}
+        except TRANSIENT:
+            return set()
+        return {
+            i
+            for i in look
+            if (t := now.get(i)) is None
+            or not (t.status is State.RUNNING and t.attempt == won[i].attempt)
+        }
 
     async def receive(self, message: AbstractIncomingMessage) -> None:
         """A dispatch delivered (the consumer's callback)."""

@@ -14,9 +14,9 @@ from uuid import UUID
 
 from aio_pika.abc import AbstractIncomingMessage
 
-from services.executor.backends import Key, Launch, Outcome
+from services.executor.backends import Key, Outcome
 from services.executor.node import Attempt, Item, Node, items_of
-from shared import fsm, heartbeat, hooks, lease
+from shared import fsm, hooks
 from shared.backlog import hold_again, remove, take
 from shared.errors import one_line
 from shared.fsm import State
@@ -260,12 +260,16 @@ class Starter:
             claimed[:] = await node.store.tasks.transition_many(moves)
 
         self.claiming += len(dispatches)
+        node.claims_open += 1
         try:
             if not await retrying("start", claim, node.stopping):
                 return 0  # shutting down with Postgres away: the dispatches are redelivered
             return await self.settle(dispatches, claimed, tries, sent_at)
         finally:
             self.claiming -= len(dispatches)  # settled: those won are in node.active now
+            node.claims_open -= 1
+            if not node.claims_open:
+                node.taken_early = set()
 
     async def settle(
         self, dispatches: Sequence[Received], claimed: list[Task], tries: int, sent_at: float
@@ -283,6 +287,7 @@ class Starter:
                 mine = task.status is State.RUNNING and task.lease_owner == node.boot_id
                 if mine and any(d.task_id == task.id and d.attempt == task.attempt for d in lost):
                     won[task.id] = task
+        gone = await node.taken_early_from(won)
         messages = {d.task_id: m for d, m in dispatches}
         stale: list[Item | None] = []
         for dispatch, item in dispatches:
@@ -297,7 +302,7 @@ class Starter:
         for task in won.values():
             item, running = messages[task.id], node.active.get((task.id, task.attempt))
             if running is None:
-                self._begin(Attempt(task, item, sent_at))
+                self._begin(Attempt(task, item, sent_at), taken=task.id in gone)
                 started.append(item)
             else:
                 # another copy of this attempt was claimed and started meanwhile (a retry that
@@ -308,6 +313,8 @@ class Starter:
         # attempt longer than RabbitMQ's consumer_timeout (30 min by default) had the broker
         # close the node's channel, requeueing every delivery on it, every half hour.
         await node.acks.ack([*stale, *started])
+        early = node.taken_early  # named while the look above was on its way: the watch stops it
+        node.suspect(set(won) if early is None else early & won.keys())
         return len(started)
 
     async def _run(self, attempt: Attempt) -> None:
@@ -340,24 +347,7 @@ class Starter:
             return await node.backend.follow((task.id, task.attempt), task.timeout_s)
         if refused:  # the scheduler checks too; this node does not take its word for it
             return Outcome.failed(refused)
-        env = {
-            "SKED_HEARTBEAT_URL": node.settings.heartbeat_url,
-            "SKED_HEARTBEAT_TOKEN": heartbeat.token(node.secret, task.id, task.attempt),
-        }
-        lease_s = lease.remaining_s(task.heartbeat_timeout_s, attempt.renewed_at, time.monotonic())
-        launch = Launch(
-            task.id,
-            task.attempt,
-            task.spec.job,
-            task.timeout_s,
-            env,
-            task.inputs,
-            lease_s,
-            node=task.node,
-            resources=task.spec.resources,
-            incarnation=task.created_at.isoformat(),
-        )
-        return await node.backend.run(launch)
+        return await node.backend.run(node.launch_of(attempt))
 
     async def adopt(self, keys: set[Key]) -> int:
         """Take over attempts that run on without the executor that started them (a cluster's
@@ -377,10 +367,14 @@ class Starter:
             self._begin(Attempt(task, None, sent_at))
         return len(adopted)
 
-    def _begin(self, attempt: Attempt) -> None:
+    def _begin(self, attempt: Attempt, *, taken: bool = False) -> None:
         node, task = self.node, attempt.task
         key = (task.id, task.attempt)
         node.active[key] = attempt
+        if taken:  # canceled or paused before its start: its outcome loses its CAS, as a stop's
+            log.info("%s attempt %d was taken away before its start", task.id, task.attempt)
+            self.ended(attempt, Outcome.halted())
+            return
         if node.stopping.is_set() and attempt.message is not None:
             # claimed while the executor stops (the claim was in flight): its process is
             # not started, as the drain may be past waiting for it; the attempt goes back to
