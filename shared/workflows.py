@@ -49,7 +49,8 @@ async def admit(
     """Write the whole workflow in one transaction (or nothing, if it exists already): tasks
     without dependencies go to Ready, the others wait in Pending. Returns the Ready ones."""
     needs = {t.name: [e.task for e in t.needs] for t in spec.tasks}
-    priority = effective_priorities({t.name: t.spec().priority for t in spec.tasks}, needs)
+    spec_of = {t.name: t.spec() for t in spec.tasks}
+    priority = effective_priorities({name: s.priority for name, s in spec_of.items()}, needs)
     ids = {t.name: task_id(workflow_id, t.name) for t in spec.tasks}
     roots = [t for t in spec.tasks if not t.needs]
     dependents = [t for t in spec.tasks if t.needs]
@@ -58,7 +59,7 @@ async def admit(
     # idle in it, and Postgres ends one idle past its bound (shared/wiring.idle_in_tx_s);
     # for the largest workflow allowed, the specs alone took seconds.
     groups = [
-        (g, [t.spec() for t in g], walk)
+        (g, [spec_of[t.name] for t in g], walk)
         for g, walk in ((roots, ROOT_WALK), (dependents, DEPENDENT_WALK))
     ]
     deps = [
