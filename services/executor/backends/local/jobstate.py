@@ -6,9 +6,11 @@ return 0, a timer it left armed fired inside the next job, and a lowered RLIMIT_
 edited `os.environ` were the next task's. A command attempt gets a fresh process; a handler
 job gets what the worker had when it started: each is checked after every job (a few
 reads: /proc/self/status and /proc/self/limits, the timers, the working directory, the umask,
-the niceness, the environment) and put back where it changed. What cannot be put back (a
-hard limit lowered, a niceness raised without the privilege to lower it) retires the worker:
-its reply says so, and the pool replaces it (WorkerPool.release).
+the niceness, the CPU affinity and scheduling policy, the environment and the time zone loaded
+from it) and put back where it changed. What cannot be put back (a hard limit lowered, a
+niceness raised without the privilege to lower it), and descriptors jobs left open past half
+the limit (a C library's leak, say, which failed a later task's open()), retire the worker:
+its reply says so, it exits, and the pool replaces it (WorkerPool.release).
 
 Python-level state (a module's globals, monkeypatching, threads), and the environment below
 os.environ (os.putenv, a C library's setenv), are beyond this: handlers of different tasks
@@ -18,13 +20,18 @@ share an interpreter, as Celery's do; isolation between them is a command's.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import resource
 import signal
 import sys
+import time
 from collections.abc import Mapping
 from typing import Any
 
+from services.executor.warden.proctree import descendants, signal_
+
+END_S = 2.0  # how long what a job left running is chased before its worker is retired for it
 _TIMERS = (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF)
 _LIMITS = [getattr(resource, n) for n in dir(resource) if n.startswith("RLIMIT_")]
 
@@ -52,6 +59,13 @@ class ProcessState:
         self.umask = os.umask(0o022)
         os.umask(self.umask)
         self.nice = os.getpriority(os.PRIO_PROCESS, 0)
+        self.cpus = os.sched_getaffinity(0)
+        self.policy = (os.sched_getscheduler(0), os.sched_getparam(0).sched_priority)
+        self.zone = _zone()
+        # A descriptor this high in use means jobs left many open (the lowest free number is
+        # always the one taken): they are counted then. One fcntl a job, not a listing.
+        soft = self.limits.get(resource.RLIMIT_NOFILE, (1024, 0))[0]
+        self.fd_mark = max(64, min(soft if soft > 0 else 1 << 20, 1 << 20) // 2)
         self.environ: dict[bytes, bytes] = dict(_data())
         for name in job_env:
             value = before.get(name)
@@ -108,7 +122,21 @@ class ProcessState:
                 os.setpriority(os.PRIO_PROCESS, 0, self.nice)
             except OSError as exc:
                 lost.append(f"its niceness ({exc})")
+        if os.sched_getaffinity(0) != self.cpus:
+            try:
+                os.sched_setaffinity(0, self.cpus)
+            except OSError as exc:
+                lost.append(f"its CPU affinity ({exc})")
+        if (os.sched_getscheduler(0), os.sched_getparam(0).sched_priority) != self.policy:
+            try:
+                os.sched_setscheduler(0, self.policy[0], os.sched_param(self.policy[1]))
+            except OSError as exc:
+                lost.append(f"its scheduling policy ({exc})")
         self._put_back_environ(job_env)
+        if _zone() != self.zone:  # a time.tzset() the job made: its TZ is put back above
+            time.tzset()
+        if _open(self.fd_mark) and len(os.listdir("/proc/self/fd")) > self.fd_mark:
+            lost.append(f"over {self.fd_mark} open file descriptors (left by jobs)")
         _reopen_streams()
         return "; ".join(lost) or None
 
@@ -133,6 +161,18 @@ class ProcessState:
         for key, value in expected.items():
             if data.get(key) != value:
                 environ[key] = value
+
+
+def _zone() -> tuple[Any, ...]:
+    return (time.timezone, time.altzone, time.daylight, time.tzname)
+
+
+def _open(fd: int) -> bool:
+    try:
+        fcntl.fcntl(fd, fcntl.F_GETFD)
+    except OSError:
+        return False
+    return True
 
 
 def _cwd() -> str | None:
@@ -161,3 +201,47 @@ def _reopen_streams() -> None:
             fresh = open(fd, "w", buffering=1, closefd=False)  # noqa: SIM115 (line buffered)
             setattr(sys, f"__{name}__", fresh)
             setattr(sys, name, fresh)
+
+
+def leftovers() -> list[int]:
+    """The worker's children: what the job that ended left running, or left once their
+    parents ended (the worker is their subreaper). None (most jobs): one system call."""
+    try:
+        os.waitpid(-1, os.WNOHANG)  # reaps one that ended, if any: it was the job's
+    except ChildProcessError:
+        return []
+    me = os.getpid()
+    # every thread's: one `threading` does not count (a C extension's) may have started it
+    tids = os.listdir(f"/proc/{me}/task")
+    found: list[int] = []
+    for tid in tids:
+        try:  # os.open and read, not open(): a third of the cost
+            fd = os.open(f"/proc/{me}/task/{tid}/children", os.O_RDONLY)
+        except OSError:
+            continue
+        with contextlib.suppress(OSError, ValueError):
+            found += [int(pid) for pid in os.read(fd, 1 << 16).split()]
+        os.close(fd)
+    return found
+
+
+def end(children: list[int]) -> bool:
+    """Kill what a job left, each child's whole tree, and reap them: a handler's processes end
+    with its attempt, as a command's do. Again while any is left, for up to END_S: one may
+    fork meanwhile. Each child is killed as soon as it is read, before the scan of /proc for
+    its descendants: a process that forks and exits at once had, by the scan's end, forked
+    again every round (ten rounds, then the job's reply went out with it running). False if
+    some would not end."""
+    deadline = time.monotonic() + END_S
+    while True:
+        for pid in children:
+            signal_(pid, signal.SIGKILL)
+        for pid in descendants(*children):
+            signal_(pid, signal.SIGKILL)
+        for child in children:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(child, 0)
+        if not (children := leftovers()):
+            return True
+        if time.monotonic() > deadline:
+            return False

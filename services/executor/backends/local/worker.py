@@ -37,13 +37,11 @@ from typing import Any
 from pydantic_core import from_json
 
 from services.executor.backends.local.calls import may_be_unreadable, readable, takes_inputs
-from services.executor.backends.local.jobstate import ProcessState
+from services.executor.backends.local.jobstate import ProcessState, end, leftovers
 from services.executor.warden.proctree import (
     PR_SET_CHILD_SUBREAPER,
     PR_SET_DUMPABLE,
-    descendants,
     prctl,
-    signal_,
 )
 from shared import jsonvalue
 
@@ -249,9 +247,11 @@ class Worker:
         self._forked(None)
         if NUDGE in self.state.signals_back():  # (a nudge that came while the job blocked it)
             self._on_nudge(NUDGE, None)
-        if leftovers := _children():  # before the reply: a retry must not run beside them
-            _end(leftovers)
+        # what the job left running ends before its reply: a retry must not run beside it
+        ended = end(left) if (left := leftovers()) else True
         kept = self.state.restore(job_env)  # before the next job, which may be queued here
+        if not ended:  # the worker's exit ends them: its shim kills (freezing first) its tree
+            kept = "; ".join(filter(None, [kept, "processes the job left would not end"]))
         ran = time.monotonic() - started if started else 0.0
         logged = self._keep_output(job.get("log"))
         # the job's id first: a line naming another job is not this job's reply
@@ -339,42 +339,6 @@ def _failure(error: str, *, show: bool = True) -> bytes:
     # always fits its line, whatever the exception's text holds
     shown = trace[-MAX_TRACE_CHARS:]
     return json.dumps({"ok": False, "error": error, "traceback": shown}).encode() + b"\n"
-
-
-def _children() -> list[int]:
-    """The worker's children: what the job that ended left running, or left once their
-    parents ended (the worker is their subreaper). None (most jobs): one system call."""
-    try:
-        os.waitpid(-1, os.WNOHANG)  # reaps one that ended, if any: it was the job's
-    except ChildProcessError:
-        return []
-    me = os.getpid()
-    # every thread's: one `threading` does not count (a C extension's) may have started it
-    tids = os.listdir(f"/proc/{me}/task")
-    found: list[int] = []
-    for tid in tids:
-        try:  # os.open and read, not open(): a third of the cost
-            fd = os.open(f"/proc/{me}/task/{tid}/children", os.O_RDONLY)
-        except OSError:
-            continue
-        with contextlib.suppress(OSError, ValueError):
-            found += [int(pid) for pid in os.read(fd, 1 << 16).split()]
-        os.close(fd)
-    return found
-
-
-def _end(children: list[int]) -> None:
-    """Kill what a job left, each child's whole tree, and reap them: a handler's processes end
-    with its attempt, as a command's do. Again while any is left: one may fork meanwhile."""
-    for _ in range(10):
-        doomed = [*children, *descendants(*children)]
-        for pid in doomed:
-            signal_(pid, signal.SIGKILL)
-        for child in children:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(child, 0)
-        if not (children := _children()):
-            return
 
 
 def _escaped(text: str) -> str:
