@@ -1,9 +1,9 @@
 """A review of the fifteenth session's own code in the local backend: the per-job restore of a
 handler worker's process (jobstate.py) and the live log punch (logcap.py). Each case failed on
 that code (the docstrings say what happened, as "happens"/"should"); each test shows it no
-longer does. Left, and said in docs/architecture.md: a change made below os.environ
-(os.putenv, a C library's setenv) is not seen. The last case, jobs queued behind one that
-retires its worker, was found in the sixteenth session.
+longer does. The last two cases, jobs queued behind one that retires its worker and a change
+made below os.environ (os.putenv, a C library's setenv), were left then and fixed in the
+sixteenth session.
 
 Handlers run in the workers as `tests.integration.test_review5_hostile:<name>`."""
 
@@ -306,3 +306,21 @@ async def test_a_job_queued_behind_one_that_retires_its_worker_runs_in_a_fresh_o
     limit, pid = b.result
     assert pid != a.result, "B ran in the worker A changed for good"
     assert limit != 64
+
+
+async def test_a_variable_a_job_set_below_os_environ_is_not_the_next_jobs(
+    one: LocalBackend,
+) -> None:
+    """Job A sets a variable and unsets PATH with os.putenv / os.unsetenv (as a C library's
+    setenv does): below os.environ, which the worker compared and put back, so the change
+    stayed, and every later job's subprocess (exec() passes the C environment on) got A's
+    variable and no PATH. Said in docs/architecture.md as beyond the worker until the
+    sixteenth session. Now the worker marks the C environment's array of pointers as each job
+    is given it, and puts back what changed below os.environ as os.environ has it."""
+    before = await run(one, handler("env_of_a_child"))
+    assert before.ok, before.error
+    a = await run(one, handler("putenv_left"))
+    assert a.ok, a.error
+    b = await run(one, handler("env_of_a_child"))
+    assert b.ok, b.error
+    assert b.result == before.result, "the next job's subprocess got A's environment"

@@ -12,14 +12,16 @@ niceness raised without the privilege to lower it), and descriptors jobs left op
 the limit (a C library's leak, say, which failed a later task's open()), retire the worker:
 its reply says so, it exits, and the pool replaces it (WorkerPool.release).
 
-Python-level state (a module's globals, monkeypatching, threads), and the environment below
-os.environ (os.putenv, a C library's setenv), are beyond this: handlers of different tasks
-share an interpreter, as Celery's do; isolation between them is a command's.
+The environment below os.environ (os.putenv, a C library's setenv: what exec() passes on) is
+put back as os.environ has it. Python-level state (a module's globals, monkeypatching,
+threads) is beyond this: handlers of different tasks share an interpreter, as Celery's do;
+isolation between them is a command's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import os
 import resource
@@ -32,8 +34,15 @@ from typing import Any
 from services.executor.warden.proctree import descendants, signal_
 
 END_S = 2.0  # how long what a job left running is chased before its worker is retired for it
+_NULL = bytes(8)  # the pointer that ends the C environment's array
 _TIMERS = (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF)
 _LIMITS = [getattr(resource, n) for n in dir(resource) if n.startswith("RLIMIT_")]
+
+
+try:  # the C library's environment, which exec() passes on to what a job starts
+    _ENVIRON: ctypes.c_void_p | None = ctypes.c_void_p.in_dll(ctypes.CDLL(None), "environ")
+except (OSError, ValueError, AttributeError):
+    _ENVIRON = None
 
 
 class ProcessState:
@@ -42,6 +51,9 @@ class ProcessState:
     def __init__(self) -> None:
         self._status = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
         self._limits_fd = os.open("/proc/self/limits", os.O_RDONLY | os.O_CLOEXEC)
+        self._env_at: int | None = None
+        self._env_n = 0
+        self._env_mark: bytes | None = None
         self.retake({}, {})
 
     def retake(self, job_env: Mapping[str, str], before: Mapping[str, str | None]) -> None:
@@ -133,12 +145,45 @@ class ProcessState:
             except OSError as exc:
                 lost.append(f"its scheduling policy ({exc})")
         self._put_back_environ(job_env)
+        self._c_env_back()
         if _zone() != self.zone:  # a time.tzset() the job made: its TZ is put back above
             time.tzset()
         if _open(self.fd_mark) and len(os.listdir("/proc/self/fd")) > self.fd_mark:
             lost.append(f"over {self.fd_mark} open file descriptors (left by jobs)")
         _reopen_streams()
         return "; ".join(lost) or None
+
+    def mark_env(self) -> None:
+        """The C environment as the job is given it (after JobEnv.use): `restore` compares.
+        Only its array of pointers is read (~1.5 µs): a variable set or unset below os.environ
+        (os.putenv, a C library's setenv) changes a slot, the array or its length."""
+        where = _ENVIRON.value if _ENVIRON is not None else None
+        if where is None:
+            self._env_mark = None
+            return
+        mark = self._env_mark
+        if where != self._env_at or mark is None or not mark.endswith(_NULL):
+            self._env_at, self._env_n = where, len(_c_environ())
+        self._env_mark = ctypes.string_at(where, 8 * (self._env_n + 1))
+
+    def _c_env_back(self) -> None:
+        """What the job set or unset below os.environ, put back as os.environ has it (a job's
+        os.putenv("LD_PRELOAD", ...) was every later job's subprocesses')."""
+        where = _ENVIRON.value if _ENVIRON is not None else None
+        if where is None or self._env_mark is None:
+            return
+        if where == self._env_at and ctypes.string_at(where, 8 * (self._env_n + 1)) == (
+            self._env_mark
+        ):
+            return
+        python, found = os.environb, _c_environ()
+        for key in found.keys() - python.keys():
+            with contextlib.suppress(OSError, ValueError):
+                os.unsetenv(key)
+        for key, value in python.items():
+            if found.get(key) != value:
+                with contextlib.suppress(OSError, ValueError):
+                    os.putenv(key, value)
 
     def _signals(self) -> bytes:
         """Its blocked, ignored and caught signals, real-time ones too (/proc/self/stat's
@@ -173,6 +218,20 @@ def _open(fd: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def _c_environ() -> dict[bytes, bytes]:
+    """The C environment's variables, read through its array of pointers."""
+    found: dict[bytes, bytes] = {}
+    if _ENVIRON is None or not _ENVIRON.value:
+        return found
+    entries = ctypes.cast(_ENVIRON.value, ctypes.POINTER(ctypes.c_char_p))
+    i = 0
+    while (entry := entries[i]) is not None:
+        key, _, value = entry.partition(b"=")
+        found.setdefault(key, value)  # the first of a name is the one getenv finds
+        i += 1
+    return found
 
 
 def _cwd() -> str | None:

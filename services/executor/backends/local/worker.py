@@ -236,6 +236,7 @@ class Worker:
                     self.resolve(handler)
                     self.state.retake(self.env.job, self.env.before)
             self.env.use(job_env)
+            self.state.mark_env()
             reply = self._call(handler, job.get("args"), job.get("inputs"))
         finally:
             for stream in (sys.stdout, sys.stderr):
