@@ -125,7 +125,8 @@ async def create_pool(
     transaction ended this way is only run again by its holder, once it wakes.
     `statement_s` bounds each statement on it (asyncpg's command_timeout; a statement given
     a timeout of its own keeps it): one that overruns raises TimeoutError and its connection
-    is dropped (`pooled`)."""
+    is dropped (`pooled`); so does each connect it makes (asyncpg's own bound is 60 s: the
+    fresh connect after a silent one was dropped held an executor's heartbeat that long)."""
     settings: dict[str, str] = {}
     if idle_in_tx_s is not None:
         settings["idle_in_transaction_session_timeout"] = str(max(1, round(idle_in_tx_s * 1000)))
@@ -136,6 +137,7 @@ async def create_pool(
         init=init_connection if statement_s >= COMMAND_S else _init_checking,
         reset=_lean_reset,
         command_timeout=statement_s,
+        timeout=min(statement_s, COMMAND_S),  # each connect's
         connect=connect,
         server_settings=settings,
     )

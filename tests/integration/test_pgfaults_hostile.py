@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import asyncpg
+import pytest
 
 from services.executor.backends import Outcome
 from services.executor.backends.local import LocalBackend
@@ -261,3 +262,32 @@ async def test_a_batch_of_outcomes_past_statement_timeout_is_split_not_retried_w
     finally:
         await admin.execute(f'ALTER DATABASE "{db}" RESET statement_timeout')
         await admin.close()
+
+
+async def test_a_bounded_pool_gives_up_a_connect_to_a_silent_server_within_its_bound() -> None:
+    """A pool with a statement bound (the executor's: half the node TTL) opening a connection
+    to a server that accepts and never answers (a link gone silent, a NAT that dropped its
+    state, a half-dead failover target) waited asyncpg's own connect timeout, 60 s: after
+    `pooled` dropped a silent connection, the retry's fresh connect held the executor's node
+    heartbeat and outcomes that long. Now the connect is bounded by the pool's statement
+    bound, and gives up as a TimeoutError (transient: retried)."""
+    from shared.store import db
+
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def silent(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        accepted.append(w)  # held open, never answered
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    started = time.monotonic()
+    try:
+        async with asyncio.timeout(30):
+            with pytest.raises(TimeoutError):
+                await db.create_pool(f"postgresql://postgres@127.0.0.1:{port}/x", statement_s=1.0)
+            taken = time.monotonic() - started
+    finally:
+        for w in accepted:
+            w.close()
+        server.close()
+    assert taken < 10, f"the connect waited {taken:.1f} s, past its bound of 1 s"
