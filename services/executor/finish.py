@@ -112,7 +112,10 @@ class Finisher:
                         claims = []
             late[:] = await self._write_isolating(current, superseded)
 
-        if not await retrying("finish", write, node.stopping):
+        # claims won are begun after the reply: a cancel meanwhile is kept (Node.claim_window)
+        with node.claim_window() if claims else contextlib.nullcontext():
+            done = await retrying("finish", write, node.stopping)
+        if not done:
             self._unclaimed(claims)
             return  # shutting down with Postgres away: the heartbeat-monitor will find them
         self._claimed(claims)

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 from uuid import UUID, uuid4
@@ -167,6 +167,19 @@ class Node:
     def all_reported(self) -> bool:
         """Every attempt holding a slot here has its outcome known: none can join a batch."""
         return len(self.unreported) >= len(self.active)
+
+    @contextlib.contextmanager
+    def claim_window(self) -> Iterator[None]:
+        """Around a statement whose won attempts are begun after its reply (the starter's
+        claim, the finisher's outcomes with claims, an adoption): the tasks taken-away notices
+        name meanwhile are kept, for `taken_early_from` and `suspect` once they are begun."""
+        self.claims_open += 1
+        try:
+            yield
+        finally:
+            self.claims_open -= 1
+            if not self.claims_open:
+                self.taken_early = set()
 
     def suspect(self, task_ids: set[UUID] | None = None) -> None:
         """These tasks (None: all here) may have been taken away: the watch loop looks."""

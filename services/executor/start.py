@@ -260,16 +260,13 @@ class Starter:
             claimed[:] = await node.store.tasks.transition_many(moves)
 
         self.claiming += len(dispatches)
-        node.claims_open += 1
         try:
-            if not await retrying("start", claim, node.stopping):
-                return 0  # shutting down with Postgres away: the dispatches are redelivered
-            return await self.settle(dispatches, claimed, tries, sent_at)
+            with node.claim_window():
+                if not await retrying("start", claim, node.stopping):
+                    return 0  # shutting down with Postgres away: the dispatches are redelivered
+                return await self.settle(dispatches, claimed, tries, sent_at)
         finally:
             self.claiming -= len(dispatches)  # settled: those won are in node.active now
-            node.claims_open -= 1
-            if not node.claims_open:
-                node.taken_early = set()
 
     async def settle(
         self, dispatches: Sequence[Received], claimed: list[Task], tries: int, sent_at: float
@@ -358,13 +355,16 @@ class Starter:
         if not keys:
             return 0
         sent_at = time.monotonic()
-        adopted = await node.store.leases.adopt(node.boot_id, sorted(keys))
-        for task in adopted:
-            key = (task.id, task.attempt)
-            if key in node.active:
-                continue
-            log.info("adopted %s attempt %d (its Job runs on)", task.id, task.attempt)
-            self._begin(Attempt(task, None, sent_at))
+        with node.claim_window():
+            adopted = await node.store.leases.adopt(node.boot_id, sorted(keys))
+            for task in adopted:
+                key = (task.id, task.attempt)
+                if key in node.active:
+                    continue
+                log.info("adopted %s attempt %d (its Job runs on)", task.id, task.attempt)
+                self._begin(Attempt(task, None, sent_at))
+            early = node.taken_early  # canceled meanwhile: the watch loop stops its Job
+            node.suspect({t.id for t in adopted} if early is None else early)
         return len(adopted)
 
     def _begin(self, attempt: Attempt, *, taken: bool = False) -> None:

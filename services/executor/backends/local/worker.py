@@ -165,6 +165,9 @@ class Worker:
                 signal.signal(NUDGE, self._on_nudge)
             self.mode = IO
             self._write(reply)
+        # Gone at once: an interpreter's exit waits for its non-daemon threads and atexit
+        # hooks (a handler module's flusher), and the jobs behind come back only when it ends.
+        os._exit(0)
 
     def _take_in(self, data: bytes) -> None:
         buffer = self.partial

@@ -212,9 +212,11 @@ class Worker:
             job = answer.get("job")
             ticket = self.pending.get(job) if isinstance(job, str) else None
             if ticket is not None and "ok" in answer:
-                if answer.get("retire") is not None:
+                if answer.get("retire") is not None:  # it starts nothing more, and exits
                     self.retire = str(answer["retire"])[:200]
                 self._settle(ticket, Verdict("answered", answer))
+                if self.retire is not None and self.pending:
+                    self._end_soon()  # what waits comes back at its end (killed, if it lingers)
                 return
         # a line naming no job it has (written by what a handler left running, say) must not
         # become any job's outcome
