@@ -60,14 +60,23 @@ class Proxy:
             writer.transport.abort()
             return
         self._conns.add(up_writer)
+        token = self._opened()
         await asyncio.gather(
-            self._pump(reader, up_writer), self._pump(up_reader, writer), return_exceptions=True
+            self._pump(reader, up_writer, token),
+            self._pump(up_reader, writer, token),
+            return_exceptions=True,
         )
         for w in (writer, up_writer):
             self._conns.discard(w)
             w.transport.abort()
 
-    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    def _opened(self) -> object:
+        """What a subclass notes of each connection as it opens, given to its two pumps."""
+        return None
+
+    async def _pump(
+        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, _token: object = None
+    ) -> None:
         while data := await src.read(65536):
             if self.cut_off:
                 await self._resume.wait()  # hold it: lost in the partition

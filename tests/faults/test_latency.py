@@ -42,7 +42,9 @@ class SlowProxy(Proxy):
     def fixed(self, s: float) -> None:
         self.delay = lambda: s
 
-    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    async def _pump(
+        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, _token: object = None
+    ) -> None:
         q: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
         last = 0.0
 

@@ -41,26 +41,11 @@ class StrandingProxy(Proxy):
         self._released.set()
         await super().close()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        epoch = self.epoch
-        self._conns.add(writer)
-        try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-        except OSError:
-            writer.transport.abort()
-            return
-        self._conns.add(up_writer)
-        await asyncio.gather(
-            self._carry(reader, up_writer, epoch),
-            self._carry(up_reader, writer, epoch),
-            return_exceptions=True,
-        )
-        for w in (writer, up_writer):
-            self._conns.discard(w)
-            w.transport.abort()
+    def _opened(self) -> object:
+        return self.epoch
 
-    async def _carry(
-        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, epoch: int
+    async def _pump(
+        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, epoch: object = None
     ) -> None:
         while data := await src.read(65536):
             if epoch != self.epoch:
