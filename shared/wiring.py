@@ -22,10 +22,8 @@ from shared.queues import ReadyQueue
 from shared.runtime import Service, serve
 from shared.settings import Settings
 from shared.store import Store
-from shared.store.db import COMMAND_S
+from shared.store.db import COMMAND_S, CONNECT_S
 from shared.store.migrate import require_migrated
-
-CONNECT_S = 10.0  # the longest a service's start waits for a server's first answer
 
 
 def where(url: str) -> str:

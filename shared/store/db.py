@@ -110,6 +110,7 @@ async def connect(dsn: str | None = None, **kwargs: Any) -> asyncpg.Connection:
 
 
 COMMAND_S = 60.0  # a pooled statement's bound, unless its service sets one (create_pool)
+CONNECT_S = 10.0  # the longest a service's start waits for a server's first answer (wiring)
 
 
 async def create_pool(
@@ -125,8 +126,11 @@ async def create_pool(
     transaction ended this way is only run again by its holder, once it wakes.
     `statement_s` bounds each statement on it (asyncpg's command_timeout; a statement given
     a timeout of its own keeps it): one that overruns raises TimeoutError and its connection
-    is dropped (`pooled`); so does each connect it makes (asyncpg's own bound is 60 s: the
-    fresh connect after a silent one was dropped held an executor's heartbeat that long)."""
+    is dropped (`pooled`). Each connect it makes is bounded by that too, but never below
+    CONNECT_S: a connect takes several round trips (TLS, authentication) where a statement
+    takes one, and a server a service could start on must not fail its later connects
+    (asyncpg's own bound, 60 s, held an executor's heartbeat that long after a silent
+    connection was dropped)."""
     settings: dict[str, str] = {}
     if idle_in_tx_s is not None:
         settings["idle_in_transaction_session_timeout"] = str(max(1, round(idle_in_tx_s * 1000)))
@@ -137,7 +141,7 @@ async def create_pool(
         init=init_connection if statement_s >= COMMAND_S else _init_checking,
         reset=_lean_reset,
         command_timeout=statement_s,
-        timeout=min(statement_s, COMMAND_S),  # each connect's
+        timeout=max(CONNECT_S, min(statement_s, COMMAND_S)),  # each connect's
         connect=connect,
         server_settings=settings,
     )

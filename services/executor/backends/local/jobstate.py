@@ -51,9 +51,9 @@ class ProcessState:
     def __init__(self) -> None:
         self._status = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
         self._limits_fd = os.open("/proc/self/limits", os.O_RDONLY | os.O_CLOEXEC)
-        self._env_at: int | None = None
-        self._env_n = 0
-        self._env_mark: bytes | None = None
+        self._env_at: int | None = None  # the C environment's array, as last marked
+        self._env_n = 0  # its variables then
+        self._env_mark: bytes | None = None  # its pointers then
         self.retake({}, {})
 
     def retake(self, job_env: Mapping[str, str], before: Mapping[str, str | None]) -> None:
@@ -145,7 +145,8 @@ class ProcessState:
             except OSError as exc:
                 lost.append(f"its scheduling policy ({exc})")
         self._put_back_environ(job_env)
-        self._c_env_back()
+        if why := self._c_env_back():
+            lost.append(why)
         if _zone() != self.zone:  # a time.tzset() the job made: its TZ is put back above
             time.tzset()
         if _open(self.fd_mark) and len(os.listdir("/proc/self/fd")) > self.fd_mark:
@@ -156,26 +157,33 @@ class ProcessState:
     def mark_env(self) -> None:
         """The C environment as the job is given it (after JobEnv.use): `restore` compares.
         Only its array of pointers is read (~1.5 µs): a variable set or unset below os.environ
-        (os.putenv, a C library's setenv) changes a slot, the array or its length."""
-        where = _ENVIRON.value if _ENVIRON is not None else None
-        if where is None:
-            self._env_mark = None
+        (os.putenv, a C library's setenv, clearenv) changes a slot, the array or its length."""
+        if _ENVIRON is None:
             return
-        mark = self._env_mark
-        if where != self._env_at or mark is None or not mark.endswith(_NULL):
-            self._env_at, self._env_n = where, len(_c_environ())
-        self._env_mark = ctypes.string_at(where, 8 * (self._env_n + 1))
+        where = _ENVIRON.value or 0
+        if where and where == self._env_at:
+            mark = ctypes.string_at(where, 8 * (self._env_n + 1))
+            if mark.endswith(_NULL):  # (an array grown in place past the count has no NULL)
+                self._env_mark = mark
+                return
+        self._env_at, self._env_n = where, _count(where)
+        self._env_mark = ctypes.string_at(where, 8 * (self._env_n + 1)) if where else b""
 
-    def _c_env_back(self) -> None:
+    def _c_env_back(self) -> str | None:
         """What the job set or unset below os.environ, put back as os.environ has it (a job's
-        os.putenv("LD_PRELOAD", ...) was every later job's subprocesses')."""
-        where = _ENVIRON.value if _ENVIRON is not None else None
-        if where is None or self._env_mark is None:
-            return
-        if where == self._env_at and ctypes.string_at(where, 8 * (self._env_n + 1)) == (
-            self._env_mark
+        os.putenv("LD_PRELOAD", ...) was every later job's subprocesses', and its clearenv()
+        left them no PATH). None, or why it could not be (the worker must be retired)."""
+        if _ENVIRON is None or self._env_mark is None:
+            return None
+        where = _ENVIRON.value or 0
+        if where == self._env_at and (
+            not where or ctypes.string_at(where, 8 * (self._env_n + 1)) == self._env_mark
         ):
-            return
+            return None
+        if len(os.listdir("/proc/self/task")) > 1:
+            # a thread a job left may set variables meanwhile: the array it reallocates (and
+            # frees) under a walk of its strings would crash the worker
+            return "its C environment, with threads running"
         python, found = os.environb, _c_environ()
         for key in found.keys() - python.keys():
             with contextlib.suppress(OSError, ValueError):
@@ -184,6 +192,7 @@ class ProcessState:
             if found.get(key) != value:
                 with contextlib.suppress(OSError, ValueError):
                     os.putenv(key, value)
+        return None
 
     def _signals(self) -> bytes:
         """Its blocked, ignored and caught signals, real-time ones too (/proc/self/stat's
@@ -218,6 +227,17 @@ def _open(fd: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def _count(where: int) -> int:
+    """How many variables the C environment's array at `where` holds (its pointers only)."""
+    if not where:
+        return 0
+    slots = ctypes.cast(where, ctypes.POINTER(ctypes.c_void_p))
+    n = 0
+    while slots[n]:
+        n += 1
+    return n
 
 
 def _c_environ() -> dict[bytes, bytes]:
