@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -44,6 +45,9 @@ def fail_leaving_a_child(pidfile: str, ticks: str) -> None:
     script = 'while :; do echo x >> "$0"; sleep 0.05; done'
     child = subprocess.Popen(["sh", "-c", script, ticks])
     Path(pidfile).write_text(str(child.pid))
+    deadline = time.monotonic() + 10  # working before the job ends (the worker kills it then)
+    while not (os.path.exists(ticks) and os.path.getsize(ticks)) and time.monotonic() < deadline:
+        time.sleep(0.01)
     raise RuntimeError("failed: retry me")
 
 
