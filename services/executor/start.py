@@ -10,6 +10,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from uuid import UUID
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -277,14 +278,19 @@ class Starter:
         node = self.node
         won = {t.id: t for t in claimed}
         lost = [d for d, _ in dispatches if d.task_id not in won]
+        taken: set[UUID] = set()  # won, then taken away: begun as such (its lease given back)
         if lost and tries > 1:
             # A try whose COMMIT went through but whose reply was lost makes the next try lose
-            # to it: a task Running in this attempt under this incarnation's lease is ours.
-            for task in await node.store.tasks.get_many([d.task_id for d in lost]):
-                mine = task.status is State.RUNNING and task.lease_owner == node.boot_id
-                if mine and any(d.task_id == task.id and d.attempt == task.attempt for d in lost):
+            # to it: a task whose lease this incarnation holds for that attempt is ours.
+            wanted = {d.task_id: d.attempt for d in lost}
+            for task in await node.store.tasks.get_many(list(wanted)):
+                attempt = wanted[task.id]
+                if task.lease_owner == node.boot_id and task.lease_attempt == attempt:
+                    if not (task.status is State.RUNNING and task.attempt == attempt):
+                        taken.add(task.id)  # (its outcome's CAS, from Running, then loses)
+                        task = replace(task, status=State.RUNNING, attempt=attempt)
                     won[task.id] = task
-        gone = await node.taken_early_from(won)
+        gone = taken | await node.taken_early_from(won)
         messages = {d.task_id: m for d, m in dispatches}
         stale: list[Item | None] = []
         for dispatch, item in dispatches:

@@ -185,9 +185,10 @@ class ProcessState:
             # frees) under a walk of its strings would crash the worker
             return "its C environment, with threads running"
         python, found = os.environb, _c_environ()
-        for key in found.keys() - python.keys():
+        for key in [k for k, v in found.items() if v is None or k not in python]:
             with contextlib.suppress(OSError, ValueError):
-                os.unsetenv(key)
+                os.unsetenv(key)  # every entry of the name (a duplicate: exec passes both)
+            found.pop(key)
         for key, value in python.items():
             if found.get(key) != value:
                 with contextlib.suppress(OSError, ValueError):
@@ -240,16 +241,17 @@ def _count(where: int) -> int:
     return n
 
 
-def _c_environ() -> dict[bytes, bytes]:
-    """The C environment's variables, read through its array of pointers."""
-    found: dict[bytes, bytes] = {}
+def _c_environ() -> dict[bytes, bytes | None]:
+    """The C environment's variables, read through its array of pointers; None for a name
+    that is there twice (getenv finds the first, a shell takes the last)."""
+    found: dict[bytes, bytes | None] = {}
     if _ENVIRON is None or not _ENVIRON.value:
         return found
     entries = ctypes.cast(_ENVIRON.value, ctypes.POINTER(ctypes.c_char_p))
     i = 0
     while (entry := entries[i]) is not None:
         key, _, value = entry.partition(b"=")
-        found.setdefault(key, value)  # the first of a name is the one getenv finds
+        found[key] = None if key in found else value
         i += 1
     return found
 
