@@ -40,9 +40,11 @@ _LIMITS = [getattr(resource, n) for n in dir(resource) if n.startswith("RLIMIT_"
 
 
 try:  # the C library's environment, which exec() passes on to what a job starts
-    _ENVIRON: ctypes.c_void_p | None = ctypes.c_void_p.in_dll(ctypes.CDLL(None), "environ")
+    _LIBC = ctypes.CDLL(None)
+    _ENVIRON: ctypes.c_void_p | None = ctypes.c_void_p.in_dll(_LIBC, "environ")
 except (OSError, ValueError, AttributeError):
     _ENVIRON = None
+_ODD = b"="  # (no variable's name) stands for entries no unsetenv can name: "=x", a bare "X"
 
 
 class ProcessState:
@@ -185,6 +187,9 @@ class ProcessState:
             # frees) under a walk of its strings would crash the worker
             return "its C environment, with threads running"
         python, found = os.environb, _c_environ()
+        if _ODD in found:  # emptied and built again from os.environ
+            _LIBC.clearenv()
+            found = {}
         for key in [k for k, v in found.items() if v is None or k not in python]:
             with contextlib.suppress(OSError, ValueError):
                 os.unsetenv(key)  # every entry of the name (a duplicate: exec passes both)
@@ -250,7 +255,9 @@ def _c_environ() -> dict[bytes, bytes | None]:
     entries = ctypes.cast(_ENVIRON.value, ctypes.POINTER(ctypes.c_char_p))
     i = 0
     while (entry := entries[i]) is not None:
-        key, _, value = entry.partition(b"=")
+        key, sep, value = entry.partition(b"=")
+        if not (key and sep):
+            key = _ODD
         found[key] = None if key in found else value
         i += 1
     return found
