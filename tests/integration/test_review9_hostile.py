@@ -203,7 +203,6 @@ async def test_a_pause_during_the_finishers_claim_retried_after_a_lost_reply_fen
 
 # --- the C environment's mark (jobstate.py) --------------------------------------------------
 
-import ctypes  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
 from uuid import uuid4  # noqa: E402
@@ -211,6 +210,7 @@ from uuid import uuid4  # noqa: E402
 from services.executor.backends import Launch  # noqa: E402
 from services.executor.backends.local import LocalBackend  # noqa: E402
 from shared.models import HandlerJob  # noqa: E402
+from tests.integration.test_review10_hostile import append_raw  # noqa: E402
 from tests.integration.test_worker_state_hostile import one, run  # noqa: E402,F401
 
 HERE = "tests.integration.test_review9_hostile"
@@ -234,24 +234,7 @@ def seen(names: list[str]) -> dict[str, Any]:
 
 def append_duplicate(name: str, value: str) -> int:
     """Append a second NAME=value entry to the C environment's array (ctypes, malloc'd)."""
-    libc = ctypes.CDLL(None)
-    libc.malloc.restype = ctypes.c_void_p
-    env = ctypes.c_void_p.in_dll(libc, "environ")
-    slots = ctypes.cast(env.value, ctypes.POINTER(ctypes.c_void_p))
-    n = 0
-    while slots[n]:
-        n += 1
-    new = libc.malloc(ctypes.c_size_t(8 * (n + 2)))
-    arr = ctypes.cast(new, ctypes.POINTER(ctypes.c_void_p))
-    for i in range(n):
-        arr[i] = slots[i]
-    text = f"{name}={value}".encode() + b"\0"
-    buf = libc.malloc(ctypes.c_size_t(len(text)))
-    ctypes.memmove(buf, text, len(text))
-    arr[n] = buf
-    arr[n + 1] = None
-    env.value = new
-    return os.getpid()
+    return append_raw(f"{name}={value}")
 
 
 def shrink_then_set(names: list[str], name: str, value: str) -> int:
